@@ -1,0 +1,161 @@
+"""The `maxkernel` command line.
+
+Exit codes, for every command: 0 success (a correct, accepted kernel), 1 the candidate failed or was
+rejected, 2 the task or the command is bad (with a message naming the problem, never a traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from maxkernel.tools.harness import DEFAULT_TPUS, EvalOptions, evaluate, normalise_generations
+from maxkernel.tools.results import EvalResult
+from maxkernel.tools.store import ResultsStore
+from maxkernel.tools.tasks import TaskError, load_task
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Write, verify, autotune and profile JAX Pallas kernels for TPUs.",
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+out = Console()
+
+TpuOpt = Annotated[
+    str, typer.Option("--tpu", help="TPU generations to compile for, comma separated (v4,v5e,v5p,v6e,7x)")
+]
+ScaleOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--scale",
+        help="validation shapes: cpu (the task's CPU-scale shapes, else x0.25), tpu (its own), or a shrink "
+        "factor such as 0.25. TPU compiles always use the task's own shapes.",
+    ),
+]
+StoreOpt = Annotated[
+    Path, typer.Option("--store", help="results store (SQLite); evaluations found there are not re-run")
+]
+WorkOpt = Annotated[Path, typer.Option("--work-dir", help="where sandbox run directories go")]
+
+
+def fail_usage(message: str) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(2)
+
+
+def parse_tpus(text: str) -> list[str]:
+    try:
+        return normalise_generations([t for t in text.split(",") if t.strip()])
+    except ValueError as exc:
+        raise fail_usage(str(exc)) from exc
+
+
+def read_source(path: Path) -> str:
+    if not path.is_file():
+        raise fail_usage(f"kernel file not found: {path}")
+    return path.read_text()
+
+
+@app.callback()
+def _root() -> None:
+    """Write, verify, autotune and profile JAX Pallas kernels for TPUs."""
+
+
+@app.command("eval")
+def eval_cmd(
+    task: Annotated[Path, typer.Argument(help="task: a problem dir, a reference.py, or a JAXBench module")],
+    kernel: Annotated[Path, typer.Argument(help="candidate kernel module exporting `computation`")],
+    json_out: Annotated[
+        bool, typer.Option("--json", help="print one JSON object instead of a table")
+    ] = False,
+    tpu: TpuOpt = ",".join(DEFAULT_TPUS),
+    scale: ScaleOpt = None,
+    input_sets: Annotated[int, typer.Option("--input-sets", min=1, help="input sets per configuration")] = 3,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="seconds before the evaluation is killed")
+    ] = 600.0,
+    store: StoreOpt = Path(".maxkernel/results.db"),
+    work_dir: WorkOpt = Path(".maxkernel"),
+) -> None:
+    """Evaluate one candidate kernel: sandboxed load, trace, Pallas check, correctness, TPU compile."""
+    gens = parse_tpus(tpu)
+    source = read_source(kernel)
+    try:
+        with console.status(f"loading task {task} ..."):
+            kt = load_task(task, scale=scale, work_dir=work_dir)
+    except TaskError as exc:
+        raise fail_usage(str(exc)) from exc
+    options = EvalOptions(tpu=gens, input_sets=input_sets, timeout_s=timeout)
+    with console.status(f"evaluating {kernel.name} on {kt.task_id} ..."):
+        result = evaluate(kt, source, options, store=ResultsStore(store), work_dir=work_dir)
+    if result.error and result.error.stage == "task":
+        if json_out:
+            out.print_json(json.dumps(result.summary_json()))
+        raise fail_usage(f"task {kt.task_id}: {result.error.message}")
+    if json_out:
+        print(json.dumps(result.summary_json()))
+    else:
+        render_eval(result)
+    raise typer.Exit(0 if result.accepted else 1)
+
+
+def _yes(flag: bool) -> str:
+    return "[green]yes[/]" if flag else "[red]no[/]"
+
+
+def render_eval(r: EvalResult) -> None:
+    t = Table(title=f"maxkernel eval — {r.task_id}", show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("result")
+    t.add_row("accepted", _yes(r.accepted))
+    t.add_row("uses Pallas", _yes(r.uses_pallas))
+    t.add_row("correct", _yes(r.correct))
+    if r.correctness:
+        t.add_row("validated on", r.correctness.scale + "\n" + "\n".join(r.correctness.shapes_used))
+        sets = ", ".join(f"{s.origin}{'✓' if s.ok else '✗'}" for s in r.correctness.sets)
+        t.add_row("input sets", sets)
+    if r.max_abs_err is not None:
+        t.add_row("max abs / rel error", f"{r.max_abs_err:.3g} / {r.max_rel_err:.3g}")
+    for gen, outcome in r.tpu_compile.items():
+        msg = "[green]compiled[/]" if outcome.ok else f"[red]failed[/]: {(outcome.error or '')[:300]}"
+        t.add_row(
+            f"TPU {gen} (AOT Mosaic)", msg + (f" in {outcome.seconds:.2f} s" if outcome.seconds else "")
+        )
+    if r.timing:
+        t.add_row(
+            "measured",
+            f"{r.timing.candidate_median_s * 1e3:.3f} ms (ref {r.timing.reference_median_s * 1e3:.3f} ms), "
+            f"speedup {r.timing.measured_speedup:.2f}x on {r.timing.device}",
+        )
+    else:
+        t.add_row("measured", "nothing (no TPU/GPU here)")
+    if r.error:
+        t.add_row("stopped at", f"[red]{r.error.stage}[/]: {r.error.message}")
+    for w in r.warnings:
+        t.add_row("note", w)
+    t.add_row("sandbox", r.isolation + (" (cached result)" if r.cached else ""))
+    if r.stage_seconds:
+        t.add_row("time", ", ".join(f"{k} {v:.2f}s" for k, v in r.stage_seconds.items()))
+    out.print(t)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app()
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

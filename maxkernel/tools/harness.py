@@ -1,0 +1,136 @@
+"""The evaluation harness, agent side: look the evaluation up, else run it in the sandbox and store it.
+
+`evaluate()` never raises for anything the candidate does; it raises `TaskError` only when the task is
+unusable. Every outcome, including hangs and crashes, is an `EvalResult` with `error.stage` set.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from maxkernel.tools.results import STAGES, TPU_GENERATIONS, EvalResult, StageError
+from maxkernel.tools.sandbox import SandboxLimits, SandboxOutcome, accelerator_present, run_sandboxed
+from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text
+from maxkernel.tools.tasks import KernelTask
+
+DEFAULT_TPUS: tuple[str, ...] = ("v5e", "v6e")
+
+
+class EvalOptions(BaseModel):
+    """Everything that changes an evaluation's outcome is here, and so in its key."""
+
+    tpu: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_TPUS), description="TPU generations to AOT-compile for"
+    )
+    input_sets: int = Field(3, ge=1, description="input sets per configuration: the task's own + fresh draws")
+    seed: int = 0
+    timing: bool = Field(True, description="measure on a real device when one is present")
+    timeout_s: float = Field(600.0, description="wall-clock limit for the whole evaluation")
+    memory_mb: int = 12_000
+
+    def key_fields(self) -> dict[str, object]:
+        # Limits do not change a finished result's content, only whether it finished; keep them in the key
+        # anyway so a timeout under a short limit is not served to a caller with a longer one.
+        return self.model_dump(mode="json")
+
+
+def normalise_generations(names: list[str]) -> list[str]:
+    aliases = {
+        "v6": "v6e",
+        "trillium": "v6e",
+        "tpu7x": "7x",
+        "ironwood": "7x",
+        "v7": "7x",
+        "v7x": "7x",
+        "v5": "v5e",
+    }
+    out = []
+    for raw in names:
+        name = aliases.get(raw.strip().lower(), raw.strip().lower())
+        if name not in TPU_GENERATIONS:
+            raise ValueError(f"unknown TPU generation {raw!r}; choose from {', '.join(TPU_GENERATIONS)}")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def evaluate(
+    task: KernelTask,
+    source: str,
+    options: EvalOptions | None = None,
+    *,
+    store: ResultsStore | None = None,
+    work_dir: Path | None = None,
+) -> EvalResult:
+    options = options or EvalOptions()
+    source_hash = sha256_text(source)
+    key = evaluation_key(task.fingerprint, source_hash, options.key_fields())
+    if store is not None:
+        hit = store.get_evaluation(key)
+        if hit is not None:
+            hit.cached = True
+            return hit
+        store.put_candidate(source_hash, task.task_id, source, origin="eval")
+    run_dir = Path(work_dir or Path.cwd() / ".maxkernel").resolve() / "evals" / key[:20]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    candidate_path = run_dir / "candidate.py"
+    candidate_path.write_text(source)
+    payload = {
+        "task": task.model_dump(mode="json"),
+        "candidate_path": str(candidate_path),
+        "source_hash": source_hash,
+        "options": options.model_dump(mode="json"),
+    }
+    t0 = time.monotonic()
+    outcome = run_sandboxed(
+        "maxkernel.tools.evaluation:evaluate_job",
+        payload,
+        run_dir,
+        SandboxLimits(
+            timeout_s=options.timeout_s,
+            memory_mb=options.memory_mb,
+            allow_device=options.timing and accelerator_present(),
+        ),
+        read_paths=[Path(task.reference_path).parent],
+    )
+    result = _to_result(task, source_hash, outcome)
+    if store is not None:
+        store.put_evaluation(key, task.fingerprint, options.key_fields(), result, time.monotonic() - t0)
+    return result
+
+
+def _stage_of(progress_stage: str | None) -> str:
+    if progress_stage in STAGES:
+        return progress_stage
+    if progress_stage == "reference":
+        return "task"
+    return "load"
+
+
+def _to_result(task: KernelTask, source_hash: str, outcome: SandboxOutcome) -> EvalResult:
+    if outcome.ok and outcome.value is not None:
+        value = dict(outcome.value)
+        violations = value.pop("_violations", None)
+        result = EvalResult.model_validate(value)
+        if violations:
+            result.accepted = False
+            result.error = StageError(stage="sandbox", message="sandbox violation: " + "; ".join(violations))
+    else:
+        stage = _stage_of(outcome.stage)
+        if outcome.violations:
+            message = "sandbox violation: " + "; ".join(outcome.violations)
+            stage = "sandbox"
+        elif outcome.timed_out:
+            message = f"{stage} stage {outcome.error}"
+        else:
+            message = outcome.error or "the evaluation process failed"
+        result = EvalResult(
+            task_id=task.task_id,
+            source_hash=source_hash,
+            error=StageError(stage=stage, message=message),  # type: ignore[arg-type]
+        )
+    result.isolation = outcome.isolation
+    return result

@@ -1,0 +1,169 @@
+"""Result models shared by the agent side and the sandboxed worker.
+
+Everything that crosses the sandbox boundary is one of these models serialised to JSON, so the agent
+process never needs to import (or trust) anything the candidate produced. Measured numbers and estimated
+numbers live in differently named fields and are never merged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+Stage = Literal["task", "sandbox", "load", "trace", "pallas", "correctness", "compile", "timing"]
+"""Stages of one evaluation, in the order they run. `sandbox` is a policy violation or a process death
+that cannot be attributed to a later stage."""
+
+STAGES: tuple[str, ...] = ("load", "trace", "pallas", "correctness", "compile", "timing")
+
+TPU_GENERATIONS: tuple[str, ...] = ("v4", "v5e", "v5p", "v6e", "7x")
+
+
+def np_dtype(name: str) -> Any:
+    """numpy dtype from its name, including the ml_dtypes ones (bfloat16, float8_*) numpy lacks."""
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+class StageError(BaseModel):
+    """Why an evaluation stopped: the stage it stopped in and a message a person (or a model) can act on."""
+
+    stage: Stage
+    message: str
+
+
+class ArraySpec(BaseModel):
+    """Shape and dtype of one array; never the data."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def nbytes(self) -> int:
+        return self.size * np_dtype(self.dtype).itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+class InputConfig(BaseModel):
+    """One input configuration of a task: the dynamic arrays, the static arguments, tolerances."""
+
+    dynamic: list[ArraySpec]
+    static: list[Any] = Field(default_factory=list)
+    outputs: list[ArraySpec] = Field(default_factory=list, description="flattened output leaves")
+    atol: float
+    rtol: float
+
+    def input_bytes(self) -> int:
+        return sum(a.nbytes() for a in self.dynamic)
+
+    def output_bytes(self) -> int:
+        return sum(a.nbytes() for a in self.outputs)
+
+    def describe(self) -> str:
+        args = ", ".join(str(a) for a in self.dynamic)
+        if self.static:
+            args += "; static " + ", ".join(repr(s) for s in self.static)
+        return args
+
+
+class PallasCheck(BaseModel):
+    """Whether Pallas does the work: what ran inside `pallas_call` kernels and what ran outside."""
+
+    ok: bool
+    reason: str | None = None
+    pallas_calls: int = 0
+    heavy_outside: list[str] = Field(
+        default_factory=list,
+        description="primitives outside Pallas that are not allowed there (dot, reduce, ...)",
+    )
+    elementwise_outside: list[str] = Field(
+        default_factory=list,
+        description="elementwise compute outside Pallas (reported; rejected if dominant)",
+    )
+    forbidden: list[str] = Field(default_factory=list, description="host callbacks and other escapes")
+    work_inside: float = Field(
+        0.0, description="element-ops + dot flops executed inside kernels (all grid steps)"
+    )
+    work_outside: float = Field(0.0, description="element-ops of elementwise compute outside kernels")
+
+
+class SetCheck(BaseModel):
+    """Correctness on one input set."""
+
+    config: int
+    input_set: int
+    origin: Literal["task", "random"]
+    ok: bool
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    mismatches: int = 0
+    nan_outputs: int = 0
+    message: str | None = None
+
+
+class CorrectnessResult(BaseModel):
+    ok: bool
+    sets: list[SetCheck] = Field(default_factory=list)
+    shapes_used: list[str] = Field(default_factory=list, description="validation shapes, one line per config")
+    scale: str = Field("", description="how the validation shapes were chosen")
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+
+
+class CompileOutcome(BaseModel):
+    """Ahead-of-time Mosaic compile for one TPU generation at the task's own shapes."""
+
+    ok: bool
+    error: str | None = Field(None, description="the compiler's message, verbatim")
+    seconds: float | None = None
+
+
+class MeasuredTiming(BaseModel):
+    """Wall-clock timing on a real accelerator. Only ever filled from a device run, never estimated."""
+
+    device: str
+    warmups: int
+    runs: int
+    candidate_median_s: float
+    candidate_spread_s: float = Field(description="interquartile range of the timed runs")
+    reference_median_s: float
+    reference_spread_s: float
+    measured_speedup: float
+    rechecked_correct: bool
+
+
+class EvalResult(BaseModel):
+    """Everything the harness learned about one candidate. `error` is None only when it was accepted."""
+
+    task_id: str
+    source_hash: str
+    compiled: bool = Field(False, description="traced and lowered to a Pallas program (interpret mode)")
+    correct: bool = False
+    uses_pallas: bool = False
+    accepted: bool = False
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    pallas: PallasCheck | None = None
+    correctness: CorrectnessResult | None = None
+    tpu_compile: dict[str, CompileOutcome] = Field(default_factory=dict)
+    timing: MeasuredTiming | None = None
+    error: StageError | None = None
+    warnings: list[str] = Field(default_factory=list)
+    stage_seconds: dict[str, float] = Field(default_factory=dict)
+    isolation: str = ""
+    cached: bool = Field(False, description="served from the results store without re-running")
+
+    def summary_json(self) -> dict[str, Any]:
+        """The stable, documented JSON shape of `maxkernel eval --json`."""
+        return self.model_dump(mode="json")

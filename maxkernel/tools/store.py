@@ -1,0 +1,135 @@
+"""The results store: every evaluation, keyed by what determines its outcome.
+
+SQLite through sqlite-utils. The key of an evaluation is a hash of (task fingerprint, candidate source,
+options, jax/jaxlib/libtpu versions), so a resumed or repeated run finds earlier work instead of redoing it,
+and an upgrade of the compiler invalidates nothing silently: it simply misses.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from maxkernel.tools.results import EvalResult
+
+
+@lru_cache(maxsize=1)
+def toolchain_versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("jax", "jaxlib", "libtpu"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def evaluation_key(task_fingerprint: str, source_hash: str, options: dict[str, Any]) -> str:
+    blob = json.dumps(
+        {
+            "task": task_fingerprint,
+            "source": source_hash,
+            "options": options,
+            "versions": toolchain_versions(),
+        },
+        sort_keys=True,
+    )
+    return sha256_text(blob)
+
+
+class ResultsStore:
+    """Thin typed access to the store's tables; safe to open from several processes."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite_utils.Database(self.path)
+        self.db.execute("PRAGMA busy_timeout = 30000")
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self._ensure_tables()
+
+    def _ensure_tables(self) -> None:
+        if "evaluations" not in self.db.table_names():
+            self.db["evaluations"].create(
+                {
+                    "key": str,
+                    "task_id": str,
+                    "task_fingerprint": str,
+                    "source_hash": str,
+                    "options": str,
+                    "versions": str,
+                    "accepted": int,
+                    "error_stage": str,
+                    "result": str,
+                    "wall_s": float,
+                    "created_at": str,
+                },
+                pk="key",
+                if_not_exists=True,
+            )
+            self.db["evaluations"].create_index(["task_id"], if_not_exists=True)
+        if "candidates" not in self.db.table_names():
+            self.db["candidates"].create(
+                {"source_hash": str, "task_id": str, "source": str, "origin": str, "created_at": str},
+                pk="source_hash",
+                if_not_exists=True,
+            )
+
+    def get_evaluation(self, key: str) -> EvalResult | None:
+        rows = list(self.db.query("select result from evaluations where key = ?", [key]))
+        if not rows:
+            return None
+        return EvalResult.model_validate_json(rows[0]["result"])
+
+    def put_evaluation(
+        self, key: str, task_fingerprint: str, options: dict[str, Any], result: EvalResult, wall_s: float
+    ) -> None:
+        self.db["evaluations"].upsert(
+            {
+                "key": key,
+                "task_id": result.task_id,
+                "task_fingerprint": task_fingerprint,
+                "source_hash": result.source_hash,
+                "options": json.dumps(options, sort_keys=True),
+                "versions": json.dumps(toolchain_versions(), sort_keys=True),
+                "accepted": int(result.accepted),
+                "error_stage": result.error.stage if result.error else None,
+                "result": result.model_dump_json(),
+                "wall_s": wall_s,
+                "created_at": _now(),
+            },
+            pk="key",
+        )
+
+    def put_candidate(self, source_hash: str, task_id: str, source: str, origin: str) -> None:
+        self.db["candidates"].insert(
+            {
+                "source_hash": source_hash,
+                "task_id": task_id,
+                "source": source,
+                "origin": origin,
+                "created_at": _now(),
+            },
+            pk="source_hash",
+            ignore=True,
+        )
+
+    def count_evaluations(self, task_id: str | None = None) -> int:
+        if task_id is None:
+            return self.db["evaluations"].count
+        return self.db["evaluations"].count_where("task_id = ?", [task_id])
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

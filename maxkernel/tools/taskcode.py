@@ -1,0 +1,242 @@
+"""Worker-side task code: load a task's reference and build its inputs. Runs only inside the sandbox.
+
+Three task formats are read as they are:
+
+* MaxKernel problem dir: `reference.py` (`computation`, usually `get_inputs`) + `kernel_task.yaml`
+  (`task_id`, `description`, `input_gen_code`, `atol`, `rtol`). `get_inputs(dtype=...)` returns
+  `(dynamic_args, static_args)` or a list of such pairs (several input configurations).
+* A bare `reference.py` with `get_inputs` and `computation`.
+* A JAXBench workload module: `CONFIG`, `create_inputs(dtype=...)`, `workload(*inputs)`.
+
+If `get_inputs` accepts a `scale` keyword (this project's suite does), `scale="cpu"` gives the small shapes
+used for correctness in interpret mode and `scale="tpu"` the production shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from maxkernel.tools.results import ArraySpec
+
+
+class TaskCodeError(Exception):
+    """The task itself is broken (not the candidate): exit code 2 territory."""
+
+
+def load_module(path: Path, name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise TaskCodeError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    # Let the module import siblings (helpers next to reference.py).
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+class Reference:
+    """The task's reference: how to make inputs, and the computation itself."""
+
+    def __init__(self, source: dict[str, Any]) -> None:
+        self.format: str = source["format"]
+        ref_path = Path(source["reference_path"])
+        try:
+            self.module = load_module(ref_path, "maxkernel_reference")
+        except TaskCodeError:
+            raise
+        except SyntaxError as exc:
+            raise TaskCodeError(f"syntax error in {ref_path.name} line {exc.lineno}: {exc.msg}") from exc
+        except Exception as exc:
+            raise TaskCodeError(f"importing {ref_path.name} failed: {type(exc).__name__}: {exc}") from exc
+        m = self.module
+        if self.format == "jaxbench":
+            if not callable(getattr(m, "workload", None)) or not callable(getattr(m, "create_inputs", None)):
+                raise TaskCodeError(
+                    f"{ref_path.name}: a JAXBench workload needs `create_inputs` and `workload`"
+                )
+            self.computation: Callable[..., Any] = m.workload
+            self._get_inputs = m.create_inputs
+        else:
+            if not callable(getattr(m, "computation", None)):
+                raise TaskCodeError(f"{ref_path.name} has no function `computation`")
+            self.computation = m.computation
+            get_inputs = getattr(m, "get_inputs", None)
+            if get_inputs is None and source.get("input_gen_code"):
+                namespace: dict[str, Any] = {}
+                try:
+                    exec(
+                        compile(source["input_gen_code"], "kernel_task.yaml:input_gen_code", "exec"),
+                        namespace,
+                    )
+                except SyntaxError as exc:
+                    raise TaskCodeError(
+                        f"syntax error in input_gen_code line {exc.lineno}: {exc.msg}"
+                    ) from exc
+                get_inputs = namespace.get("get_inputs")
+            if not callable(get_inputs):
+                raise TaskCodeError(
+                    f"{ref_path.name} has no `get_inputs` (and the task yaml has no input_gen_code)"
+                )
+            self._get_inputs = get_inputs
+        try:
+            self.accepts_scale = "scale" in inspect.signature(self._get_inputs).parameters
+        except (TypeError, ValueError):
+            self.accepts_scale = False
+
+    def raw_inputs(self, scale: str | None = None) -> list[tuple[list[Any], list[Any]]]:
+        """Call the task's input generator; normalise to a list of (dynamic, static) configurations."""
+        kwargs = {"scale": scale} if (scale and self.accepts_scale) else {}
+        try:
+            produced = self._get_inputs(**kwargs)
+        except Exception as exc:
+            raise TaskCodeError(f"get_inputs raised {type(exc).__name__}: {exc}") from exc
+        return normalise_inputs(produced, self.format)
+
+
+def normalise_inputs(produced: Any, fmt: str) -> list[tuple[list[Any], list[Any]]]:
+    if fmt == "jaxbench":
+        arrays = list(produced) if isinstance(produced, list | tuple) else [produced]
+        return [(arrays, [])]
+    if _is_pair(produced):
+        return [(list(produced[0]), list(produced[1]))]
+    if isinstance(produced, list) and produced and all(_is_pair(p) for p in produced):
+        return [(list(d), list(s)) for d, s in produced]
+    raise TaskCodeError(
+        "get_inputs must return (dynamic_args, static_args) or a list of such pairs; "
+        f"got {type(produced).__name__}"
+    )
+
+
+def _is_pair(x: Any) -> bool:
+    return (
+        isinstance(x, tuple | list)
+        and len(x) == 2
+        and isinstance(x[0], list | tuple)
+        and isinstance(x[1], list | tuple)
+        and all(hasattr(a, "shape") for a in x[0])
+    )
+
+
+def spec_of(x: Any) -> ArraySpec:
+    return ArraySpec(shape=tuple(int(d) for d in x.shape), dtype=str(np.dtype(x.dtype)))
+
+
+def abstract_inputs(ref: Reference, scale: str | None) -> list[tuple[list[ArraySpec], list[Any]]]:
+    """Shapes and dtypes of the inputs without allocating them (`jax.eval_shape`)."""
+    import jax
+
+    statics: list[list[Any]] = []
+
+    def dynamic_only() -> list[list[Any]]:
+        configs = ref.raw_inputs(scale)
+        statics.extend(s for _, s in configs)
+        return [d for d, _ in configs]
+
+    try:
+        shapes = jax.eval_shape(dynamic_only)
+    except TaskCodeError:
+        raise
+    except Exception as exc:
+        raise TaskCodeError(
+            f"get_inputs could not be traced abstractly: {type(exc).__name__}: {exc}"
+        ) from exc
+    return [([spec_of(a) for a in dyn], list(st)) for dyn, st in zip(shapes, statics, strict=True)]
+
+
+def output_specs(ref: Reference, dynamic: list[ArraySpec], static: list[Any]) -> list[ArraySpec]:
+    import jax
+
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in dynamic]
+    try:
+        out = jax.eval_shape(lambda *d: ref.computation(*d, *static), *args)
+    except Exception as exc:
+        raise TaskCodeError(
+            f"the reference computation failed to trace: {type(exc).__name__}: {exc}"
+        ) from exc
+    return [spec_of(leaf) for leaf in jax.tree_util.tree_leaves(out)]
+
+
+# --- shrinking shapes for CPU validation ------------------------------------------------------------------
+
+
+def shrink_dim(d: int, factor: float) -> int:
+    """Shrink one dimension, keeping TPU tile multiples: lanes (128) stay 128-multiples, sublanes (8) stay
+    8-multiples. Dimensions under 256 are left alone (heads, head_dim, batch and the like)."""
+    if d < 256 or factor >= 1:
+        return d
+    target = d * factor
+    for tile in (128, 8):
+        if d % tile == 0:
+            return max(tile, int(math.floor(target / tile)) * tile)
+    return max(1, int(round(target)))
+
+
+def shrink_map(configs: list[tuple[list[ArraySpec], list[Any]]], factor: float) -> dict[int, int]:
+    """One consistent old→new size map for every dimension seen, so equal dims stay equal (K of x and w)."""
+    sizes = {d for dyn, _ in configs for a in dyn for d in a.shape}
+    return {d: shrink_dim(d, factor) for d in sizes if shrink_dim(d, factor) != d}
+
+
+def shrink_config(
+    dynamic: list[ArraySpec], static: list[Any], mapping: dict[int, int]
+) -> tuple[list[ArraySpec], list[Any]]:
+    new_dyn = [ArraySpec(shape=tuple(mapping.get(d, d) for d in a.shape), dtype=a.dtype) for a in dynamic]
+    # A static int equal to a shrunk dimension is almost always that dimension (seq_len, vocab, ...).
+    new_static = [mapping.get(s, s) if isinstance(s, int) and not isinstance(s, bool) else s for s in static]
+    return new_dyn, new_static
+
+
+# --- input sets -------------------------------------------------------------------------------------------
+
+
+def random_like(x: np.ndarray, rng: np.random.Generator, hold: bool = False) -> np.ndarray:
+    """A fresh input with the same shape and dtype and similar values.
+
+    Floats: normal draws with the observed mean and spread, clipped to the observed range (keeps positive
+    inputs positive). Integers and booleans: a random permutation of the observed values, which stays in
+    range and keeps sums and multisets (group sizes, page tables, labels) valid.
+    """
+    if hold or x.size == 0:
+        return x.copy()
+    if np.issubdtype(x.dtype, np.floating) or x.dtype.name == "bfloat16":
+        xf = x.astype(np.float64)
+        lo, hi = float(xf.min()), float(xf.max())
+        mean, std = float(xf.mean()), float(xf.std())
+        if std == 0.0:
+            return x.copy()
+        draw = np.clip(rng.normal(mean, std, size=x.shape), lo, hi)
+        return draw.astype(x.dtype)
+    flat = x.reshape(-1).copy()
+    rng.shuffle(flat)
+    return flat.reshape(x.shape)
+
+
+def random_from_spec(spec: ArraySpec, rng: np.random.Generator, stats: dict[str, float]) -> np.ndarray:
+    """Inputs for shrunk shapes, where the task's own values do not exist: drawn from observed statistics."""
+    dtype = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else None
+    if spec.dtype == "bool":
+        return rng.random(spec.shape) < stats.get("mean", 0.5)
+    if dtype is not None and np.issubdtype(dtype, np.integer):
+        return rng.integers(int(stats["min"]), int(stats["max"]) + 1, size=spec.shape).astype(dtype)
+    import ml_dtypes
+
+    std = stats.get("std", 1.0) or 1.0
+    draw = np.clip(rng.normal(stats.get("mean", 0.0), std, size=spec.shape), stats["min"], stats["max"])
+    return draw.astype(ml_dtypes.bfloat16 if dtype is None else dtype)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    return np.asarray(x)

@@ -1,0 +1,174 @@
+"""Kernel tasks: find the files, read the metadata, and learn the shapes in a sandboxed child.
+
+The reference is task code, which this process never executes: shapes, dtypes, static arguments and
+output specs come back from `describe_job` run in the sandbox, which uses `jax.eval_shape` (no
+allocation). A task whose validation inputs would not fit this machine is refused here, with the sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field
+
+from maxkernel.tools.results import InputConfig
+from maxkernel.tools.sandbox import SandboxLimits, run_sandboxed
+
+TaskFormat = Literal["maxkernel", "reference", "jaxbench"]
+
+
+class TaskError(Exception):
+    """The task (not a candidate) is unusable. CLI exit code 2."""
+
+
+class KernelTask(BaseModel):
+    task_id: str
+    description: str = ""
+    category: str = ""
+    format: TaskFormat
+    path: str = Field(description="the task dir, or the module file for bare references and JAXBench")
+    reference_path: str
+    input_gen_code: str | None = None
+    tolerances: dict[str, Any] = Field(default_factory=dict, description="atol/rtol: float or one per config")
+    hold_inputs: list[int] = Field(
+        default_factory=list, description="dynamic inputs kept as the task's own in random input sets"
+    )
+    fingerprint: str = Field(description="sha256 of the task's files and the validation scale")
+    configs: list[InputConfig] = Field(description="the task's own (TPU-scale) input configurations")
+    validation_configs: list[InputConfig] = Field(description="shapes used for interpret-mode correctness")
+    validation_mode: Literal["task", "cpu", "shrink"]
+    validation_factor: float = 1.0
+    validation_note: str = ""
+
+    def source_payload(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "reference_path": self.reference_path,
+            "input_gen_code": self.input_gen_code,
+        }
+
+    def validation_bytes(self) -> int:
+        return sum(c.input_bytes() + c.output_bytes() for c in self.validation_configs)
+
+    def own_bytes(self) -> int:
+        return sum(c.input_bytes() + c.output_bytes() for c in self.configs)
+
+
+def _locate(path: Path) -> tuple[TaskFormat, Path, dict[str, Any]]:
+    if not path.exists():
+        raise TaskError(f"task not found: {path}")
+    if path.is_dir():
+        ref = path / "reference.py"
+        meta_path = path / "kernel_task.yaml"
+        meta: dict[str, Any] = {}
+        if meta_path.exists():
+            try:
+                meta = yaml.safe_load(meta_path.read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise TaskError(f"{meta_path} is not valid YAML: {exc}") from exc
+            if not isinstance(meta, dict):
+                raise TaskError(f"{meta_path} must be a mapping")
+        if not ref.exists():
+            raise TaskError(f"{path} has no reference.py")
+        return ("maxkernel" if meta else "reference"), ref, meta
+    if path.suffix != ".py":
+        raise TaskError(f"a task is a problem dir or a .py module; got {path}")
+    text = path.read_text(errors="replace")
+    fmt: TaskFormat = "jaxbench" if ("def workload" in text and "def create_inputs" in text) else "reference"
+    return fmt, path, {}
+
+
+def _fingerprint(files: list[Path], scale: str) -> str:
+    h = hashlib.sha256(scale.encode())
+    for f in files:
+        if f.exists():
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def memory_budget_bytes() -> int:
+    """What validation may use: a quarter of available memory (inputs, outputs, reference and candidate
+    copies and interpret-mode buffers all coexist in the child)."""
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 << 30
+    return avail // 4
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def load_task(
+    path: str | Path,
+    *,
+    scale: str | None = None,
+    work_dir: Path | None = None,
+    timeout_s: float = 300.0,
+    memory_budget: int | None = None,
+) -> KernelTask:
+    """Load a task in any supported format. Raises `TaskError` with a message for a person."""
+    path = Path(path).resolve()
+    fmt, ref_path, meta = _locate(path)
+    scale = scale or "auto"
+    task_id = str(meta.get("task_id") or (path.name if path.is_dir() else path.stem))
+    files = [ref_path] + ([path / "kernel_task.yaml"] if path.is_dir() else [])
+    fingerprint = _fingerprint(files, scale)
+    work_dir = Path(work_dir or Path.cwd() / ".maxkernel").resolve()
+    run_dir = work_dir / "describe" / fingerprint[:16]
+    tolerances = {k: meta[k] for k in ("atol", "rtol") if k in meta}
+    payload = {
+        "source": {
+            "format": fmt,
+            "reference_path": str(ref_path),
+            "input_gen_code": meta.get("input_gen_code"),
+        },
+        "scale": scale,
+        "tolerances": tolerances,
+    }
+    outcome = run_sandboxed(
+        "maxkernel.tools.evaluation:describe_job",
+        payload,
+        run_dir,
+        SandboxLimits(timeout_s=timeout_s),
+        read_paths=[ref_path.parent],
+    )
+    if not outcome.ok:
+        raise TaskError(f"loading the task failed ({outcome.stage}): {outcome.error}")
+    value = outcome.value or {}
+    if not value.get("ok"):
+        raise TaskError(str(value.get("error")))
+    task = KernelTask(
+        task_id=task_id,
+        description=str(meta.get("description", "")).strip(),
+        category=str(meta.get("category", "")),
+        format=fmt,
+        path=str(path),
+        reference_path=str(ref_path),
+        input_gen_code=meta.get("input_gen_code"),
+        tolerances=tolerances,
+        hold_inputs=list(meta.get("hold_inputs") or []),
+        fingerprint=fingerprint,
+        configs=value["configs"],
+        validation_configs=value["validation_configs"],
+        validation_mode=value["validation_mode"],
+        validation_factor=value["validation_factor"],
+        validation_note=value["validation_note"],
+    )
+    budget = memory_budget if memory_budget is not None else memory_budget_bytes()
+    need = 4 * task.validation_bytes()
+    if need > budget:
+        shapes = "; ".join(c.describe() for c in task.validation_configs)
+        raise TaskError(
+            f"task {task_id} is too large to validate on this machine: inputs+outputs are "
+            f"{_gib(task.validation_bytes())} ({shapes}); validation needs about {_gib(need)}, "
+            f"the budget is {_gib(budget)}. Use --scale 0.25 (or smaller) to shrink the shapes for CPU "
+            "validation; the TPU compile still uses the real shapes."
+        )
+    return task

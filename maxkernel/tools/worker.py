@@ -1,0 +1,158 @@
+"""The child-process side of the sandbox: `python -m maxkernel.tools.worker RUN_DIR`.
+
+Reads RUN_DIR/job.json (`{"entry": "maxkernel.x:y", "payload": {...}}`), calls the entry function with the
+payload and a `WorkerContext`, and writes RUN_DIR/result.json. Stage announcements go to
+RUN_DIR/progress.jsonl as they happen so that the parent can say where a child that hung or died was.
+
+Only entries inside the `maxkernel` package can be called: the job file is written by the agent, but
+nothing the candidate writes into the run dir should be able to redirect it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import importlib
+import json
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+_BLOCKED_EVENTS = {
+    "socket.__new__": "opened a socket",
+    "socket.connect": "connected a socket",
+    "socket.bind": "bound a socket",
+    "socket.getaddrinfo": "resolved a network address",
+    "subprocess.Popen": "started a subprocess",
+    "os.system": "ran a shell command",
+    "os.exec": "exec'd a program",
+    "os.posix_spawn": "spawned a process",
+    "os.spawn": "spawned a process",
+    "os.fork": "forked the process",
+    "os.forkpty": "forked the process",
+    "pty.spawn": "spawned a terminal",
+}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+_MUTATING_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate"}
+
+
+class SandboxViolation(PermissionError):
+    """Raised inside the child when the code under test does something the sandbox forbids."""
+
+
+class WorkerContext:
+    """Handed to entry functions: where to write, and how to announce stages."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.current_stage: str | None = None
+        self.violations: list[str] = []
+        self._progress = open(run_dir / "progress.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._guard_on = False
+
+    def stage(self, name: str) -> None:
+        self.current_stage = name
+        self._emit({"stage": name})
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        self._progress.write(json.dumps(event) + "\n")
+        self._progress.flush()
+
+    # --- the audit hook -------------------------------------------------------------------------------
+    def guard(self) -> None:
+        """Start refusing sockets, subprocesses and writes outside the run dir (cannot be undone)."""
+        if not self._guard_on:
+            self._guard_on = True
+            sys.addaudithook(self._audit)
+
+    def _allowed_write(self, path: Any) -> bool:
+        if isinstance(path, int):
+            return True  # an already-open descriptor; opening it was checked
+        try:
+            p = os.path.realpath(os.fsdecode(path))
+        except (TypeError, ValueError):
+            return False
+        roots = (str(self.run_dir), "/tmp", "/dev/null")
+        return any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
+
+    def _violation(self, what: str) -> None:
+        if what not in self.violations:
+            self.violations.append(what)
+            self._emit({"violation": what})
+        raise SandboxViolation(f"maxkernel sandbox: {what} is not allowed")
+
+    def _audit(self, event: str, args: tuple[Any, ...]) -> None:
+        if event in _BLOCKED_EVENTS:
+            if event == "socket.__new__" and args and args[1] == socket.AF_UNIX:
+                return  # local IPC (e.g. a multiprocessing resource tracker) cannot reach a network
+            self._violation(_BLOCKED_EVENTS[event])
+        elif event == "open":
+            path, mode, flags = (list(args) + [None, None, None])[:3]
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & _WRITE_FLAGS
+            )
+            if writing and not self._allowed_write(path):
+                self._violation(f"writing {os.fsdecode(path)!s} outside the run directory")
+        elif event in _MUTATING_EVENTS:
+            if args and not self._allowed_write(args[0]):
+                self._violation(f"{event} on {os.fsdecode(args[0])!s} outside the run directory")
+
+
+def _resolve(entry: str) -> Any:
+    module_name, _, func_name = entry.partition(":")
+    if not module_name.startswith("maxkernel.") or not func_name:
+        raise ValueError(f"refusing to run entry {entry!r}: only maxkernel.* functions can be called")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def _read_key() -> bytes:
+    """The parent hands a one-time key through an inherited pipe, read before any untrusted code loads.
+
+    Results are signed with it, so code under test that writes its own result.json and exits is caught.
+    """
+    fd_text = os.environ.pop("MAXKERNEL_KEY_FD", None)
+    if fd_text is None:
+        return b""
+    fd = int(fd_text)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def sign(key: bytes, body: str) -> str:
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+
+
+def main(run_dir_arg: str) -> int:
+    key = _read_key()
+    run_dir = Path(run_dir_arg).resolve()
+    job = json.loads((run_dir / "job.json").read_text())
+    ctx = WorkerContext(run_dir)
+    ctx.stage("start")
+    try:
+        func = _resolve(job["entry"])
+        value = func(job["payload"], ctx)
+        result: dict[str, Any] = {"ok": True, "value": value}
+    except BaseException as exc:  # noqa: BLE001 - everything becomes a structured result
+        tb = traceback.format_exc(limit=8)
+        result = {
+            "ok": False,
+            "stage": ctx.current_stage,
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": tb,
+        }
+    if ctx.violations and result.get("ok"):
+        value = result.get("value") or {}
+        value["_violations"] = list(ctx.violations)
+        result["value"] = value
+    body = json.dumps(result, default=str)
+    tmp = run_dir / "result.json.part"
+    tmp.write_text(json.dumps({"body": body, "mac": sign(key, body)}))
+    tmp.replace(run_dir / "result.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
