@@ -21,6 +21,8 @@ from maxkernel.tools.results import EvalResult
 from maxkernel.tools.store import ResultsStore
 from maxkernel.tools.tasks import TaskError, load_task
 
+DEFAULT_TPU_TEXT = ",".join(DEFAULT_TPUS)
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -77,7 +79,7 @@ def eval_cmd(
     json_out: Annotated[
         bool, typer.Option("--json", help="print one JSON object instead of a table")
     ] = False,
-    tpu: TpuOpt = ",".join(DEFAULT_TPUS),
+    tpu: TpuOpt = DEFAULT_TPU_TEXT,
     scale: ScaleOpt = None,
     input_sets: Annotated[int, typer.Option("--input-sets", min=1, help="input sets per configuration")] = 3,
     timeout: Annotated[
