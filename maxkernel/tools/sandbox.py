@@ -16,7 +16,6 @@ import hmac
 import json
 import logging
 import os
-import resource
 import secrets
 import shutil
 import signal
@@ -131,10 +130,16 @@ def _package_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def _set_limits(memory_mb: int) -> None:
-    limit = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+def _with_limits(cmd: list[str], memory_mb: int) -> list[str]:
+    """Apply rlimits through the shell rather than a preexec_fn: forking a process that has JAX's threads
+    running is unsafe, while plain spawn (what subprocess uses without preexec_fn) is fine."""
+    return [
+        "/bin/sh",
+        "-c",
+        f'ulimit -v {memory_mb * 1024} && ulimit -c 0 && exec "$@"',
+        "maxkernel-sandbox",
+        *cmd,
+    ]
 
 
 def read_progress(run_dir: Path) -> list[dict[str, Any]]:
@@ -168,12 +173,14 @@ def run_sandboxed(
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in (PROGRESS_FILE, RESULT_FILE):
         (run_dir / name).unlink(missing_ok=True)
+    (run_dir / "tmp").mkdir(exist_ok=True)
     (run_dir / JOB_FILE).write_text(json.dumps({"entry": entry, "payload": payload}))
 
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(run_dir),
-        "TMPDIR": "/tmp",
+        # The child's temp dir is inside the run dir, the only place it may write (see worker's audit hook).
+        "TMPDIR": str(run_dir / "tmp"),
         "PYTHONPATH": str(_package_root()),
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONHASHSEED": "0",
@@ -213,7 +220,7 @@ def run_sandboxed(
     stderr_path = run_dir / "stderr.log"
     with open(stderr_path, "wb") as err, open(run_dir / "stdout.log", "wb") as out:
         proc = subprocess.Popen(
-            cmd,
+            _with_limits(cmd, limits.memory_mb),
             cwd=run_dir,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -221,7 +228,6 @@ def run_sandboxed(
             stderr=err,
             start_new_session=True,
             pass_fds=(key_r,),
-            preexec_fn=lambda: _set_limits(limits.memory_mb),
         )
         timed_out = False
         try:
@@ -279,11 +285,15 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _death_message(returncode: int | None, stderr_tail: str) -> str:
-    if returncode is not None and returncode < 0:
+    # A signal shows as a negative code from a direct child, and as 128+N through bubblewrap's init.
+    signum = -returncode if (returncode is not None and returncode < 0) else None
+    if returncode is not None and 128 < returncode < 128 + 65:
+        signum = returncode - 128
+    if signum is not None:
         try:
-            name = signal.Signals(-returncode).name
+            name = signal.Signals(signum).name
         except ValueError:
-            name = f"signal {-returncode}"
+            name = f"signal {signum}"
         msg = f"process killed by {name}"
         if name == "SIGKILL":
             msg += " (memory limit or external kill)"

@@ -75,7 +75,7 @@ class WorkerContext:
             p = os.path.realpath(os.fsdecode(path))
         except (TypeError, ValueError):
             return False
-        roots = (str(self.run_dir), "/tmp", "/dev/null")
+        roots = (str(self.run_dir), "/dev/null")
         return any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
 
     def _violation(self, what: str) -> None:

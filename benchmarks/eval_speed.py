@@ -1,0 +1,56 @@
+"""How long one candidate evaluation takes, sandbox included, and where the time goes.
+
+Task: the bundled example at CPU scale (relu(x @ w + b), 256x512 @ 512x384, f32), the bundled kernel,
+3 input sets and one ahead-of-time TPU compile (v5e) — the figure the harness issue sets a target for
+(<= 3 s median on a 2-core machine). Each run uses a different seed so no result comes from the store.
+
+    python benchmarks/eval_speed.py [--runs 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.tasks import load_task
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=7)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="maxkernel-bench-"))
+    example = ROOT / "examples" / "matmul_bias_relu"
+    t0 = time.perf_counter()
+    task = load_task(example, work_dir=work)
+    print(f"task load (sandboxed describe): {time.perf_counter() - t0:.2f} s")
+    source = (example / "kernel.py").read_text()
+    walls, stages = [], []
+    for i in range(args.runs):
+        t0 = time.perf_counter()
+        r = evaluate(task, source, EvalOptions(tpu=["v5e"], seed=1000 + i), work_dir=work)
+        wall = time.perf_counter() - t0
+        assert r.accepted, r.error
+        walls.append(wall)
+        stages.append(r.stage_seconds)
+        print(f"run {i}: {wall:.2f} s  ({r.isolation})")
+    print(
+        f"\nmedian wall time per evaluation: {statistics.median(walls):.2f} s "
+        f"(min {min(walls):.2f}, max {max(walls):.2f}, {args.runs} runs)"
+    )
+    print("\nwhere the time goes (median seconds):")
+    names = list(stages[0])
+    for name in names:
+        print(f"  {name:<12} {statistics.median(s.get(name, 0.0) for s in stages):.3f}")
+    inside = statistics.median(sum(s.values()) for s in stages)
+    print(f"  {'start-up':<12} {statistics.median(walls) - inside:.3f}  (process, sandbox, imports)")
+
+
+if __name__ == "__main__":
+    main()

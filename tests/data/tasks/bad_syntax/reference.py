@@ -1,0 +1,4 @@
+import jax
+
+def get_inputs(:
+    pass

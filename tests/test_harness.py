@@ -1,0 +1,156 @@
+"""The harness end to end: a good kernel passes and every rejection class is caught at the right stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.store import ResultsStore
+from maxkernel.tools.tasks import KernelTask, TaskError, load_task
+
+CANDIDATES = Path(__file__).parent / "data" / "candidates"
+OPTS = EvalOptions(tpu=["v5e"], timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def matmul_task(data_dir: Path, session_work: Path) -> KernelTask:
+    return load_task(data_dir / "tasks" / "small_matmul", work_dir=session_work)
+
+
+@pytest.fixture(scope="module")
+def gelu_task(data_dir: Path, session_work: Path) -> KernelTask:
+    return load_task(data_dir / "tasks" / "small_gelu", work_dir=session_work)
+
+
+def run(task: KernelTask, name: str, work: Path, opts: EvalOptions = OPTS, source: str | None = None):
+    src = source if source is not None else (CANDIDATES / name).read_text()
+    return evaluate(task, src, opts, work_dir=work)
+
+
+def test_task_loading_reads_both_scales(matmul_task: KernelTask) -> None:
+    assert matmul_task.task_id == "small_matmul"
+    assert matmul_task.format == "maxkernel"
+    assert [a.shape for a in matmul_task.configs[0].dynamic] == [(1024, 2048), (2048, 1024), (1024,)]
+    assert [a.shape for a in matmul_task.validation_configs[0].dynamic] == [(128, 256), (256, 256), (256,)]
+    assert matmul_task.validation_mode == "cpu"
+    assert matmul_task.configs[0].outputs[0].shape == (1024, 1024)
+    assert matmul_task.configs[0].atol == pytest.approx(1e-3)
+
+
+def test_good_kernel_is_accepted(matmul_task: KernelTask, session_work: Path) -> None:
+    r = run(matmul_task, "good_matmul.py", session_work)
+    assert r.error is None, r.error
+    assert r.accepted and r.correct and r.uses_pallas and r.compiled
+    assert r.tpu_compile["v5e"].ok
+    assert len(r.correctness.sets) == 3
+    assert [s.origin for s in r.correctness.sets] == ["task", "random", "random"]
+    assert r.max_abs_err is not None and r.max_abs_err < 1e-3
+    assert r.timing is None  # no device here: nothing measured, nothing invented
+    assert r.pallas.pallas_calls == 1 and r.pallas.work_inside > 0
+
+
+@pytest.mark.parametrize(
+    ("candidate", "stage", "needle"),
+    [
+        ("no_pallas.py", "pallas", "no pallas_call"),
+        ("copies_jnp_result.py", "pallas", "dot_general"),
+        ("constant_output.py", "correctness", "outside atol"),
+        ("unwritten_output.py", "correctness", "outside atol"),
+        ("crash_segv.py", "load", "SIGSEGV"),
+        ("exit_silently.py", "load", "without reporting a result"),
+        ("write_outside.py", "sandbox", "outside the run directory"),
+        ("opens_socket.py", "sandbox", "socket"),
+        ("forges_result.py", "sandbox", "forged"),
+    ],
+)
+def test_rejections(
+    matmul_task: KernelTask, session_work: Path, candidate: str, stage: str, needle: str
+) -> None:
+    r = run(matmul_task, candidate, session_work)
+    assert not r.accepted
+    assert r.error is not None
+    assert r.error.stage == stage, r.error
+    assert needle in r.error.message, r.error.message
+
+
+def test_pallas_copying_elementwise_result_is_rejected(gelu_task: KernelTask, session_work: Path) -> None:
+    r = run(gelu_task, "copies_elementwise.py", session_work)
+    assert r.error is not None and r.error.stage == "pallas"
+    assert "only move data" in r.error.message
+    assert any("elementwise op" in w for w in r.warnings) or r.pallas.elementwise_outside
+
+
+def test_correct_only_for_task_seed_is_rejected(matmul_task: KernelTask, session_work: Path) -> None:
+    import jax
+
+    from maxkernel.tools.taskcode import Reference
+
+    x00 = float(jax.device_get(Reference(matmul_task.source_payload()).raw_inputs("cpu")[0][0][0][0, 0]))
+    source = (CANDIDATES / "seed_only.py.tmpl").read_text().replace("__X00__", repr(x00))
+    r = run(matmul_task, "", session_work, source=source)
+    assert r.error is not None and r.error.stage == "correctness"
+    task_set, *random_sets = r.correctness.sets
+    assert task_set.ok  # it really is right on the task's own inputs ...
+    assert random_sets and not random_sets[0].ok  # ... and caught by the fresh draw
+
+
+def test_hang_times_out(matmul_task: KernelTask, session_work: Path) -> None:
+    r = run(matmul_task, "hang.py", session_work, EvalOptions(tpu=["v5e"], timeout_s=15))
+    assert r.error is not None and r.error.stage == "load"
+    assert "timed out" in r.error.message
+
+
+def test_write_outside_left_nothing_behind(matmul_task: KernelTask, session_work: Path) -> None:
+    run(matmul_task, "write_outside.py", session_work)
+    assert not Path("/var/tmp/maxkernel_escape_attempt.txt").exists()
+
+
+def test_store_never_runs_the_same_evaluation_twice(matmul_task: KernelTask, tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path / "results.db")
+    src = (CANDIDATES / "good_matmul.py").read_text()
+    first = evaluate(matmul_task, src, OPTS, store=store, work_dir=tmp_path)
+    second = evaluate(matmul_task, src, OPTS, store=store, work_dir=tmp_path)
+    assert first.accepted and not first.cached
+    assert second.cached and second.accepted
+    assert store.count_evaluations("small_matmul") == 1
+    other = evaluate(
+        matmul_task, src, EvalOptions(tpu=["v5e"], seed=1, timeout_s=120), store=store, work_dir=tmp_path
+    )
+    assert not other.cached and store.count_evaluations("small_matmul") == 2
+
+
+@pytest.mark.parametrize(
+    ("task", "needle"),
+    [
+        ("bad_syntax", "syntax error"),
+        ("no_computation", "no function `computation`"),
+        ("get_inputs_raises", "dataset missing"),
+        ("too_large", "too large"),
+        ("does_not_exist", "not found"),
+    ],
+)
+def test_bad_tasks_raise_task_error(data_dir: Path, session_work: Path, task: str, needle: str) -> None:
+    with pytest.raises(TaskError, match=needle):
+        load_task(data_dir / "tasks" / task, work_dir=session_work)
+
+
+@pytest.mark.parametrize(
+    ("candidate", "needle"),
+    [
+        ("write_outside.py", "outside the run directory"),
+        ("opens_socket.py", "socket"),
+        ("hang.py", "timed out"),
+    ],
+)
+def test_without_bubblewrap_the_audit_hook_still_refuses(
+    matmul_task: KernelTask, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, candidate: str, needle: str
+) -> None:
+    from maxkernel.tools import sandbox
+
+    monkeypatch.setattr(sandbox, "bubblewrap_path", lambda: None)
+    r = run(matmul_task, candidate, tmp_path, EvalOptions(tpu=["v5e"], timeout_s=15))
+    assert r.isolation == "rlimits"
+    assert r.error is not None and needle in r.error.message
+    assert not Path("/var/tmp/maxkernel_escape_attempt.txt").exists()
