@@ -119,6 +119,7 @@ def test_store_never_runs_the_same_evaluation_twice(matmul_task: KernelTask, tmp
         matmul_task, src, EvalOptions(tpu=["v5e"], seed=1, timeout_s=120), store=store, work_dir=tmp_path
     )
     assert not other.cached and store.count_evaluations("small_matmul") == 2
+    assert len(store.executions("small_matmul")) == 2
 
 
 @pytest.mark.parametrize(

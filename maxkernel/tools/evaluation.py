@@ -231,7 +231,19 @@ def _evaluate(
         result.uses_pallas = True
         compiled_fns.append(compiled)
 
+    # Compile before checking values: a kernel Mosaic rejects is reported as a compile failure (what the
+    # repair loop needs to hear first), yet its correctness is still measured and recorded.
+    gens = list(opts.get("tpu", []))
+    clock.start("compile")
+    for gen in gens:
+        result.tpu_compile[gen] = _aot_compile(candidate, own, gen)
+    result.compiled = all(o.ok for o in result.tpu_compile.values())
+    if not gens:
+        result.warnings.append("no TPU generation requested: compiled means lowered for interpret mode only")
+    failed = [g for g, o in result.tpu_compile.items() if not o.ok]
+
     clock.start("correctness")
+    run_error: str | None = None
     for ci, cfg in enumerate(val):
         for si, (inputs, origin) in enumerate(input_sets[ci]):
             try:
@@ -240,31 +252,26 @@ def _evaluate(
                     leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
             except Exception as exc:
                 _reset_interpret()
-                raise _Rejected(
-                    "correctness", f"running input set {si}: {type(exc).__name__}: {_first_lines(str(exc))}"
-                ) from exc
+                run_error = f"running input set {si}: {type(exc).__name__}: {_first_lines(str(exc))}"
+                correctness.sets.append(
+                    SetCheck(config=ci, input_set=si, origin=origin, ok=False, message=run_error)  # type: ignore[arg-type]
+                )
+                break
             correctness.sets.append(_compare(leaves, expected[ci][si], cfg, ci, si, origin))
+        if run_error:
+            break
     _summarise(correctness)
     result.max_abs_err, result.max_rel_err = correctness.max_abs_err, correctness.max_rel_err
     result.correct = correctness.ok
+
+    if failed:
+        first = result.tpu_compile[failed[0]].error or ""
+        raise _Rejected("compile", f"Mosaic compile failed for {', '.join(failed)}: {_first_lines(first, 6)}")
     if not correctness.ok:
         bad = next(s for s in correctness.sets if not s.ok)
         raise _Rejected(
             "correctness", f"config {bad.config} input set {bad.input_set} ({bad.origin}): {bad.message}"
         )
-
-    gens = list(opts.get("tpu", []))
-    clock.start("compile")
-    for gen in gens:
-        result.tpu_compile[gen] = _aot_compile(candidate, own, gen)
-    result.compiled = bool(gens) and all(o.ok for o in result.tpu_compile.values())
-    if not gens:
-        result.compiled = True
-        result.warnings.append("no TPU generation requested: compiled means lowered for interpret mode only")
-    failed = [g for g, o in result.tpu_compile.items() if not o.ok]
-    if failed:
-        first = result.tpu_compile[failed[0]].error or ""
-        raise _Rejected("compile", f"Mosaic compile failed for {', '.join(failed)}: {_first_lines(first, 6)}")
 
     if opts.get("timing", True):
         clock.start("timing")

@@ -74,6 +74,7 @@ def evaluate(
             hit.cached = True
             return hit
         store.put_candidate(source_hash, task.task_id, source, origin="eval")
+        store.log_execution(key, task.task_id)
     run_dir = Path(work_dir or Path.cwd() / ".maxkernel").resolve() / "evals" / key[:20]
     run_dir.mkdir(parents=True, exist_ok=True)
     candidate_path = run_dir / "candidate.py"

@@ -79,6 +79,10 @@ class ResultsStore:
                 if_not_exists=True,
             )
             self.db["evaluations"].create_index(["task_id"], if_not_exists=True)
+        if "eval_log" not in self.db.table_names():
+            # One row per evaluation actually executed in a sandbox (a store hit adds none): lets a resumed
+            # run prove it re-ran nothing.
+            self.db["eval_log"].create({"key": str, "task_id": str, "started_at": str}, if_not_exists=True)
         if "candidates" not in self.db.table_names():
             self.db["candidates"].create(
                 {"source_hash": str, "task_id": str, "source": str, "origin": str, "created_at": str},
@@ -111,6 +115,15 @@ class ResultsStore:
             },
             pk="key",
         )
+
+    def log_execution(self, key: str, task_id: str) -> None:
+        self.db["eval_log"].insert({"key": key, "task_id": task_id, "started_at": _now()})
+
+    def executions(self, task_id: str | None = None) -> list[str]:
+        """Keys of evaluations actually executed, in order, with repeats (there should be none)."""
+        if task_id is None:
+            return [r["key"] for r in self.db.query("select key from eval_log order by rowid")]
+        return [r["key"] for r in self.db.query("select key from eval_log where task_id = ? order by rowid", [task_id])]
 
     def put_candidate(self, source_hash: str, task_id: str, source: str, origin: str) -> None:
         self.db["candidates"].insert(
