@@ -1,0 +1,887 @@
+"""TPU time *estimates* made on a CPU machine: the TPU compiler's cost model and a Pallas block model.
+
+Nothing here is measured. Every result carries ``kind="estimate"`` and a ``method`` string, and every number
+field is named ``est_*`` / ``estimated_*`` so it cannot be mistaken for a timing from a device.
+
+Two estimators, for two different programs:
+
+* :func:`estimate_xla` asks the real TPU compiler (libtpu, through an ahead-of-time compile for a topology
+  device) what it thinks a plain XLA program costs: ``cost_analysis()`` flops / bytes / ``optimal_seconds``
+  and the ``estimated_cycles`` it writes per fusion into the compiled HLO. It is blind inside a Pallas
+  ``tpu_custom_call`` unless the kernel passes ``pl.CostEstimate`` — and then it simply echoes that estimate.
+* :func:`estimate_pallas` is a block-level model of each ``pallas_call`` in a jaxpr: it replays the grid
+  (last axis fastest), evaluates every BlockSpec index map per step, counts the HBM<->VMEM bytes the Pallas
+  TPU pipeline moves (a block is DMA'd again only when its block index changes between consecutive steps),
+  counts MXU / VPU / EUP work in the kernel body, and turns that into seconds with the per-device figures
+  from :mod:`maxkernel.tools.tpu_specs`. It exists because the compiler cannot see into a kernel, and the
+  agents need to know *why* a kernel is slow (re-fetching, too many tiny steps, VMEM blow-up) before any TPU
+  is available.
+
+The model's constants are documented assumptions (see ``ASSUMPTIONS``); ``benchmarks/calibrate_block_model.py``
+compares it with the compiler's estimate for the equivalent XLA programs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jax
+import jax.extend.core as jex_core
+import numpy as np
+from pydantic import BaseModel, Field
+
+from maxkernel.tools.tpu_specs import TpuSpec, get_spec
+
+# --------------------------------------------------------------------------------------------------------
+# Documented model constants. Change them only together with benchmarks/calibrate_block_model.py.
+# --------------------------------------------------------------------------------------------------------
+
+PER_STEP_OVERHEAD_S: float = 0.35e-6
+"""Fixed cost of one grid step of a pipelined pallas_call (~0.35 us, the figure the JAX Pallas TPU
+pipelining / matmul guides quote for per-iteration overhead). It is why 128x128 tiles are slow."""
+
+VALU_VREG_OPS_PER_CYCLE: int = 2
+"""Assumption: the VPU retires two full (8 sublanes x 128 lanes) vreg operations per cycle. Elementwise work
+rarely bounds a kernel that also reads HBM, so this constant matters little; it is not published."""
+
+VREG_ELEMENTS: int = 8 * 128
+"""Elements in one 32-bit vreg (8 sublanes x 128 lanes, the TPU VPU shape in the Cloud TPU v6e docs)."""
+
+F32_MXU_PASSES: dict[str, int] = {"default": 3, "highest": 6}
+"""Assumption (unverified without a TPU): an f32 x f32 matmul inside a Mosaic kernel runs as several bf16
+MXU passes - 3 at default precision, 6 at HIGHEST. XLA's own default-precision f32 matmul is single-pass,
+so for compute-bound f32 matmuls the block model is deliberately slower than the compiler's reference."""
+
+MAX_EXACT_STEPS: int = 1 << 22
+"""Grids up to this many steps are replayed exactly; larger grids replay this many steps and extrapolate
+the re-fetch count linearly (flagged in the result's notes)."""
+
+ASSUMPTIONS: dict[str, str] = {
+    "per_step_overhead_s": f"{PER_STEP_OVERHEAD_S:g} s per grid step (JAX Pallas TPU docs figure)",
+    "hbm_bandwidth": "per-device bandwidth the TPU compiler's cost model uses (tpu_specs.compiler_hbm_gbps)",
+    "mxu_peak": "per-device bf16 peak the TPU compiler's cost model uses (tpu_specs.compiler_peak_tflops); "
+    "int8 at the published int8 peak; dot dims padded up to the MXU shape",
+    "f32_matmul": f"f32 operands cost {F32_MXU_PASSES['default']} bf16 passes (HIGHEST: "
+    f"{F32_MXU_PASSES['highest']}) - assumption",
+    "vpu_rate": f"{VALU_VREG_OPS_PER_CYCLE} vreg ops/cycle x {VREG_ELEMENTS} elements, clock implied by the "
+    "compiler's transcendental rate at one vreg per cycle - assumption",
+    "eup_rate": "transcendentals at the compiler cost model's rate (tpu_specs.compiler_transcendentals_per_s)",
+    "overlap": "DMA, MXU, VPU and EUP overlap perfectly except the pipeline prologue/epilogue (first "
+    "step's input blocks, last output write-back): time = max(memory, compute + exposed DMA) + steps x "
+    "overhead",
+    "pipeline": "block re-fetched only when its block index changes between consecutive grid steps; "
+    "outputs written back when their index changes and after the last step; 2 buffers per block",
+    "single_core": "one TensorCore per grid (no megacore split of 'parallel' axes)",
+    "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled",
+    "control_flow": "cond = most expensive branch; scan = body x length; while = body once (flagged)",
+}
+
+BoundClass = Literal["memory", "compute", "overhead"]
+
+# Primitive classes for the body walk. Names are jaxpr primitive names in JAX 0.10.2.
+_TRANSCENDENTAL = frozenset(
+    {
+        "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "erfc", "erf_inv", "sin", "cos",
+        "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "pow", "rsqrt",
+        "sqrt", "cbrt", "lgamma", "digamma", "igamma", "random_gamma_grad", "bessel_i0e", "bessel_i1e",
+    }
+)  # fmt: skip
+_REDUCTIONS = frozenset(
+    {
+        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
+        "argmax", "argmin", "cumsum", "cummax", "cummin", "cumprod", "cumlogsumexp", "reduce_precision",
+    }
+)  # fmt: skip
+# Free in a kernel: loads/stores are vld/vst slots, shape ops are layout bookkeeping, the rest is scalar
+# or synchronisation work the model does not charge.
+_FREE_IN_KERNEL = frozenset(
+    {
+        "program_id", "num_programs", "get", "swap", "load", "store", "masked_load", "masked_swap",
+        "reshape", "squeeze", "expand_dims", "bitcast_convert_type", "dma_wait", "semaphore_signal",
+        "semaphore_wait", "semaphore_read", "barrier", "delay", "pjit", "jit", "debug_callback",
+        "debug_print", "multiple_of", "assume_multiple", "run_scoped", "optimization_barrier",
+    }
+)  # fmt: skip
+_FREE_IN_XLA = frozenset(
+    {"reshape", "squeeze", "expand_dims", "bitcast_convert_type", "optimization_barrier", "copy_p"}
+)
+_CALL_PRIMITIVES = frozenset(
+    {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
+     "custom_vjp_call_jaxpr", "custom_lin", "shard_map", "run_scoped"}
+)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------------
+# Result models
+# --------------------------------------------------------------------------------------------------------
+
+
+class XlaEstimate(BaseModel):
+    """What the TPU compiler's cost model says about one program, compiled ahead of time on CPU."""
+
+    kind: Literal["estimate"] = "estimate"
+    method: str
+    gen: str
+    topology: str
+    device_kind: str
+    est_flops: float | None = Field(description="cost_analysis()['flops']; None when the compiler omits it.")
+    est_bytes_accessed: float | None
+    est_transcendentals: float | None
+    estimated_seconds: float | None = Field(description="cost_analysis()['optimal_seconds'].")
+    est_cycles_total: int | None = Field(description="Sum of `estimated_cycles` over fusions in the HLO.")
+    est_cycles_by_fusion: dict[str, int]
+    est_cycles_clock_hz: float | None = Field(
+        default=None,
+        description="Clock to turn cycles into seconds. None: libtpu publishes none, and cycles/optimal_"
+        "seconds varied 1.0-8.8 GHz across programs here, so no single clock converts them.",
+    )
+    opaque_custom_calls: list[str] = Field(
+        description="Custom-call targets (e.g. tpu_custom_call = a Pallas kernel) whose cost the compiler "
+        "cannot see; their cost is missing from the estimate unless the kernel passed pl.CostEstimate."
+    )
+    est_compile_seconds: float = Field(
+        description="Wall time of the AOT compile on this machine (host cost)."
+    )
+    raw_cost_analysis: dict[str, float]
+    notes: list[str] = Field(default_factory=list)
+
+
+class OperandTraffic(BaseModel):
+    """HBM<->VMEM traffic of one pallas_call operand, as the block model replays it."""
+
+    role: Literal["input", "output"]
+    origin: str = Field(description="Which argument / output this is (BlockMapping.origin).")
+    memory_space: str
+    block_shape: tuple[int, ...]
+    array_shape: tuple[int, ...]
+    dtype: str
+    block_bytes: int
+    est_transfers: float = Field(description="Number of block DMAs (fetches or write-backs).")
+    est_bytes: float
+    index_map_exact: bool = Field(
+        description="False when the index map could not be evaluated (upper bound)."
+    )
+
+
+class PallasCallEstimate(BaseModel):
+    """Block-model estimate of one pallas_call (per invocation; `multiplicity` says how often it runs)."""
+
+    name: str
+    grid: tuple[int, ...]
+    multiplicity: float = Field(description="How many times the call runs (scan lengths around it).")
+    est_grid_steps: int
+    operands: list[OperandTraffic]
+    est_hbm_bytes: float = Field(description="Auto-pipelined block traffic plus manual DMA bytes.")
+    est_manual_dma_bytes: float
+    est_mxu_flops: float = Field(description="Useful matmul flops (2*M*N*K) over all steps.")
+    est_mxu_padded_flops: float = Field(description="Flops after padding dot dims to the MXU shape.")
+    est_vpu_elementwise_ops: float
+    est_transcendentals: float
+    est_vmem_bytes: int = Field(description="Sum of blocks x buffer count + scratch.")
+    vmem_limit_bytes: int = Field(description="Scoped VMEM limit in force (vmem_limit_bytes or the default).")
+    vmem_capacity_bytes: int
+    vmem_exceeds_limit: bool
+    vmem_exceeds_capacity: bool
+    est_memory_seconds: float
+    est_mxu_seconds: float
+    est_vpu_seconds: float
+    est_eup_seconds: float
+    est_overhead_seconds: float
+    est_exposed_dma_seconds: float = Field(
+        description="Prologue/epilogue DMA that cannot overlap compute: first inputs, last write-back."
+    )
+    estimated_seconds: float
+    bound: BoundClass
+    notes: list[str] = Field(default_factory=list)
+
+
+class PallasEstimate(BaseModel):
+    """Block-model estimate of a whole program: its pallas_calls plus the XLA ops around them."""
+
+    kind: Literal["estimate"] = "estimate"
+    method: str
+    gen: str
+    estimated_seconds: float
+    est_pallas_seconds: float
+    est_xla_seconds: float = Field(description="Ops outside pallas_call, bytes / bandwidth.")
+    bound: BoundClass
+    est_hbm_bytes: float
+    est_xla_bytes: float
+    est_mxu_flops: float
+    est_vpu_elementwise_ops: float
+    est_transcendentals: float
+    est_grid_steps: int
+    est_vmem_bytes: int = Field(description="Largest VMEM footprint of any pallas_call.")
+    vmem_exceeds_limit: bool
+    vmem_exceeds_capacity: bool
+    pallas_calls: list[PallasCallEstimate]
+    xla_op_count: int
+    assumptions: dict[str, str]
+    notes: list[str] = Field(default_factory=list)
+
+    def to_markdown(self) -> str:
+        """Compact table for prompts and reports; says 'estimate' in the heading on purpose."""
+        lines = [
+            f"**Block-model estimate ({self.gen}, not measured):** {self.estimated_seconds * 1e6:.2f} us, "
+            f"{self.bound}-bound; HBM {self.est_hbm_bytes / 1e6:.2f} MB, MXU {self.est_mxu_flops / 1e9:.3f} "
+            f"GFLOP, {self.est_grid_steps} grid steps, VMEM {self.est_vmem_bytes / 2**20:.2f} MiB",
+            "",
+            "| pallas_call | grid | steps | HBM MB | mem us | mxu us | vpu us | eup us | ovh us | est us | "
+            "bound | VMEM MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for c in self.pallas_calls:
+            lines.append(
+                f"| {c.name} | {c.grid} | {c.est_grid_steps} | {c.est_hbm_bytes / 1e6:.2f} | "
+                f"{c.est_memory_seconds * 1e6:.2f} | {c.est_mxu_seconds * 1e6:.2f} | "
+                f"{c.est_vpu_seconds * 1e6:.2f} | {c.est_eup_seconds * 1e6:.2f} | "
+                f"{c.est_overhead_seconds * 1e6:.2f} | {c.estimated_seconds * 1e6:.2f} | {c.bound} | "
+                f"{c.est_vmem_bytes / 2**20:.2f}{' (!)' if c.vmem_exceeds_limit else ''} |"
+            )
+        if self.xla_op_count:
+            lines.append(
+                f"\nOps outside Pallas: {self.xla_op_count}, {self.est_xla_bytes / 1e6:.2f} MB, "
+                f"{self.est_xla_seconds * 1e6:.2f} us (estimate)."
+            )
+        lines.extend(f"- {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------
+# estimate_xla
+# --------------------------------------------------------------------------------------------------------
+
+ArgSpec = jax.ShapeDtypeStruct | tuple[Sequence[int], Any] | Any
+
+_CYCLES_RE = re.compile(r'"estimated_cycles":"(\d+)"')
+_INSTR_NAME_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_CUSTOM_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def _to_sds(spec: ArgSpec, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
+    """Accept ShapeDtypeStructs, arrays or (shape, dtype) pairs: callers hold whichever is handy."""
+    if isinstance(spec, tuple) and len(spec) == 2 and not hasattr(spec, "shape"):
+        shape, dtype = spec
+        return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), dtype, sharding=sharding)
+    if hasattr(spec, "shape") and hasattr(spec, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(spec.shape), spec.dtype, sharding=sharding)
+    raise TypeError(f"arg spec must be a ShapeDtypeStruct, an array or (shape, dtype); got {spec!r}")
+
+
+def topology_device(gen: str | TpuSpec) -> jax.Device:
+    """The compile-only device for a generation (needs libtpu; no TPU attached)."""
+    spec = gen if isinstance(gen, TpuSpec) else get_spec(gen)
+    return _topology_device(spec.topology)
+
+
+@functools.cache
+def _topology_device(topology: str) -> jax.Device:
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology, "tpu").devices[0]
+
+
+def estimate_xla(fn: Callable[..., Any], arg_specs: Sequence[ArgSpec], gen: str) -> XlaEstimate:
+    """Ask the TPU compiler what `fn` costs on `gen`, by compiling it ahead of time on this CPU machine.
+
+    This is the reference side of every speedup estimate: the compiler's own model of the plain XLA program
+    is the best TPU timing available without a TPU. Compile errors propagate (a program that does not
+    compile for the TPU has no estimate, and callers must see why).
+    """
+    spec = get_spec(gen)
+    device = topology_device(spec)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    sds = [_to_sds(s, sharding) for s in arg_specs]
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).trace(*sds).lower().compile()
+    compile_s = time.perf_counter() - t0
+    raw = compiled.cost_analysis()
+    if isinstance(raw, list | tuple):  # older JAX returned one dict per computation
+        raw = raw[0] if raw else {}
+    raw = {str(k): float(v) for k, v in (raw or {}).items()}
+    hlo = compiled.as_text()
+
+    cycles: dict[str, int] = {}
+    custom_targets: list[str] = []
+    for line in hlo.splitlines():
+        m = _CYCLES_RE.search(line)
+        if m:
+            name_m = _INSTR_NAME_RE.match(line)
+            name = name_m.group(1) if name_m else f"fusion#{len(cycles)}"
+            cycles[name] = cycles.get(name, 0) + int(m.group(1))
+        if "custom-call(" in line:
+            t = _CUSTOM_TARGET_RE.search(line)
+            custom_targets.append(t.group(1) if t else "unknown")
+
+    notes: list[str] = []
+    if custom_targets and "optimal_seconds" not in raw:
+        notes.append(
+            f"{len(custom_targets)} custom call(s) ({', '.join(sorted(set(custom_targets)))}) are opaque to "
+            "the compiler and no pl.CostEstimate was given: flops and optimal_seconds are missing."
+        )
+    elif custom_targets:
+        notes.append(
+            "The program contains custom calls; for a Pallas kernel with pl.CostEstimate the compiler's "
+            "figures are that CostEstimate echoed back, not an independent estimate."
+        )
+    return XlaEstimate(
+        method=f"TPU compiler cost model (libtpu AOT compile for {spec.topology}, device {device.device_kind})",
+        gen=spec.name,
+        topology=spec.topology,
+        device_kind=device.device_kind,
+        est_flops=raw.get("flops"),
+        est_bytes_accessed=raw.get("bytes accessed"),
+        est_transcendentals=raw.get("transcendentals"),
+        estimated_seconds=raw.get("optimal_seconds"),
+        est_cycles_total=sum(cycles.values()) if cycles else None,
+        est_cycles_by_fusion=cycles,
+        opaque_custom_calls=custom_targets,
+        est_compile_seconds=compile_s,
+        raw_cost_analysis=raw,
+        notes=notes,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Jaxpr walking shared with maxkernel.tools.trace
+# --------------------------------------------------------------------------------------------------------
+
+
+def _as_jaxpr(j: Any) -> tuple[jex_core.Jaxpr, Sequence[Any]]:
+    if isinstance(j, jex_core.ClosedJaxpr):
+        return j.jaxpr, j.consts
+    if isinstance(j, jex_core.Jaxpr):
+        return j, ()
+    raise TypeError(f"expected a Jaxpr or ClosedJaxpr, got {type(j).__name__}")
+
+
+def _sub_jaxprs(eqn: jex_core.JaxprEqn) -> list[jex_core.Jaxpr]:
+    """Every jaxpr nested in an eqn's params (call bodies, cond branches, scan/while bodies...)."""
+    return [_as_jaxpr(j)[0] for j in jex_core.jaxprs_in_params(eqn.params)]
+
+
+def iter_pallas_eqns(jaxpr: Any) -> Iterator[jex_core.JaxprEqn]:
+    """All pallas_call eqns in a (closed) jaxpr, at any depth outside kernels, in program order."""
+    jaxpr, _ = _as_jaxpr(jaxpr)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+            continue
+        for sub in _sub_jaxprs(eqn):
+            yield from iter_pallas_eqns(sub)
+
+
+def pallas_call_name(eqn: jex_core.JaxprEqn) -> str:
+    """A readable kernel name: the `name=` given to pallas_call, else the kernel function's name."""
+    params = eqn.params
+    if params.get("name"):
+        return str(params["name"])
+    nsi = params.get("name_and_src_info")
+    if nsi is not None and getattr(nsi, "name", None):
+        return str(nsi.name)
+    dbg = getattr(params.get("jaxpr"), "debug_info", None)
+    src = getattr(dbg, "func_src_info", None) or getattr(dbg, "func_name", None)
+    if src:
+        return str(src).split(" ")[0]
+    return "pallas_call"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Block model internals
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Work:
+    """Work counted in a kernel body for one grid step (before multiplying by steps)."""
+
+    mxu_flops: float = 0.0
+    mxu_padded_flops: float = 0.0
+    mxu_seconds: float = 0.0
+    vpu_ops: float = 0.0
+    transcendentals: float = 0.0
+    dma_bytes: float = 0.0
+    notes: set[str] = field(default_factory=set)
+
+    def add(self, other: _Work, times: float = 1.0) -> None:
+        self.mxu_flops += other.mxu_flops * times
+        self.mxu_padded_flops += other.mxu_padded_flops * times
+        self.mxu_seconds += other.mxu_seconds * times
+        self.vpu_ops += other.vpu_ops * times
+        self.transcendentals += other.transcendentals * times
+        self.dma_bytes += other.dma_bytes * times
+        self.notes |= other.notes
+
+    def cost_key(self, spec: TpuSpec) -> float:
+        """Rough seconds, used only to pick the most expensive cond branch."""
+        return (
+            self.mxu_seconds
+            + self.vpu_ops / _vpu_rate(spec)
+            + self.transcendentals / spec.compiler_transcendentals_per_s
+            + self.dma_bytes / spec.device_hbm_bytes_per_s
+        )
+
+
+def _vpu_rate(spec: TpuSpec) -> float:
+    clock_hz = spec.compiler_transcendentals_per_s / VREG_ELEMENTS  # one EUP vreg per cycle
+    return VALU_VREG_OPS_PER_CYCLE * VREG_ELEMENTS * clock_hz
+
+
+def _size(aval: Any) -> int:
+    shape = getattr(aval, "shape", ())
+    return int(math.prod(shape)) if shape else 1
+
+
+def _itemsize(aval: Any) -> int:
+    dtype = getattr(aval, "dtype", None)
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        return 4
+
+
+def _nbytes(aval: Any) -> int:
+    inner = getattr(aval, "inner_aval", None)  # Ref avals wrap a ShapedArray
+    a = inner if inner is not None else aval
+    return _size(a) * _itemsize(a)
+
+
+def _pad(n: int, m: int) -> int:
+    return -(-n // m) * m if m > 0 else n
+
+
+def _dot_work(eqn: jex_core.JaxprEqn, spec: TpuSpec) -> _Work:
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    (lc, rc), (lb, _rb) = eqn.params["dimension_numbers"]
+    out = eqn.outvars[0].aval
+    k = math.prod(lhs.shape[d] for d in lc) if lc else 1
+    flops = 2.0 * _size(out) * k
+    # Pad K and N (the rhs non-contracting dims) up to the MXU tile; M streams through unpadded.
+    rhs_free = [d for d in range(len(rhs.shape)) if d not in rc and d not in _rb]
+    n = math.prod(rhs.shape[d] for d in rhs_free) if rhs_free else 1
+    batch = math.prod(lhs.shape[d] for d in lb) if lb else 1
+    m = _size(out) // max(1, batch * n)
+    mxu_k, mxu_n = spec.mxu_shape
+    padded = 2.0 * batch * m * _pad(k, mxu_k) * _pad(n, mxu_n)
+
+    dtypes = {np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name}
+    w = _Work(mxu_flops=flops, mxu_padded_flops=padded)
+    if dtypes <= {"int8", "uint8", "int4", "uint4"} and spec.device_peak_int8_ops:
+        rate = spec.device_peak_int8_ops
+    elif "float32" in dtypes or "float64" in dtypes:
+        prec = eqn.params.get("precision")
+        highest = prec is not None and "HIGHEST" in str(prec).upper()
+        passes = F32_MXU_PASSES["highest" if highest else "default"]
+        rate = spec.device_peak_flops / passes
+        w.notes.add(f"f32 matmul charged {passes} bf16 MXU passes (assumption)")
+    else:
+        rate = spec.device_peak_flops
+    w.mxu_seconds = padded / rate
+    return w
+
+
+def _dma_bytes(eqn: jex_core.JaxprEqn) -> float:
+    """Bytes of one manual async copy: the (sliced) source view, else the destination buffer."""
+    try:
+        parts = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars)
+        src = parts[0]
+        if hasattr(src, "transforms") and hasattr(src, "ref"):
+            shape = tuple(src.shape)
+            return float(math.prod(shape) * _itemsize(src.ref.aval.inner_aval))
+        return float(_nbytes(src.aval))
+    except Exception:  # noqa: BLE001 - tree layout differs across JAX versions; fall back, say so upstream
+        refs = [v.aval for v in eqn.invars if hasattr(v.aval, "inner_aval")]
+        return float(min((_nbytes(a) for a in refs), default=0))
+
+
+def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec) -> _Work:
+    """MXU / VPU / EUP / DMA work of one execution of a kernel body (one grid step)."""
+    w = _Work()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            w.add(_dot_work(eqn, spec))
+        elif name == "cond":
+            branches = [_body_work(_as_jaxpr(b)[0], spec) for b in eqn.params["branches"]]
+            w.add(max(branches, key=lambda b: b.cost_key(spec)))
+            w.notes.add("cond: most expensive branch charged every step (pl.when bodies included)")
+        elif name == "scan":
+            w.add(_body_work(_as_jaxpr(eqn.params["jaxpr"])[0], spec), float(eqn.params["length"]))
+        elif name == "while":
+            w.add(_body_work(_as_jaxpr(eqn.params["body_jaxpr"])[0], spec))
+            w.notes.add("while loop in kernel: trip count unknown, body charged once (underestimate)")
+        elif name == "dma_start":
+            w.dma_bytes += _dma_bytes(eqn)
+        elif name in _CALL_PRIMITIVES or (name in _FREE_IN_KERNEL and _sub_jaxprs(eqn)):
+            for sub in _sub_jaxprs(eqn):
+                w.add(_body_work(sub, spec))
+        elif name in _FREE_IN_KERNEL:
+            continue
+        elif name in _TRANSCENDENTAL:
+            w.transcendentals += sum(_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ()))
+        elif name in _REDUCTIONS:
+            w.vpu_ops += sum(_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ()))
+        else:
+            # Elementwise / layout / compare / select / convert / iota / broadcast / addupdate: charge the
+            # elements written. Scalars run on the scalar unit and are not charged.
+            w.vpu_ops += sum(
+                _size(v.aval) for v in eqn.outvars if getattr(getattr(v, "aval", None), "shape", ())
+            )
+            if name == "addupdate":
+                w.vpu_ops += sum(_size(v.aval) for v in eqn.invars[1:2] if getattr(v.aval, "shape", ()))
+    return w
+
+
+# Index maps: a tiny numpy interpreter for the integer primitives index maps use, with JAX as fallback.
+_NP_BINOPS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "max": np.maximum,
+    "min": np.minimum,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+    "shift_left": np.left_shift,
+    "shift_right_arithmetic": np.right_shift,
+}
+
+
+def _np_eval(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Evaluate an integer index-map jaxpr on vectors of grid indices; KeyError for unsupported prims."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return np.asarray(v.val) if isinstance(v, jex_core.Literal) else env[v]
+
+    for v, c in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = np.asarray(c)
+    for v, a in zip(jaxpr.invars, args, strict=True):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        x = [read(v) for v in eqn.invars]
+        if name in _NP_BINOPS:
+            out = _NP_BINOPS[name](x[0], x[1])
+        elif name == "div":  # lax.div truncates toward zero
+            out = np.trunc(np.divide(x[0], x[1])).astype(np.int64)
+        elif name == "rem":
+            out = np.fmod(x[0], x[1])
+        elif name == "neg":
+            out = np.negative(x[0])
+        elif name == "not":
+            out = np.logical_not(x[0]) if x[0].dtype == bool else np.invert(x[0])
+        elif name == "select_n":
+            out = np.choose(x[0].astype(np.int64), x[1:])
+        elif name == "convert_element_type":
+            out = x[0].astype(np.int64) if eqn.params["new_dtype"] != np.bool_ else x[0].astype(bool)
+        elif name == "clamp":
+            out = np.clip(x[1], x[0], x[2])
+        elif name in ("pjit", "jit", "closed_call"):
+            sub, sub_consts = _as_jaxpr(eqn.params.get("jaxpr") or eqn.params["call_jaxpr"])
+            outs = _np_eval(sub, sub_consts, x)
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                env[v] = o
+            continue
+        else:
+            raise KeyError(name)
+        env[eqn.outvars[0]] = out
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _block_indices(closed: Any, grid_idx: Sequence[np.ndarray], n: int) -> np.ndarray:
+    """Block index tuple per step, shape (n, n_dims), evaluated vectorised over all steps."""
+    jaxpr, consts = _as_jaxpr(closed)
+    try:
+        outs = _np_eval(jaxpr, consts, list(grid_idx))
+    except KeyError:
+        fun = jax.vmap(lambda *g: jax.core.eval_jaxpr(jaxpr, consts, *g))
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            outs = [np.asarray(o) for o in jax.jit(fun)(*(np.asarray(g, np.int32) for g in grid_idx))]
+    cols = [
+        np.broadcast_to(np.asarray(o, dtype=np.int64).reshape(-1) if np.ndim(o) else o, (n,)) for o in outs
+    ]
+    return np.stack(cols, axis=1) if cols else np.zeros((n, 0), np.int64)
+
+
+def _count_transfers(closed: Any, grid: tuple[int, ...], cap: int) -> tuple[float, bool]:
+    """1 + number of block-index changes between consecutive steps (last grid axis fastest).
+
+    Returns (transfers, sampled). Long grids are replayed in chunks; beyond `cap` steps the change rate
+    of the replayed prefix is extrapolated.
+    """
+    total = math.prod(grid) if grid else 1
+    replay = min(total, cap)
+    chunk = 1 << 20
+    changes = 0
+    prev: np.ndarray | None = None
+    for start in range(0, replay, chunk):
+        stop = min(replay, start + chunk)
+        flat = np.arange(start, stop, dtype=np.int64)
+        idx = np.unravel_index(flat, grid) if grid else ()
+        blocks = _block_indices(closed, [np.asarray(i, np.int64) for i in idx], stop - start)
+        if prev is not None:
+            blocks_full = np.concatenate([prev[None, :], blocks], axis=0)
+        else:
+            blocks_full = blocks
+        if len(blocks_full) > 1:
+            changes += int(np.any(blocks_full[1:] != blocks_full[:-1], axis=1).sum())
+        prev = blocks[-1]
+    if replay < total:
+        rate = changes / max(1, replay - 1)
+        return 1.0 + rate * (total - 1), True
+    return 1.0 + changes, False
+
+
+def _memory_space(aval: Any) -> str:
+    ms = getattr(aval, "memory_space", None)
+    s = str(getattr(ms, "value", ms) if ms is not None else "default").lower()
+    return s.split(".")[-1]
+
+
+def _estimate_call(eqn: jex_core.JaxprEqn, spec: TpuSpec, multiplicity: float) -> PallasCallEstimate:
+    params = eqn.params
+    gm = params["grid_mapping"]
+    grid = tuple(int(g) for g in gm.grid)
+    steps = math.prod(grid) if grid else 1
+    notes: set[str] = set()
+    if getattr(gm, "num_dynamic_grid_bounds", 0):
+        notes.add("dynamic grid bounds: the static grid values were used")
+    n_index_ops = int(getattr(gm, "num_index_operands", 0) or 0)
+    n_inputs = int(gm.num_inputs)
+
+    operands: list[OperandTraffic] = []
+    vmem = 0
+    hbm = 0.0
+    exposed_bytes = 0.0
+    for i, bm in enumerate(gm.block_mappings):
+        role: Literal["input", "output"] = "input" if i < n_inputs else "output"
+        block_aval = bm.block_aval
+        inner = getattr(block_aval, "inner_aval", block_aval)
+        space = _memory_space(block_aval)
+        block_bytes = _nbytes(block_aval)
+        array_shape = tuple(int(d) for d in bm.array_aval.shape)
+        exact = True
+        if space in ("any", "hbm", "semaphore", "semaphore_mem"):
+            transfers = 0.0  # not pipelined: the kernel moves it by hand (counted via dma_start)
+        elif n_index_ops:
+            transfers, exact = float(steps), False
+            notes.add(
+                "scalar-prefetch index maps depend on data: every step counted as a re-fetch (upper bound)"
+            )
+        else:
+            transfers, sampled = _count_transfers(bm.index_map_jaxpr, grid, MAX_EXACT_STEPS)
+            if sampled:
+                notes.add(f"grid of {steps} steps: re-fetches extrapolated from the first {MAX_EXACT_STEPS}")
+        if space in ("default", "vmem"):
+            buffers = 2
+            pm = getattr(bm, "pipeline_mode", None)
+            if pm is not None and getattr(pm, "buffer_count", None):
+                buffers = int(pm.buffer_count)
+            vmem += block_bytes * buffers
+        est_bytes = transfers * block_bytes
+        hbm += est_bytes
+        if transfers:
+            exposed_bytes += block_bytes  # first fetch (inputs) / last write-back (outputs) is not hidden
+        operands.append(
+            OperandTraffic(
+                role=role,
+                origin=str(getattr(bm, "origin", f"operand {i}")),
+                memory_space=space,
+                block_shape=tuple(int(d) for d in getattr(inner, "shape", ())),
+                array_shape=array_shape,
+                dtype=str(np.dtype(inner.dtype)) if hasattr(inner, "dtype") else "?",
+                block_bytes=block_bytes,
+                est_transfers=transfers,
+                est_bytes=est_bytes,
+                index_map_exact=exact,
+            )
+        )
+    for aval in getattr(gm, "scratch_avals", ()) or ():
+        if _memory_space(aval) in ("vmem", "default"):
+            vmem += _nbytes(aval)
+
+    body, _ = _as_jaxpr(params["jaxpr"])
+    work = _body_work(body, spec)
+    notes |= work.notes
+    manual_dma = work.dma_bytes * steps
+    if manual_dma:
+        notes.add("manual DMA bytes counted from dma_start source views")
+    hbm += manual_dma
+
+    cp = params.get("compiler_params")
+    limit = getattr(cp, "vmem_limit_bytes", None) if cp is not None else None
+    if isinstance(cp, dict):  # older JAX kept {"mosaic": {...}}
+        limit = (cp.get("mosaic") or {}).get("vmem_limit_bytes")
+    vmem_limit = int(limit) if limit else spec.default_scoped_vmem_bytes
+
+    t_mem = hbm / spec.device_hbm_bytes_per_s
+    t_mxu = work.mxu_seconds * steps
+    t_vpu = work.vpu_ops * steps / _vpu_rate(spec)
+    t_eup = work.transcendentals * steps / spec.compiler_transcendentals_per_s
+    t_ovh = steps * PER_STEP_OVERHEAD_S
+    t_exposed = exposed_bytes / spec.device_hbm_bytes_per_s
+    t_compute = max(t_mxu, t_vpu, t_eup)
+    est = max(t_mem, t_compute + t_exposed) + t_ovh
+    terms: dict[BoundClass, float] = {"memory": t_mem, "compute": t_compute, "overhead": t_ovh}
+    bound = max(terms, key=lambda k: terms[k])
+    if vmem > spec.vmem_bytes:
+        notes.add(
+            f"VMEM footprint {vmem / 2**20:.1f} MiB exceeds the {spec.vmem_mib} MiB VMEM of {spec.name}: "
+            "will not compile"
+        )
+    elif vmem > vmem_limit:
+        notes.add(
+            f"VMEM footprint {vmem / 2**20:.1f} MiB exceeds the scoped limit {vmem_limit / 2**20:.0f} MiB: "
+            "set vmem_limit_bytes or shrink blocks"
+        )
+    return PallasCallEstimate(
+        name=pallas_call_name(eqn),
+        grid=grid,
+        multiplicity=multiplicity,
+        est_grid_steps=steps,
+        operands=operands,
+        est_hbm_bytes=hbm,
+        est_manual_dma_bytes=manual_dma,
+        est_mxu_flops=work.mxu_flops * steps,
+        est_mxu_padded_flops=work.mxu_padded_flops * steps,
+        est_vpu_elementwise_ops=work.vpu_ops * steps,
+        est_transcendentals=work.transcendentals * steps,
+        est_vmem_bytes=vmem,
+        vmem_limit_bytes=vmem_limit,
+        vmem_capacity_bytes=spec.vmem_bytes,
+        vmem_exceeds_limit=vmem > vmem_limit,
+        vmem_exceeds_capacity=vmem > spec.vmem_bytes,
+        est_memory_seconds=t_mem,
+        est_mxu_seconds=t_mxu,
+        est_vpu_seconds=t_vpu,
+        est_eup_seconds=t_eup,
+        est_overhead_seconds=t_ovh,
+        est_exposed_dma_seconds=t_exposed,
+        estimated_seconds=est,
+        bound=bound,
+        notes=sorted(notes),
+    )
+
+
+@dataclass
+class _ProgramWalk:
+    spec: TpuSpec
+    calls: list[PallasCallEstimate] = field(default_factory=list)
+    xla_bytes: float = 0.0
+    xla_seconds: float = 0.0
+    xla_ops: int = 0
+    notes: set[str] = field(default_factory=set)
+
+    def walk(self, jaxpr: jex_core.Jaxpr, mult: float) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "pallas_call":
+                self.calls.append(_estimate_call(eqn, self.spec, mult))
+            elif name == "scan":
+                self.walk(_as_jaxpr(eqn.params["jaxpr"])[0], mult * float(eqn.params["length"]))
+            elif name == "while":
+                self.notes.add("while loop outside kernels: trip count unknown, body counted once")
+                for sub in _sub_jaxprs(eqn):
+                    self.walk(sub, mult)
+            elif name == "cond":
+                self.notes.add("cond outside kernels: every branch counted (upper bound)")
+                for sub in _sub_jaxprs(eqn):
+                    self.walk(sub, mult)
+            elif _sub_jaxprs(eqn):
+                for sub in _sub_jaxprs(eqn):
+                    self.walk(sub, mult)
+            elif name in _FREE_IN_XLA:
+                continue
+            else:
+                self._xla_op(eqn, mult)
+
+    def _xla_op(self, eqn: jex_core.JaxprEqn, mult: float) -> None:
+        avals = [v.aval for v in eqn.invars if not isinstance(v, jex_core.Literal)] + [
+            v.aval for v in eqn.outvars
+        ]
+        if all(not getattr(a, "shape", ()) for a in avals):
+            return  # scalar bookkeeping
+        nbytes = float(sum(_nbytes(a) for a in avals if hasattr(a, "dtype")))
+        t = nbytes / self.spec.device_hbm_bytes_per_s
+        if eqn.primitive.name == "dot_general":
+            t = max(t, _dot_work(eqn, self.spec).mxu_seconds)
+        self.xla_ops += 1
+        self.xla_bytes += nbytes * mult
+        self.xla_seconds += t * mult
+
+
+def estimate_pallas(closed_jaxpr: Any, gen: str) -> PallasEstimate:
+    """Block-model TPU time of a program's pallas_calls (and a bytes/bandwidth charge for the rest).
+
+    Takes a jaxpr rather than a function so it needs no execution, no TPU and no compile: the agents call
+    it on every candidate, at production shapes, in milliseconds.
+    """
+    spec = get_spec(gen)
+    jaxpr, _ = _as_jaxpr(closed_jaxpr)
+    walk = _ProgramWalk(spec)
+    walk.walk(jaxpr, 1.0)
+    calls = walk.calls
+    pallas_s = sum(c.estimated_seconds * c.multiplicity for c in calls)
+    total = pallas_s + walk.xla_seconds
+    notes = set(walk.notes)
+    if not calls:
+        notes.add("no pallas_call found: only the XLA bytes/bandwidth charge applies")
+    if calls and walk.xla_seconds >= pallas_s:
+        bound: BoundClass = "memory"
+    elif calls:
+        bound = max(calls, key=lambda c: c.estimated_seconds * c.multiplicity).bound
+    else:
+        bound = "memory"
+    return PallasEstimate(
+        method=f"maxkernel block model v1 ({spec.name}, per-device compiler-model peaks; see assumptions)",
+        gen=spec.name,
+        estimated_seconds=total,
+        est_pallas_seconds=pallas_s,
+        est_xla_seconds=walk.xla_seconds,
+        bound=bound,
+        est_hbm_bytes=sum(c.est_hbm_bytes * c.multiplicity for c in calls) + walk.xla_bytes,
+        est_xla_bytes=walk.xla_bytes,
+        est_mxu_flops=sum(c.est_mxu_flops * c.multiplicity for c in calls),
+        est_vpu_elementwise_ops=sum(c.est_vpu_elementwise_ops * c.multiplicity for c in calls),
+        est_transcendentals=sum(c.est_transcendentals * c.multiplicity for c in calls),
+        est_grid_steps=int(sum(c.est_grid_steps * c.multiplicity for c in calls)),
+        est_vmem_bytes=max((c.est_vmem_bytes for c in calls), default=0),
+        vmem_exceeds_limit=any(c.vmem_exceeds_limit for c in calls),
+        vmem_exceeds_capacity=any(c.vmem_exceeds_capacity for c in calls),
+        pallas_calls=calls,
+        xla_op_count=walk.xla_ops,
+        assumptions=dict(ASSUMPTIONS),
+        notes=sorted(notes),
+    )
+
+
+def estimated_speedup(
+    reference: float | XlaEstimate | PallasEstimate, candidate: float | XlaEstimate | PallasEstimate
+) -> float:
+    """reference_estimate / candidate_estimate (>1 means the candidate is estimated faster).
+
+    Only estimates go in: a measured time belongs in a measured speedup, never mixed with a model.
+    """
+
+    def seconds(x: float | XlaEstimate | PallasEstimate, which: str) -> float:
+        if isinstance(x, XlaEstimate | PallasEstimate):
+            s = x.estimated_seconds
+        else:
+            s = float(x)
+        if s is None or not math.isfinite(s) or s <= 0:
+            raise ValueError(f"{which} estimate must be a positive number of seconds, got {s!r}")
+        return s
+
+    return seconds(reference, "reference") / seconds(candidate, "candidate")

@@ -1,0 +1,254 @@
+"""Block-model arithmetic checked against hand counts; compiler estimates checked against known flops."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from maxkernel.tools.estimate import (
+    PER_STEP_OVERHEAD_S,
+    PallasEstimate,
+    estimate_pallas,
+    estimate_xla,
+    estimated_speedup,
+    topology_device,
+)
+from maxkernel.tools.tpu_specs import get_spec
+
+BF16 = jnp.bfloat16
+
+
+def _matmul_kernel(x_ref, y_ref, o_ref, acc_ref, *, k_axis: int):
+    @pl.when(pl.program_id(k_axis) == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(pl.program_id(k_axis) == pl.num_programs(k_axis) - 1)
+    def _store():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def tiled_matmul(x, y, *, bm=128, bn=128, bk=128, k_middle=False):
+    """(m, k) @ (k, n). Grid (i, j, kk) by default; k_middle puts kk in the middle: (i, kk, j)."""
+    m, k = x.shape
+    n = y.shape[1]
+    if k_middle:
+        grid = (m // bm, k // bk, n // bn)
+
+        def x_map(i, kk, j):
+            return i, kk
+
+        def y_map(i, kk, j):
+            return kk, j
+
+        def o_map(i, kk, j):
+            return i, j
+
+        k_axis = 1
+    else:
+        grid = (m // bm, n // bn, k // bk)
+
+        def x_map(i, j, kk):
+            return i, kk
+
+        def y_map(i, j, kk):
+            return kk, j
+
+        def o_map(i, j, kk):
+            return i, j
+
+        k_axis = 2
+    return pl.pallas_call(
+        functools.partial(_matmul_kernel, k_axis=k_axis),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=grid,
+        in_specs=[pl.BlockSpec((bm, bk), x_map), pl.BlockSpec((bk, bn), y_map)],
+        out_specs=pl.BlockSpec((bm, bn), o_map),
+        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+    )(x, y)
+
+
+def _sds(shape, dtype=BF16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _estimate(fn, *shapes, gen="v5e", dtype=BF16) -> PallasEstimate:
+    return estimate_pallas(jax.make_jaxpr(fn)(*(_sds(s, dtype) for s in shapes)), gen)
+
+
+def test_matmul_refetch_count_matches_hand_count() -> None:
+    # Grid (2, 3, 4), last axis (k) fastest. x block (i, k) and y block (k, j) change on every one of the
+    # 24 steps; the output block (i, j) changes only when j or i does: 6 write-backs.
+    est = _estimate(tiled_matmul, (256, 512), (512, 384))
+    (call,) = est.pallas_calls
+    assert call.grid == (2, 3, 4)
+    assert call.est_grid_steps == 24
+    block = 128 * 128 * 2
+    assert [op.est_transfers for op in call.operands] == [24, 24, 6]
+    assert [op.role for op in call.operands] == ["input", "input", "output"]
+    assert call.est_hbm_bytes == (24 + 24 + 6) * block
+    assert est.est_hbm_bytes == call.est_hbm_bytes
+    assert call.est_mxu_flops == 2 * 256 * 512 * 384
+    # 24 tiny steps: per-step overhead (8.4 us) dwarfs 1.8 MB of traffic and 0.1 GFLOP.
+    assert call.est_overhead_seconds == pytest.approx(24 * PER_STEP_OVERHEAD_S)
+    assert call.bound == "overhead"
+    assert est.kind == "estimate" and est.method
+
+
+def test_pallas_call_inside_jit_is_found() -> None:
+    est = _estimate(jax.jit(tiled_matmul), (256, 512), (512, 384))
+    assert len(est.pallas_calls) == 1 and est.pallas_calls[0].name == "_matmul_kernel"
+    assert est.xla_op_count == 0
+
+
+def test_grid_order_changes_refetches() -> None:
+    # Grid (i, kk, j) with j fastest: x (i, kk) stays put across j -> 2*4 = 8 fetches; y (kk, j) and the
+    # output (i, j) change every step -> 24 each.
+    est = _estimate(functools.partial(tiled_matmul, k_middle=True), (256, 512), (512, 384))
+    (call,) = est.pallas_calls
+    assert call.grid == (2, 4, 3)
+    assert [op.est_transfers for op in call.operands] == [8, 24, 24]
+    assert call.est_hbm_bytes == (8 + 24 + 24) * 128 * 128 * 2
+
+
+def test_vmem_footprint_is_double_buffered_blocks_plus_scratch() -> None:
+    bm, bn, bk = 256, 512, 128
+    est = _estimate(functools.partial(tiled_matmul, bm=bm, bn=bn, bk=bk), (512, 1024), (1024, 1024))
+    (call,) = est.pallas_calls
+    expected = 2 * (bm * bk + bk * bn + bm * bn) * 2 + bm * bn * 4
+    assert call.est_vmem_bytes == expected
+    assert not call.vmem_exceeds_limit and not call.vmem_exceeds_capacity
+
+
+def test_vmem_limits_are_flagged_per_generation() -> None:
+    big = functools.partial(tiled_matmul, bm=2048, bn=2048, bk=2048)
+    shapes = ((4096, 4096), (4096, 4096))
+    v5e = _estimate(big, *shapes, gen="v5e", dtype=jnp.float32).pallas_calls[0]
+    assert v5e.est_vmem_bytes == 2 * 3 * 2048 * 2048 * 4 + 2048 * 2048 * 4  # 112 MiB
+    assert v5e.vmem_exceeds_limit and not v5e.vmem_exceeds_capacity  # 16 MiB scoped, 128 MiB VMEM
+    v4 = _estimate(big, *shapes, gen="v4", dtype=jnp.float32)
+    assert v4.vmem_exceeds_capacity and any("will not compile" in n for n in v4.pallas_calls[0].notes)
+
+
+def test_large_blocks_are_compute_bound() -> None:
+    est = _estimate(functools.partial(tiled_matmul, bm=1024, bn=1024, bk=512), (4096, 4096), (4096, 4096))
+    (call,) = est.pallas_calls
+    assert call.bound == "compute"
+    spec = get_spec("v5e")
+    assert call.est_mxu_seconds == pytest.approx(2 * 4096**3 / spec.device_peak_flops)
+
+
+def _add_kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = jnp.tanh(x_ref[...] + y_ref[...])
+
+
+def tiled_add_tanh(x, y, *, block=(8, 128), row_major_map=None):
+    rows, cols = x.shape
+    grid = (rows // block[0], cols // block[1])
+
+    def index_map(i, j):
+        return (i, j) if row_major_map is None else row_major_map(i, j)
+
+    spec = pl.BlockSpec(block, index_map)
+    return pl.pallas_call(
+        _add_kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=grid,
+        in_specs=[spec, spec],
+        out_specs=spec,
+    )(x, y)
+
+
+def test_tiny_elementwise_tiles_are_overhead_bound_and_count_transcendentals() -> None:
+    est = _estimate(tiled_add_tanh, (1024, 1024), (1024, 1024), dtype=jnp.float32)
+    (call,) = est.pallas_calls
+    assert call.est_grid_steps == 128 * 8
+    assert call.est_hbm_bytes == 3 * 1024 * 1024 * 4  # each block read/written exactly once
+    assert call.est_transcendentals == 1024 * 1024
+    assert call.est_vpu_elementwise_ops == 1024 * 1024  # the add
+    assert call.bound == "overhead"
+
+
+def test_index_map_arithmetic_is_evaluated() -> None:
+    # Block row i // 2: rows 0,0,1,1,... -> a fetch every second step (grid (8, 1)).
+    def halve(i, j):
+        return i // 2, j
+
+    est = _estimate(
+        functools.partial(tiled_add_tanh, block=(8, 128), row_major_map=halve),
+        (64, 128),
+        (64, 128),
+        dtype=jnp.float32,
+    )
+    (call,) = est.pallas_calls
+    assert [op.est_transfers for op in call.operands] == [4, 4, 4]
+    assert all(op.index_map_exact for op in call.operands)
+
+
+def test_scan_multiplies_and_outside_ops_are_charged() -> None:
+    def layered(x, y):
+        def body(carry, _):
+            return tiled_matmul(carry, y), None
+
+        out, _ = jax.lax.scan(body, x, None, length=3)
+        return out + 1
+
+    est = _estimate(layered, (256, 256), (256, 256))
+    (call,) = est.pallas_calls
+    assert call.multiplicity == 3
+    assert est.est_hbm_bytes >= 3 * call.est_hbm_bytes
+    assert est.xla_op_count >= 1 and est.est_xla_seconds > 0
+    assert est.estimated_seconds == pytest.approx(3 * call.estimated_seconds + est.est_xla_seconds)
+    assert "estimate" in est.to_markdown().lower()
+
+
+def test_estimate_xla_matmul_flops() -> None:
+    m, k, n = 256, 512, 128
+    est = estimate_xla(lambda a, b: a @ b, [((m, k), BF16), ((k, n), BF16)], "v6e")
+    assert est.kind == "estimate"
+    assert est.est_flops == pytest.approx(2 * m * n * k)
+    assert est.estimated_seconds is not None and est.estimated_seconds > 0
+    assert est.est_cycles_total and est.est_cycles_total > 0
+    assert est.est_bytes_accessed and est.est_bytes_accessed >= (m * k + k * n + m * n) * 2
+    assert est.opaque_custom_calls == []
+    assert est.device_kind == "TPU v6 lite"
+
+
+def test_estimate_xla_is_blind_to_pallas_without_cost_estimate() -> None:
+    est = estimate_xla(tiled_matmul, [_sds((256, 256)), _sds((256, 256))], "v5e")
+    assert "tpu_custom_call" in est.opaque_custom_calls
+    assert est.estimated_seconds is None and est.est_flops is None
+    assert est.notes
+
+
+def test_estimated_speedup() -> None:
+    assert estimated_speedup(2e-6, 1e-6) == pytest.approx(2.0)
+    ref = _estimate(tiled_matmul, (256, 512), (512, 384))
+    cand = _estimate(functools.partial(tiled_matmul, bm=256, bn=384, bk=512), (256, 512), (512, 384))
+    assert estimated_speedup(ref, cand) > 1.0  # one big step beats 24 tiny ones
+    with pytest.raises(ValueError):
+        estimated_speedup(1.0, 0.0)
+
+
+@pytest.mark.parametrize(("rows", "fits"), [(512, True), (1024, False)])
+def test_vmem_flag_agrees_with_mosaic(rows: int, fits: bool) -> None:
+    """Three f32 (rows, 1024) blocks, double-buffered: 12 MiB fits v5e's 16 MiB scoped VMEM, 24 MiB does not."""
+    fn = functools.partial(tiled_add_tanh, block=(rows, 1024))
+    shapes = [_sds((2048, 1024), jnp.float32)] * 2
+    call = estimate_pallas(jax.make_jaxpr(fn)(*shapes), "v5e").pallas_calls[0]
+    assert call.est_vmem_bytes == 2 * 3 * rows * 1024 * 4
+    assert call.vmem_exceeds_limit is (not fits)
+    sharding = jax.sharding.SingleDeviceSharding(topology_device("v5e"))
+    specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes]
+    if fits:
+        jax.jit(fn).trace(*specs).lower().compile()
+    else:
+        with pytest.raises(Exception, match="(?i)vmem"):
+            jax.jit(fn).trace(*specs).lower().compile()
