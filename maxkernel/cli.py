@@ -150,7 +150,12 @@ def render_eval(r: EvalResult) -> None:
     out.print(t)
 
 
+def _register_agent_commands() -> None:
+    import maxkernel.cli_agent  # noqa: F401 - registers optimize / resume / runs on `app`
+
+
 def main() -> None:
+    _register_agent_commands()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         app()

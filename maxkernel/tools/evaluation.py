@@ -20,6 +20,7 @@ from maxkernel.tools.results import (
     ArraySpec,
     CompileOutcome,
     CorrectnessResult,
+    EstimateSummary,
     EvalResult,
     InputConfig,
     MeasuredTiming,
@@ -273,6 +274,11 @@ def _evaluate(
             "correctness", f"config {bad.config} input set {bad.input_set} ({bad.origin}): {bad.message}"
         )
 
+    if opts.get("estimate", True):
+        clock.start("estimate")
+        gen = gens[0] if gens else "v5e"
+        result.estimate = _estimate(ref, candidate, own, gen, opts.get("reference_estimated_seconds"))
+
     if opts.get("timing", True):
         clock.start("timing")
         result.timing = _measure(ref, candidate, val, input_sets, expected, opts)
@@ -416,7 +422,7 @@ def _compare(
                     if nan_out
                     else ""
                 )
-                + f"; e.g. at {tuple(int(i) for i in idx)}: got {g64[idx]!r}, expected {w64[idx]!r}"
+                + f"; e.g. at {tuple(int(i) for i in idx)}: got {float(g64[idx]):.6g}, expected {float(w64[idx]):.6g}"
             )
     return check
 
@@ -456,6 +462,44 @@ def _aot_compile(candidate: Any, configs: list[InputConfig], gen: str) -> Compil
                 ok=False, error=f"{type(exc).__name__}: {exc}", seconds=round(time.perf_counter() - t0, 3)
             )
     return CompileOutcome(ok=True, seconds=round(time.perf_counter() - t0, 3))
+
+
+def _estimate(
+    ref: taskcode.Reference, candidate: Any, own: list[InputConfig], gen: str, cached_reference: float | None
+) -> EstimateSummary:
+    """TPU time estimates at the task's own shapes: the candidate's pallas_calls through the block model,
+    the reference through the TPU compiler's cost model (cached by the caller per task and generation).
+    Estimates only: nothing here ran on a TPU."""
+    import jax
+
+    from maxkernel.tools.estimate import estimate_pallas, estimate_xla
+
+    cfg = own[0]
+    specs = [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype)) for a in cfg.dynamic]
+    summary = EstimateSummary(generation=gen, method="")
+    notes = []
+    try:
+        cand = estimate_pallas(jax.make_jaxpr(_bind_static(candidate, cfg.static))(*specs), gen)
+        summary.estimated_seconds = cand.estimated_seconds
+        summary.bound = cand.bound
+        summary.method = cand.method
+        summary.detail_markdown = cand.to_markdown()
+    except Exception as exc:  # noqa: BLE001 - an estimate failing must not fail an accepted kernel
+        notes.append(f"block model failed: {type(exc).__name__}: {exc}")
+    reference_s = cached_reference
+    if reference_s is None:
+        try:
+            reference_s = estimate_xla(
+                _bind_static(ref.computation, cfg.static), specs, gen
+            ).estimated_seconds
+        except Exception as exc:  # noqa: BLE001
+            notes.append(f"reference cost model failed: {type(exc).__name__}: {exc}")
+    summary.reference_estimated_seconds = reference_s
+    summary.method += "; reference: TPU compiler cost model (optimal_seconds)"
+    if summary.estimated_seconds and reference_s:
+        summary.estimated_speedup = reference_s / summary.estimated_seconds
+    summary.note = "; ".join(notes) or None
+    return summary
 
 
 def _measure(

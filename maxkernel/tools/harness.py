@@ -28,6 +28,7 @@ class EvalOptions(BaseModel):
     input_sets: int = Field(3, ge=1, description="input sets per configuration: the task's own + fresh draws")
     seed: int = 0
     timing: bool = Field(True, description="measure on a real device when one is present")
+    estimate: bool = Field(True, description="estimate TPU time (block model vs the compiler's cost model)")
     timeout_s: float = Field(600.0, description="wall-clock limit for the whole evaluation")
     memory_mb: int = 12_000
 
@@ -79,11 +80,15 @@ def evaluate(
     run_dir.mkdir(parents=True, exist_ok=True)
     candidate_path = run_dir / "candidate.py"
     candidate_path.write_text(source)
+    worker_opts = options.model_dump(mode="json")
+    gen = options.tpu[0] if options.tpu else "v5e"
+    if store is not None and options.estimate:
+        worker_opts["reference_estimated_seconds"] = store.get_reference_estimate(task.fingerprint, gen)
     payload = {
         "task": task.model_dump(mode="json"),
         "candidate_path": str(candidate_path),
         "source_hash": source_hash,
-        "options": options.model_dump(mode="json"),
+        "options": worker_opts,
     }
     t0 = time.monotonic()
     outcome = run_sandboxed(
@@ -98,6 +103,8 @@ def evaluate(
         read_paths=[Path(task.reference_path).parent],
     )
     result = _to_result(task, source_hash, outcome)
+    if store is not None and result.estimate and result.estimate.reference_estimated_seconds:
+        store.put_reference_estimate(task.fingerprint, gen, result.estimate.reference_estimated_seconds)
     if store is not None:
         store.put_evaluation(key, task.fingerprint, options.key_fields(), result, time.monotonic() - t0)
     return result

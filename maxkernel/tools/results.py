@@ -143,6 +143,20 @@ class MeasuredTiming(BaseModel):
     rechecked_correct: bool
 
 
+class EstimateSummary(BaseModel):
+    """The TPU time model's view of a candidate: estimated, never measured, and named so everywhere."""
+
+    kind: Literal["estimate"] = "estimate"
+    generation: str
+    method: str = Field(description="how the numbers were obtained (block model, compiler cost model)")
+    estimated_seconds: float | None = Field(None, description="candidate, block model of its pallas_calls")
+    reference_estimated_seconds: float | None = Field(None, description="reference, TPU compiler cost model")
+    estimated_speedup: float | None = None
+    bound: str | None = Field(None, description="memory / compute / overhead, per the block model")
+    note: str | None = None
+    detail_markdown: str | None = Field(None, description="the block model's per-call table")
+
+
 class EvalResult(BaseModel):
     """Everything the harness learned about one candidate. `error` is None only when it was accepted."""
 
@@ -158,6 +172,7 @@ class EvalResult(BaseModel):
     correctness: CorrectnessResult | None = None
     tpu_compile: dict[str, CompileOutcome] = Field(default_factory=dict)
     timing: MeasuredTiming | None = None
+    estimate: EstimateSummary | None = None
     error: StageError | None = None
     warnings: list[str] = Field(default_factory=list)
     stage_seconds: dict[str, float] = Field(default_factory=dict)

@@ -189,6 +189,9 @@ def run_sandboxed(
     }
     if not limits.allow_device:
         env["JAX_PLATFORMS"] = "cpu"
+        # libtpu takes a machine-wide lock file on start-up; with no TPU here, compile-only clients in
+        # several children at once must be allowed (on a TPU host the lock is real and stays).
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     for key in ("LANG", "LC_ALL", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
         if key in os.environ:
             env[key] = os.environ[key]

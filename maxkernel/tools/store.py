@@ -83,6 +83,45 @@ class ResultsStore:
             # One row per evaluation actually executed in a sandbox (a store hit adds none): lets a resumed
             # run prove it re-ran nothing.
             self.db["eval_log"].create({"key": str, "task_id": str, "started_at": str}, if_not_exists=True)
+        if "model_replies" not in self.db.table_names():
+            self.db["model_replies"].create(
+                {"key": str, "model": str, "reply": str, "created_at": str}, pk="key", if_not_exists=True
+            )
+        if "reference_estimates" not in self.db.table_names():
+            self.db["reference_estimates"].create(
+                {"key": str, "estimated_seconds": float, "created_at": str}, pk="key", if_not_exists=True
+            )
+        if "tuning" not in self.db.table_names():
+            self.db["tuning"].create(
+                {
+                    "task_id": str,
+                    "shapes": str,
+                    "generations": str,
+                    "config": str,
+                    "source_hash": str,
+                    "score_kind": str,
+                    "score": float,
+                    "created_at": str,
+                },
+                pk=("task_id", "shapes", "generations"),
+                if_not_exists=True,
+            )
+        if "runs" not in self.db.table_names():
+            self.db["runs"].create(
+                {
+                    "thread_id": str,
+                    "task_id": str,
+                    "task_path": str,
+                    "settings": str,
+                    "status": str,
+                    "best": str,
+                    "out_dir": str,
+                    "created_at": str,
+                    "updated_at": str,
+                },
+                pk="thread_id",
+                if_not_exists=True,
+            )
         if "candidates" not in self.db.table_names():
             self.db["candidates"].create(
                 {"source_hash": str, "task_id": str, "source": str, "origin": str, "created_at": str},
@@ -123,7 +162,76 @@ class ResultsStore:
         """Keys of evaluations actually executed, in order, with repeats (there should be none)."""
         if task_id is None:
             return [r["key"] for r in self.db.query("select key from eval_log order by rowid")]
-        return [r["key"] for r in self.db.query("select key from eval_log where task_id = ? order by rowid", [task_id])]
+        return [
+            r["key"]
+            for r in self.db.query("select key from eval_log where task_id = ? order by rowid", [task_id])
+        ]
+
+    def get_model_reply(self, key: str) -> str | None:
+        rows = list(self.db.query("select reply from model_replies where key = ?", [key]))
+        return rows[0]["reply"] if rows else None
+
+    def put_model_reply(self, key: str, model: str, reply: str) -> None:
+        self.db["model_replies"].upsert(
+            {"key": key, "model": model, "reply": reply, "created_at": _now()}, pk="key"
+        )
+
+    def _ref_key(self, task_fingerprint: str, gen: str) -> str:
+        return sha256_text(json.dumps([task_fingerprint, gen, toolchain_versions()]))
+
+    def get_reference_estimate(self, task_fingerprint: str, gen: str) -> float | None:
+        """The TPU compiler's estimate for the reference: the same for every candidate, so computed once."""
+        key = self._ref_key(task_fingerprint, gen)
+        rows = list(self.db.query("select estimated_seconds from reference_estimates where key = ?", [key]))
+        return rows[0]["estimated_seconds"] if rows else None
+
+    def put_reference_estimate(self, task_fingerprint: str, gen: str, seconds: float) -> None:
+        key = self._ref_key(task_fingerprint, gen)
+        self.db["reference_estimates"].upsert(
+            {"key": key, "estimated_seconds": seconds, "created_at": _now()}, pk="key"
+        )
+
+    def put_tuning(
+        self,
+        *,
+        task_id: str,
+        shapes: str,
+        generations: str,
+        config: dict[str, Any],
+        source_hash: str,
+        score_kind: str,
+        score: float,
+    ) -> None:
+        """The winning config per (task, shapes, generations); ranked by `score_kind` (measured or estimated)."""
+        self.db["tuning"].upsert(
+            {
+                "task_id": task_id,
+                "shapes": shapes,
+                "generations": generations,
+                "config": json.dumps(config, sort_keys=True),
+                "source_hash": source_hash,
+                "score_kind": score_kind,
+                "score": score,
+                "created_at": _now(),
+            },
+            pk=("task_id", "shapes", "generations"),
+        )
+
+    def get_tuning(self, task_id: str) -> list[dict[str, Any]]:
+        return list(self.db.query("select * from tuning where task_id = ?", [task_id]))
+
+    def upsert_run(self, thread_id: str, **fields: Any) -> None:
+        row = {"thread_id": thread_id, "updated_at": _now(), **fields}
+        if not list(self.db.query("select 1 from runs where thread_id = ?", [thread_id])):
+            row.setdefault("created_at", _now())
+        self.db["runs"].upsert(row, pk="thread_id", alter=True)
+
+    def get_run(self, thread_id: str) -> dict[str, Any] | None:
+        rows = list(self.db.query("select * from runs where thread_id = ?", [thread_id]))
+        return rows[0] if rows else None
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        return list(self.db.query("select * from runs order by created_at desc"))
 
     def put_candidate(self, source_hash: str, task_id: str, source: str, origin: str) -> None:
         self.db["candidates"].insert(

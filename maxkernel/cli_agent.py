@@ -1,0 +1,338 @@
+"""The agent's commands: `maxkernel optimize`, `maxkernel resume`, `maxkernel runs`.
+
+Run settings (model, TPU targets, store, work dir) are recorded in the store's `runs` table under the
+thread id, so `resume` in another process (or after `kill -9`) rebuilds exactly the same context.
+
+Exit codes: 0 a correct kernel was found, 1 none was, 2 bad input, 3 paused for a human (hitl).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from maxkernel.cli import DEFAULT_TPU_TEXT, app, console, fail_usage, out, parse_tpus
+from maxkernel.graph.context import Context, default_model
+
+DEFAULT_CHECKPOINTS = "checkpoints/maxkernel.sqlite"
+DEFAULT_STORE = ".maxkernel/results.db"
+EXIT_PAUSED = 3
+
+CheckpointOpt = Annotated[
+    str, typer.Option("--checkpoint-db", help="SQLite path or postgres:// URL for LangGraph checkpoints")
+]
+StoreOpt = Annotated[Path, typer.Option("--store", help="results store (SQLite)")]
+
+
+def _graph(checkpoint_db: str) -> Any:
+    from maxkernel.graph.agent import checkpointer_for, compile_graph
+
+    try:
+        return compile_graph(checkpointer_for(checkpoint_db))
+    except RuntimeError as exc:
+        raise fail_usage(str(exc)) from exc
+
+
+def _store(path: Path) -> Any:
+    from maxkernel.tools.store import ResultsStore
+
+    return ResultsStore(path)
+
+
+def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
+    it = update.get("iteration", seen.get("iteration", 0))
+    seen["iteration"] = it
+    bits = []
+    if node == "prepare" and update.get("task") is not None:
+        task = update["task"]
+        bits.append(f"task {task.task_id}: {'; '.join(c.describe() for c in task.configs)}")
+    if node == "plan" and update.get("plan") is not None:
+        bits.append(update["plan"].summary)
+    if "attempts" in update:
+        for a in update["attempts"]:
+            cfg = f" {a.config}" if a.config else ""
+            bits.append(f"{a.kind}{cfg}: " + ("accepted" if a.accepted else f"{a.stage} — {a.message[:140]}"))
+    if update.get("best") is not None:
+        b = update["best"]
+        seen["best"] = b
+        score = b.score()
+        perf = {2: f"measured {score[1]:.2f}x", 1: f"estimated {score[1]:.2f}x", 0: "no perf figure"}[
+            score[0]
+        ]
+        bits.append(f"new best [{b.source_hash[:10]}] ({perf})")
+    if update.get("stop_reason"):
+        bits.append(f"stop: {update['stop_reason']}")
+    return f"[round {it}] {node}" + (": " + " | ".join(bits) if bits else "")
+
+
+def _drive(graph: Any, inp: Any, config: dict[str, Any], ctx: Context) -> None:
+    seen: dict[str, Any] = {}
+    with console.status("working ...") as status:
+        for chunk in graph.stream(inp, config, context=ctx, stream_mode="updates"):
+            for node, update in chunk.items():
+                if node == "__interrupt__":
+                    continue
+                console.print(_describe(node, update or {}, seen))
+                status.update(f"after {node} ...")
+
+
+def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> None:
+    """Report a paused or finished run and exit with the right code."""
+    snapshot = graph.get_state(config)
+    values = snapshot.values
+    pending = [i for t in snapshot.tasks for i in t.interrupts]
+    if pending:
+        payload = pending[0].value
+        store.upsert_run(thread_id, status=f"paused:{payload.get('kind')}")
+        console.print(
+            f"\n[bold yellow]paused for review[/] ({payload.get('kind')}), thread [bold]{thread_id}[/]"
+        )
+        body = payload.get("plan") if payload.get("kind") == "plan_review" else payload.get("message") or ""
+        if payload.get("kind") == "code_review":
+            body = payload.get("code", "")
+        out.print(body)
+        hints = {
+            "plan_review": "--approve | --plan-file PLAN.md | --feedback TEXT",
+            "code_review": "--approve | --code-file KERNEL.py | --feedback TEXT",
+            "failure": "--approve (retry) | --feedback TEXT | --stop",
+        }
+        console.print(
+            f"resume with: maxkernel resume {thread_id} {hints.get(payload.get('kind'), '--approve')}"
+        )
+        raise typer.Exit(EXIT_PAUSED)
+    status = values.get("status", "unknown")
+    best = values.get("best")
+    store.upsert_run(
+        thread_id,
+        status=status,
+        best=json.dumps({"source_hash": best.source_hash, "score": list(best.score())}) if best else None,
+    )
+    result_path = values.get("result_path")
+    console.print(f"\n[bold]{status}[/]: {values.get('stop_reason') or ''}")
+    if result_path:
+        console.print(f"wrote {Path(result_path).parent}/kernel.py, result.json, report.md")
+    raise typer.Exit(0 if best is not None else 1)
+
+
+@app.command("optimize")
+def optimize_cmd(
+    task: Annotated[Path, typer.Argument(help="task: a problem dir, a reference.py, or a JAXBench module")],
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="offline, or PROVIDER:MODEL (google_genai:..., openai:..., ...)"),
+    ] = None,
+    mode: Annotated[str, typer.Option("--mode", help="auto (never interrupts) or hitl")] = "auto",
+    iterations: Annotated[int, typer.Option("--iterations", min=1, help="rounds at most")] = 3,
+    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="output dir (default out/TASK_ID)")] = None,
+    scale: Annotated[
+        str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
+    ] = None,
+    strategy: Annotated[str | None, typer.Option("--strategy", help="strategy to apply first")] = None,
+    checkpoint_db: CheckpointOpt = DEFAULT_CHECKPOINTS,
+    store: StoreOpt = Path(DEFAULT_STORE),
+    work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
+    thread_id: Annotated[str | None, typer.Option("--thread-id", help="use this thread id")] = None,
+) -> None:
+    """Run the agent loop on a task and write the best correct kernel, result.json and report.md."""
+    if mode not in ("auto", "hitl"):
+        raise fail_usage(f"--mode must be auto or hitl, not {mode!r}")
+    if not task.exists():
+        raise fail_usage(f"task not found: {task}")
+    if strategy is not None:
+        from maxkernel.strategies import get_strategy
+
+        try:
+            get_strategy(strategy)
+        except KeyError as exc:
+            raise fail_usage(str(exc.args[0])) from exc
+    gens = parse_tpus(tpu)
+    model = model or default_model()
+    thread_id = thread_id or f"mk-{uuid.uuid4().hex[:12]}"
+    settings = {
+        "model": model,
+        "tpu": gens,
+        "store_path": str(store.resolve()),
+        "work_dir": str(work_dir.resolve()),
+        "checkpoint_db": checkpoint_db,
+    }
+    st = _store(store)
+    st.upsert_run(
+        thread_id,
+        task_id=task.stem if task.is_file() else task.name,
+        task_path=str(task.resolve()),
+        settings=json.dumps(settings),
+        status="running",
+        out_dir=str(out_dir.resolve()) if out_dir else None,
+    )
+    console.print(f"thread [bold]{thread_id}[/] — model {model}, mode {mode}, TPU {', '.join(gens)}")
+    ctx = _context(settings)
+    graph = _graph(checkpoint_db)
+    config = {"configurable": {"thread_id": thread_id}}
+    inp = {
+        "task_path": str(task.resolve()),
+        "mode": mode,
+        "max_iterations": iterations,
+        "scale": scale,
+        "out_dir": str(out_dir.resolve()) if out_dir else None,
+        "strategy": strategy,
+    }
+    _drive(graph, inp, config, ctx)
+    _check_bad_task(graph, config)
+    _finish(graph, config, st, thread_id)
+
+
+def _check_bad_task(graph: Any, config: dict[str, Any]) -> None:
+    values = graph.get_state(config).values
+    reason = values.get("stop_reason") or ""
+    if values.get("task") is None and reason.startswith("bad task"):
+        raise fail_usage(reason)
+
+
+def _context(settings: dict[str, Any]) -> Context:
+    model = settings["model"]
+    if model != "offline":
+        from maxkernel.authors.base import AuthorError
+        from maxkernel.authors.llm import init_model
+
+        try:
+            init_model(model)
+        except AuthorError as exc:
+            raise fail_usage(str(exc)) from exc
+    return Context(
+        model=model,
+        tpu=list(settings["tpu"]),
+        store_path=settings["store_path"],
+        work_dir=settings["work_dir"],
+    )
+
+
+def _resume_value(
+    kind: str, approve: bool, plan_file: Path | None, code_file: Path | None, feedback: str | None, stop: bool
+) -> dict[str, Any]:
+    given = [x for x in (approve, plan_file, code_file, feedback, stop) if x]
+    if len(given) != 1:
+        raise fail_usage("give exactly one of --approve, --plan-file, --code-file, --feedback, --stop")
+    if kind == "plan_review":
+        if approve:
+            return {"action": "approve"}
+        if plan_file:
+            return {"action": "replace", "plan": _read(plan_file)}
+        if feedback:
+            return {"action": "reject", "feedback": feedback}
+    elif kind == "code_review":
+        if approve:
+            return {"action": "approve"}
+        if code_file:
+            return {"action": "edit", "code": _read(code_file)}
+        if feedback:
+            return {"action": "feedback", "feedback": feedback}
+    elif kind == "failure":
+        if approve:
+            return {"action": "retry"}
+        if feedback:
+            return {"action": "feedback", "feedback": feedback}
+        if stop:
+            return {"action": "stop"}
+    raise fail_usage(f"that option does not answer a {kind} review")
+
+
+def _read(path: Path) -> str:
+    if not path.is_file():
+        raise fail_usage(f"file not found: {path}")
+    return path.read_text()
+
+
+@app.command("resume")
+def resume_cmd(
+    thread_id: Annotated[str, typer.Argument(help="the thread id printed when the run started")],
+    approve: Annotated[
+        bool, typer.Option("--approve", help="approve the pending plan/code, or retry")
+    ] = False,
+    plan_file: Annotated[
+        Path | None, typer.Option("--plan-file", help="replace the plan with this file")
+    ] = None,
+    code_file: Annotated[
+        Path | None, typer.Option("--code-file", help="replace the kernel with this file")
+    ] = None,
+    feedback: Annotated[str | None, typer.Option("--feedback", help="feedback for the author")] = None,
+    stop: Annotated[bool, typer.Option("--stop", help="stop the run (at a failure review)")] = False,
+    checkpoint_db: Annotated[
+        str | None, typer.Option("--checkpoint-db", help="override the recorded one")
+    ] = None,
+    store: StoreOpt = Path(DEFAULT_STORE),
+) -> None:
+    """Continue a paused (hitl) or killed run from its last checkpoint."""
+    from langgraph.types import Command
+
+    st = _store(store)
+    run = st.get_run(thread_id)
+    if run is None:
+        raise fail_usage(f"no run with thread id {thread_id!r} in {store}")
+    settings = json.loads(run["settings"])
+    graph = _graph(checkpoint_db or settings["checkpoint_db"])
+    config = {"configurable": {"thread_id": thread_id}}
+    snapshot = graph.get_state(config)
+    if not snapshot.values:
+        raise fail_usage(
+            f"thread {thread_id} has no checkpoint in {checkpoint_db or settings['checkpoint_db']}"
+        )
+    pending = [i for t in snapshot.tasks for i in t.interrupts]
+    ctx = _context(settings)
+    if pending:
+        value = _resume_value(pending[0].value.get("kind", ""), approve, plan_file, code_file, feedback, stop)
+        inp: Any = Command(resume=value)
+    elif not snapshot.next:
+        console.print(f"thread {thread_id} already finished")
+        _finish(graph, config, st, thread_id)
+        return
+    else:
+        if any((approve, plan_file, code_file, feedback, stop)):
+            console.print(
+                "note: nothing is waiting for review; the options are ignored and the run continues"
+            )
+        inp = None
+    st.upsert_run(thread_id, status="running")
+    console.print(f"resuming thread [bold]{thread_id}[/] at {', '.join(snapshot.next)}")
+    _drive(graph, inp, config, ctx)
+    _finish(graph, config, st, thread_id)
+
+
+@app.command("runs")
+def runs_cmd(
+    store: StoreOpt = Path(DEFAULT_STORE),
+    json_out: Annotated[bool, typer.Option("--json", help="print JSON lines")] = False,
+) -> None:
+    """List agent runs (threads) with status, task and best result."""
+    rows = _store(store).list_runs()
+    if json_out:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    t = Table(title=f"runs in {store}")
+    for col in ("thread", "task", "status", "best", "model", "started"):
+        t.add_column(col)
+    for r in rows:
+        settings = json.loads(r.get("settings") or "{}")
+        best = json.loads(r["best"]) if r.get("best") else None
+        best_text = "—"
+        if best:
+            kind, value = best["score"]
+            best_text = f"{best['source_hash'][:10]} " + {
+                2: f"measured {value:.2f}x",
+                1: f"estimated {value:.2f}x",
+            }.get(kind, "correct")
+        t.add_row(
+            r["thread_id"],
+            r.get("task_id") or "",
+            r.get("status") or "",
+            best_text,
+            settings.get("model", ""),
+            r.get("created_at") or "",
+        )
+    out.print(t)

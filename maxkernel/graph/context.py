@@ -1,0 +1,48 @@
+"""Run settings that are not state: which model, which TPUs, where the store and run dirs are.
+
+Passed to the graph with `context=Context(...)` (LangGraph's runtime context), never checkpointed: a resumed
+run is given its settings again (the CLI keeps them in the store's `runs` table).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def default_model() -> str:
+    """Gemini when a Google key is set, else the offline author: the first command works anywhere."""
+    if os.environ.get("GOOGLE_API_KEY") or os.environ.get("GEMINI_API_KEY"):
+        return "google_genai:gemini-2.5-pro"
+    return "offline"
+
+
+@dataclass(kw_only=True)
+class Context:
+    model: str = field(
+        default_factory=default_model,
+        metadata={
+            "description": "'offline' or an init_chat_model string such as 'google_genai:gemini-2.5-pro'"
+        },
+    )
+    tpu: list[str] = field(
+        default_factory=lambda: ["v5e", "v6e"],
+        metadata={"description": "TPU generations every kernel must compile for"},
+    )
+    store_path: str = field(
+        default=".maxkernel/results.db", metadata={"description": "results store (SQLite)"}
+    )
+    work_dir: str = field(default=".maxkernel", metadata={"description": "sandbox run directories"})
+    input_sets: int = field(default=3, metadata={"description": "input sets per configuration"})
+    eval_timeout_s: float = field(default=600.0, metadata={"description": "limit for one evaluation"})
+    baseline: bool = field(
+        default=True,
+        metadata={
+            "description": "start non-offline authors from the offline author's kernel when it has one"
+        },
+    )
+    chat_model: Any = field(
+        default=None,
+        metadata={"description": "a ready LangChain chat model (Python API, tests); overrides `model`"},
+    )

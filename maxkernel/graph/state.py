@@ -1,0 +1,131 @@
+"""The agent's state: a narrow input, and the richer state the nodes share.
+
+Big artifacts live on disk and in the results store: kernel sources are files under the run directory
+named by their hash, evaluations are rows in the store. The state holds hashes, paths and the small
+summaries a router or a human needs. Measured and estimated numbers keep separate names here too.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from maxkernel.authors.base import Plan
+from maxkernel.tools.results import EvalResult
+from maxkernel.tools.tasks import KernelTask
+
+Mode = Literal["auto", "hitl"]
+
+
+class AgentInput(BaseModel):
+    """What a caller gives the graph (`graph.invoke(AgentInput(...).model_dump())`)."""
+
+    task_path: str = Field(description="task dir, reference.py or JAXBench module")
+    mode: Mode = Field("auto", description="auto never interrupts; hitl asks a human at each review point")
+    max_iterations: int = Field(3, ge=1, description="plan→…→reflect rounds at most")
+    scale: str | None = Field(None, description="validation scale (cpu, tpu, or a shrink factor)")
+    out_dir: str | None = Field(None, description="where finalize writes kernel.py, result.json, report.md")
+    strategy: str | None = Field(None, description="optimisation strategy this run should apply first")
+
+
+class Budgets(BaseModel):
+    max_iterations: int = 3
+    max_repairs: int = Field(3, description="repair attempts per round before giving up on the round")
+    patience: int = Field(2, description="stop after this many rounds without improvement")
+    max_model_calls: int = 60
+    max_tokens: int = 400_000
+    max_wall_s: float = 3600.0
+    tune_max_configs: int = Field(6, description="configs the autotuner evaluates per round")
+
+
+class Usage(BaseModel):
+    model_calls: int = 0
+    tokens: int = 0
+    started_at: float = Field(0.0, description="time.time() when prepare ran")
+
+
+class Attempt(BaseModel):
+    """One evaluated kernel: enough to route, to report and to feed back to an author."""
+
+    iteration: int
+    kind: Literal["baseline", "implement", "repair", "tune", "human"]
+    source_hash: str
+    source_path: str
+    stage: str = Field(description="'accepted' or the stage the harness stopped at")
+    message: str = ""
+    correct: bool = False
+    compiled: bool = False
+    uses_pallas: bool = False
+    accepted: bool = False
+    config: dict[str, Any] | None = None
+    estimated_seconds: float | None = None
+    estimated_speedup: float | None = None
+    measured_seconds: float | None = None
+    measured_speedup: float | None = None
+
+    def score(self) -> tuple[int, float]:
+        """Higher is better: measured speedup when there is one, else the estimate (never mixed in one
+        comparison: a measured candidate outranks any estimated one)."""
+        if self.measured_speedup is not None:
+            return (2, self.measured_speedup)
+        if self.estimated_speedup is not None:
+            return (1, self.estimated_speedup)
+        return (0, 0.0)
+
+    def line(self) -> str:
+        perf = ""
+        if self.measured_speedup is not None:
+            perf = f", measured speedup {self.measured_speedup:.2f}x"
+        elif self.estimated_speedup is not None:
+            perf = f", estimated speedup {self.estimated_speedup:.2f}x"
+        cfg = f" config {self.config}" if self.config else ""
+        verdict = "accepted" if self.accepted else f"failed at {self.stage}: {self.message[:300]}"
+        return f"- round {self.iteration} {self.kind}{cfg} [{self.source_hash[:10]}]: {verdict}{perf}"
+
+
+class HumanFeedback(BaseModel):
+    at: str
+    action: str
+    text: str | None = None
+
+
+class AgentState(BaseModel):
+    """Shared by every node. Lists with `operator.add` are appended to, never replaced."""
+
+    # input
+    task_path: str
+    mode: Mode = "auto"
+    max_iterations: int = 3
+    scale: str | None = None
+    out_dir: str | None = None
+    strategy: str | None = None
+    # prepared
+    task: KernelTask | None = None
+    run_dir: str | None = None
+    budgets: Budgets = Field(default_factory=Budgets)
+    usage: Usage = Field(default_factory=Usage)
+    # the current round
+    iteration: int = 0
+    plan: Plan | None = None
+    source_hash: str | None = None
+    source_path: str | None = None
+    attempt_kind: Literal["baseline", "implement", "repair", "tune", "human"] = "implement"
+    repairs: int = 0
+    improved: bool = Field(False, description="the best kernel improved during the current round")
+    eval_result: EvalResult | None = Field(None, description="harness result of the current kernel")
+    trace_summary: str | None = Field(
+        None, description="profile/estimate summary (markdown) of the best kernel"
+    )
+    tuning: dict[str, Any] | None = Field(None, description="autotune outcome of this round")
+    feedback: str | None = Field(None, description="feedback for the author's next step (human or harness)")
+    # across rounds
+    attempts: Annotated[list[Attempt], operator.add] = Field(default_factory=list)
+    human: Annotated[list[HumanFeedback], operator.add] = Field(default_factory=list)
+    errors: Annotated[list[str], operator.add] = Field(default_factory=list)
+    best: Attempt | None = None
+    rounds_without_gain: int = 0
+    stop_reason: str | None = None
+    status: Literal["running", "succeeded", "failed", "stopped"] = "running"
+    result_path: str | None = None

@@ -1,0 +1,156 @@
+"""What the nodes share: the author and store for a run, author contexts, kernel files, evaluations.
+
+Nodes stay thin: read state, call an author or a tool through these helpers, return a partial update.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from langgraph.config import get_config
+
+from maxkernel.authors.base import Attempt as AuthorAttempt
+from maxkernel.authors.base import Author, AuthorContext, Plan
+from maxkernel.graph.context import Context
+from maxkernel.graph.state import AgentState, Attempt
+from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.results import EvalResult
+from maxkernel.tools.store import ResultsStore
+
+
+@lru_cache(maxsize=8)
+def store_at(path: str) -> ResultsStore:
+    return ResultsStore(path)
+
+
+_AUTHORS: dict[tuple[Any, ...], Author] = {}
+
+
+def author_for(ctx: Context) -> Author:
+    """The run's author, built once per (model, store): the offline author when `model` is 'offline'."""
+    key = (ctx.model, id(ctx.chat_model), ctx.store_path)
+    if key not in _AUTHORS:
+        if ctx.chat_model is not None:
+            from maxkernel.authors.llm import LLMAuthor
+
+            _AUTHORS[key] = LLMAuthor(ctx.chat_model, model_name=ctx.model, store=store_at(ctx.store_path))
+        elif ctx.model == "offline":
+            _AUTHORS[key] = offline_author(ctx)
+        else:
+            from maxkernel.authors.llm import LLMAuthor
+
+            _AUTHORS[key] = LLMAuthor(ctx.model, store=store_at(ctx.store_path))
+    return _AUTHORS[key]
+
+
+def offline_author(ctx: Context) -> Author:
+    from maxkernel.authors.offline import OfflineAuthor
+
+    return OfflineAuthor()
+
+
+def usage_of(author: Author) -> tuple[int, int]:
+    usage = getattr(author, "usage", None)
+    return (usage.model_calls, usage.tokens) if usage is not None else (0, 0)
+
+
+def thread_id() -> str:
+    try:
+        return str(get_config()["configurable"]["thread_id"])
+    except (KeyError, RuntimeError):
+        return "no-thread"
+
+
+def author_context(state: AgentState, ctx: Context, *, feedback: str | None = None) -> AuthorContext:
+    assert state.task is not None, "prepare must run first"
+    starting = Path(state.best.source_path).read_text() if state.best else None
+    return AuthorContext(
+        task=state.task,
+        tpu=list(ctx.tpu),
+        work_dir=Path(ctx.work_dir),
+        feedback=feedback if feedback is not None else (state.feedback or ""),
+        starting_source=starting,
+        strategy=state.strategy,
+        history=[AuthorAttempt.model_validate(a.model_dump()) for a in state.attempts],
+        profile=state.trace_summary,
+    )
+
+
+def current_plan(state: AgentState) -> Plan:
+    if state.plan is None:
+        raise RuntimeError("no plan in state: the plan node must run before this one")
+    return state.plan
+
+
+def save_source(state: AgentState, source: str) -> tuple[str, str]:
+    """Kernel sources live in the run dir, named by hash (state keeps the path)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    path = Path(state.run_dir or ".") / "candidates" / f"{digest[:16]}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_text(source)
+    return digest, str(path)
+
+
+def run_eval(state: AgentState, ctx: Context, source: str) -> EvalResult:
+    """Evaluate through the results store: a node re-run after a resume finds the earlier result."""
+    assert state.task is not None
+    options = EvalOptions(tpu=list(ctx.tpu), input_sets=ctx.input_sets, timeout_s=ctx.eval_timeout_s)
+    return evaluate(state.task, source, options, store=store_at(ctx.store_path), work_dir=Path(ctx.work_dir))
+
+
+def to_attempt(
+    state: AgentState, kind: str, digest: str, path: str, r: EvalResult, config: dict[str, Any] | None = None
+) -> Attempt:
+    est = r.estimate
+    return Attempt(
+        iteration=state.iteration,
+        kind=kind,  # type: ignore[arg-type]
+        source_hash=digest,
+        source_path=path,
+        stage="accepted" if r.accepted else (r.error.stage if r.error else "unknown"),
+        message="" if r.accepted else (r.error.message if r.error else ""),
+        correct=r.correct,
+        compiled=r.compiled,
+        uses_pallas=r.uses_pallas,
+        accepted=r.accepted,
+        config=config,
+        estimated_seconds=est.estimated_seconds if est else None,
+        estimated_speedup=est.estimated_speedup if est else None,
+        measured_seconds=r.timing.candidate_median_s if r.timing else None,
+        measured_speedup=r.timing.measured_speedup if r.timing else None,
+    )
+
+
+def better(candidate: Attempt, best: Attempt | None) -> bool:
+    if not candidate.accepted:
+        return False
+    if best is None:
+        return True
+    return candidate.score() > best.score()
+
+
+def budget_exhausted(state: AgentState) -> str | None:
+    b, u = state.budgets, state.usage
+    if u.model_calls >= b.max_model_calls:
+        return f"model-call budget spent ({u.model_calls}/{b.max_model_calls})"
+    if u.tokens >= b.max_tokens:
+        return f"token budget spent ({u.tokens}/{b.max_tokens})"
+    if u.started_at and time.time() - u.started_at >= b.max_wall_s:
+        return f"wall-time budget spent ({b.max_wall_s:.0f} s)"
+    return None
+
+
+def usage_update(state: AgentState, author: Author, before: tuple[int, int]) -> dict[str, Any]:
+    calls, tokens = usage_of(author)
+    d_calls, d_tokens = calls - before[0], tokens - before[1]
+    if not (d_calls or d_tokens):
+        return {}
+    usage = state.usage.model_copy(
+        update={"model_calls": state.usage.model_calls + d_calls, "tokens": state.usage.tokens + d_tokens}
+    )
+    return {"usage": usage}

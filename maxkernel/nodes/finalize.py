@@ -1,0 +1,130 @@
+"""finalize: write the best correct kernel, result.json and report.md; set the run's final status."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from langgraph.runtime import Runtime
+
+from maxkernel.graph.context import Context
+from maxkernel.graph.state import AgentState
+from maxkernel.nodes.common import run_eval, thread_id
+from maxkernel.nodes.profile import render_estimate
+from maxkernel.tools.results import EvalResult
+
+
+def finalize(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
+    ctx = runtime.context
+    task_id = state.task.task_id if state.task else Path(state.task_path).stem
+    out = Path(state.out_dir or Path("out") / task_id)
+    out.mkdir(parents=True, exist_ok=True)
+    best_result: EvalResult | None = None
+    kernel_path = None
+    if state.best is not None and state.task is not None:
+        source = Path(state.best.source_path).read_text()
+        best_result = run_eval(state, ctx, source)  # a store hit: the best kernel was evaluated already
+        kernel_path = out / "kernel.py"
+        kernel_path.write_text(source)
+    status = (
+        "succeeded"
+        if state.best is not None
+        else ("stopped" if state.stop_reason == "stopped by a human" else "failed")
+    )
+    result = {
+        "task_id": task_id,
+        "correct": bool(best_result and best_result.correct),
+        "accepted": bool(best_result and best_result.accepted),
+        "kernel_path": str(kernel_path) if kernel_path else None,
+        "thread_id": thread_id(),
+        "iterations": state.iteration,
+        "status": status,
+        "stop_reason": state.stop_reason,
+        "model": ctx.model,
+        "tpu": list(ctx.tpu),
+        "attempts": len(state.attempts),
+        "model_calls": state.usage.model_calls,
+        "tokens": state.usage.tokens,
+        "best_attempt": state.best.model_dump(mode="json") if state.best else None,
+        "harness": best_result.summary_json() if best_result else None,
+    }
+    result_path = out / "result.json"
+    result_path.write_text(json.dumps(result, indent=2))
+    (out / "report.md").write_text(render_report(state, ctx, result, best_result))
+    return {"status": status, "result_path": str(result_path)}
+
+
+def render_report(state: AgentState, ctx: Context, result: dict[str, Any], best: EvalResult | None) -> str:
+    task = state.task
+    lines = [f"# maxkernel report — {result['task_id']}", ""]
+    lines += [
+        f"- status: **{result['status']}** ({state.stop_reason or 'finished'})",
+        f"- author: `{ctx.model}`, mode `{state.mode}`, TPU targets {', '.join(ctx.tpu)}",
+        f"- rounds: {state.iteration}, evaluations: {len(state.attempts)}, model calls: {state.usage.model_calls}, "
+        f"tokens: {state.usage.tokens}",
+        f"- thread: `{result['thread_id']}`",
+        "",
+    ]
+    if task is not None:
+        lines += ["## Task", "", task.description or "(no description)", ""]
+        lines += [f"- production shapes: {'; '.join(c.describe() for c in task.configs)}"]
+        lines += [
+            f"- validated on: {task.validation_note}: {'; '.join(c.describe() for c in task.validation_configs)}",
+            "",
+        ]
+    if state.plan is not None:
+        lines += ["## Plan (last round)", "", state.plan.text.strip(), ""]
+    lines += [
+        "## Attempts",
+        "",
+        "| round | kind | kernel | config | verdict | estimated speedup | measured speedup |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for a in state.attempts:
+        verdict = (
+            "accepted"
+            if a.accepted
+            else f"{a.stage}: {a.message[:120]}".replace("|", "\\|").replace("\n", " ")
+        )
+        est = f"{a.estimated_speedup:.2f}x" if a.estimated_speedup is not None else "—"
+        meas = f"{a.measured_speedup:.2f}x" if a.measured_speedup is not None else "—"
+        cfg = ", ".join(f"{k}={v}" for k, v in (a.config or {}).items()) or "—"
+        lines.append(
+            f"| {a.iteration} | {a.kind} | `{a.source_hash[:10]}` | {cfg} | {verdict} | {est} | {meas} |"
+        )
+    lines.append("")
+    errors = [a for a in state.attempts if not a.accepted]
+    if errors or state.errors:
+        lines += ["## Errors met", ""]
+        seen = set()
+        for a in errors:
+            key = (a.stage, a.message[:200])
+            if key not in seen:
+                seen.add(key)
+                lines.append(f"- **{a.stage}** (round {a.iteration}, {a.kind}): {a.message[:500]}")
+        lines += [f"- {e}" for e in state.errors]
+        lines.append("")
+    if state.human:
+        lines += (
+            ["## Human input", ""]
+            + [f"- {h.at}: {h.action}" + (f" — {h.text}" if h.text else "") for h in state.human]
+            + [""]
+        )
+    lines += ["## Final numbers", ""]
+    if best is None:
+        lines.append("No correct kernel was found.")
+    else:
+        lines.append(
+            f"- correct: {best.correct} (max abs error {best.max_abs_err}, max rel error {best.max_rel_err})"
+        )
+        for gen, o in best.tpu_compile.items():
+            lines.append(f"- TPU {gen} ahead-of-time compile: {'ok' if o.ok else 'failed'}")
+        lines.append(
+            "- measured: " + ("see below" if best.timing else "nothing — no TPU/GPU on this machine")
+        )
+        lines.append("")
+        lines.append(render_estimate(best))
+    if state.trace_summary:
+        lines += ["", "## Profile", "", state.trace_summary]
+    return "\n".join(lines) + "\n"

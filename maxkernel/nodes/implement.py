@@ -1,0 +1,83 @@
+"""implement: the author writes the kernel; in hitl mode a human approves, edits or sends feedback."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from langgraph.runtime import Runtime
+from langgraph.types import Command, interrupt
+from pydantic import BaseModel
+
+from maxkernel.authors.base import AuthorError
+from maxkernel.graph.context import Context
+from maxkernel.graph.state import AgentState, HumanFeedback
+from maxkernel.nodes.common import (
+    author_context,
+    author_for,
+    current_plan,
+    save_source,
+    usage_of,
+    usage_update,
+)
+from maxkernel.nodes.plan import validated
+
+
+class CodeReview(BaseModel):
+    action: Literal["approve", "edit", "feedback"]
+    code: str | None = None
+    feedback: str | None = None
+
+
+def implement(
+    state: AgentState, runtime: Runtime[Context]
+) -> Command[Literal["validate", "implement", "reflect"]]:
+    ctx = runtime.context
+    author = author_for(ctx)
+    before = usage_of(author)
+    plan = current_plan(state)
+    try:
+        draft = author.implement(author_context(state, ctx), plan)
+    except AuthorError as exc:
+        return Command(goto="reflect", update={"errors": [f"implement: {exc}"], "feedback": str(exc)})
+    update: dict[str, Any] = usage_update(state, author, before)
+    source, kind = draft.source, "implement"
+    if state.mode == "hitl":
+        review = validated(
+            interrupt(
+                {
+                    "kind": "code_review",
+                    "iteration": state.iteration,
+                    "plan": plan.summary,
+                    "code": source,
+                    "actions": {
+                        "approve": {"action": "approve"},
+                        "edit": {"action": "edit", "code": "<the whole module>"},
+                        "feedback": {"action": "feedback", "feedback": "<what to change>"},
+                    },
+                }
+            ),
+            CodeReview,
+        )
+        assert isinstance(review, CodeReview)
+        record = HumanFeedback(at="code_review", action=review.action, text=review.feedback)
+        if review.action == "feedback":
+            return Command(
+                goto="implement", update={**update, "feedback": review.feedback or "", "human": [record]}
+            )
+        if review.action == "edit":
+            if not review.code:
+                raise ValueError("an 'edit' code review needs the code")
+            source, kind = review.code, "human"
+        update["human"] = [record]
+    digest, path = save_source(state, source)
+    return Command(
+        goto="validate",
+        update={
+            **update,
+            "source_hash": digest,
+            "source_path": path,
+            "repairs": 0,
+            "feedback": None,
+            "attempt_kind": kind,
+        },
+    )

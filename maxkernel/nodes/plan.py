@@ -1,0 +1,84 @@
+"""plan: the author proposes the next kernel; in hitl mode a human approves, replaces or rejects it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from langgraph.runtime import Runtime
+from langgraph.types import Command, interrupt
+from pydantic import BaseModel, ValidationError
+
+from maxkernel.authors.base import AuthorError
+from maxkernel.graph.context import Context
+from maxkernel.graph.state import AgentState, HumanFeedback
+from maxkernel.nodes.common import author_context, author_for, usage_of, usage_update
+
+
+class PlanReview(BaseModel):
+    """Resume value for a plan review."""
+
+    action: Literal["approve", "replace", "reject"]
+    plan: str | None = None
+    feedback: str | None = None
+
+
+def validated(value: Any, schema: type[BaseModel]) -> BaseModel:
+    try:
+        return schema.model_validate(value)
+    except ValidationError as exc:
+        raise ValueError(f"invalid resume value for {schema.__name__}: {exc}") from exc
+
+
+def plan(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["implement", "plan", "finalize"]]:
+    ctx = runtime.context
+    author = author_for(ctx)
+    before = usage_of(author)
+    iteration = state.iteration + 1
+    try:
+        proposal = author.plan(author_context(state, ctx))
+    except AuthorError as exc:
+        return Command(
+            goto="finalize",
+            update={
+                "stop_reason": f"the author could not plan: {exc}",
+                "errors": [str(exc)],
+                "iteration": iteration,
+            },
+        )
+    update: dict[str, Any] = {"iteration": iteration, "repairs": 0, **usage_update(state, author, before)}
+    if not proposal.supported:
+        reason = proposal.unsupported_reason or "unsupported"
+        return Command(
+            goto="finalize",
+            update={**update, "plan": proposal, "stop_reason": f"unsupported: {reason}", "errors": [reason]},
+        )
+    if state.mode == "hitl":
+        review = validated(
+            interrupt(
+                {
+                    "kind": "plan_review",
+                    "iteration": iteration,
+                    "task_id": state.task.task_id if state.task else None,
+                    "plan": proposal.text,
+                    "actions": {
+                        "approve": {"action": "approve"},
+                        "replace": {"action": "replace", "plan": "<new plan text>"},
+                        "reject": {"action": "reject", "feedback": "<what to change>"},
+                    },
+                }
+            ),
+            PlanReview,
+        )
+        assert isinstance(review, PlanReview)
+        record = HumanFeedback(at="plan_review", action=review.action, text=review.plan or review.feedback)
+        if review.action == "reject":
+            # Plan again with the human's words; the iteration counter does not advance for a rejection.
+            return Command(goto="plan", update={"feedback": review.feedback or "", "human": [record]})
+        if review.action == "replace":
+            if not review.plan:
+                raise ValueError("a 'replace' plan review needs the new plan text")
+            proposal = proposal.model_copy(
+                update={"text": review.plan, "hints": [*proposal.hints, "plan replaced by a human"]}
+            )
+        update["human"] = [record]
+    return Command(goto="implement", update={**update, "plan": proposal})

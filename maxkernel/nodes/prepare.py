@@ -1,0 +1,59 @@
+"""prepare: load the task (sandboxed), set budgets, and find a correct starting kernel when possible."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from langgraph.runtime import Runtime
+
+from maxkernel.authors.base import AuthorError
+from maxkernel.graph.context import Context
+from maxkernel.graph.state import AgentState, Budgets, Usage
+from maxkernel.nodes.common import (
+    author_context,
+    offline_author,
+    run_eval,
+    save_source,
+    thread_id,
+    to_attempt,
+)
+from maxkernel.tools.tasks import TaskError, load_task
+
+
+def prepare(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
+    ctx = runtime.context
+    try:
+        task = load_task(state.task_path, scale=state.scale, work_dir=Path(ctx.work_dir))
+    except TaskError as exc:
+        return {"status": "failed", "stop_reason": f"bad task: {exc}", "errors": [str(exc)]}
+    run_dir = Path(ctx.work_dir).resolve() / "runs" / f"{task.task_id}-{thread_id()}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    update: dict[str, Any] = {
+        "task": task,
+        "run_dir": str(run_dir),
+        "budgets": Budgets(max_iterations=state.max_iterations),
+        "usage": Usage(started_at=time.time()),
+    }
+    if (ctx.model == "offline" and ctx.chat_model is None) or not ctx.baseline:
+        return update  # the offline author's first round *is* the baseline
+    # Any other author starts from the offline author's kernel when it can write one: a correct starting
+    # point for the model, and the baseline the run must beat.
+    staged = state.model_copy(update=update)
+    try:
+        author = offline_author(ctx)
+        actx = author_context(staged, ctx)
+        plan = author.plan(actx)
+        if not plan.supported:
+            return {**update, "errors": [f"no offline baseline: {plan.unsupported_reason}"]}
+        draft = author.implement(actx, plan)
+    except AuthorError as exc:
+        return {**update, "errors": [f"no offline baseline: {exc}"]}
+    digest, path = save_source(staged, draft.source)
+    result = run_eval(staged, ctx, draft.source)
+    attempt = to_attempt(staged, "baseline", digest, path, result)
+    update["attempts"] = [attempt]
+    if attempt.accepted:
+        update["best"] = attempt
+    return update

@@ -1,0 +1,64 @@
+"""repair: the author fixes the kernel from the harness's message and the run's earlier attempts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from langgraph.runtime import Runtime
+from langgraph.types import Command
+
+from maxkernel.authors.base import Attempt as AuthorAttempt
+from maxkernel.authors.base import AuthorError
+from maxkernel.graph.context import Context
+from maxkernel.graph.state import AgentState
+from maxkernel.nodes.common import (
+    author_context,
+    author_for,
+    current_plan,
+    save_source,
+    usage_of,
+    usage_update,
+)
+
+
+def repair(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["validate", "reflect"]]:
+    ctx = runtime.context
+    author = author_for(ctx)
+    before = usage_of(author)
+    r = state.eval_result
+    assert r is not None and state.source_path
+    failure = f"{r.error.stage}: {r.error.message}" if r.error else "not accepted"
+    if state.feedback and state.feedback not in failure:
+        failure += "\n" + state.feedback
+    history = [
+        AuthorAttempt.model_validate(a.model_dump()) for a in state.attempts if a.iteration == state.iteration
+    ]
+    try:
+        draft = author.repair(
+            author_context(state, ctx),
+            current_plan(state),
+            Path(state.source_path).read_text(),
+            failure,
+            history,
+        )
+    except AuthorError as exc:
+        return Command(
+            goto="reflect",
+            update={
+                "errors": [f"repair gave up: {exc}"],
+                "repairs": state.repairs + 1,
+                **usage_update(state, author, before),
+            },
+        )
+    digest, path = save_source(state, draft.source)
+    return Command(
+        goto="validate",
+        update={
+            "source_hash": digest,
+            "source_path": path,
+            "repairs": state.repairs + 1,
+            "attempt_kind": "repair",
+            **usage_update(state, author, before),
+        },
+    )
