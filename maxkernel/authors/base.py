@@ -1,0 +1,166 @@
+"""What every author implements: the contract between the agent graph and whatever writes kernels.
+
+An author turns a task into a plan, a plan into kernel source, a failure into a repaired source, and a plan
+into a tuning space whose points it can render as source again. Two authors exist: `OfflineAuthor`
+(deterministic, from the reference's jaxpr, no model) and the LLM author. Both speak only the models below,
+so the graph can run, checkpoint and test either one without knowing which it has.
+
+Authors never evaluate kernels and never run task code in their own process: evaluation belongs to the
+harness (`maxkernel.tools.harness`), and anything that must execute the reference runs in the sandbox.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from maxkernel.tools.tasks import KernelTask
+
+ParamValue = int | str
+
+
+class AuthorError(Exception):
+    """The author could not produce what was asked (no plan, nothing left to repair). Not a kernel failure."""
+
+
+class AuthorContext(BaseModel):
+    """What an author may look at for one call. Small on purpose: state lives in the graph, not here."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    task: KernelTask
+    tpu: list[str] = Field(default_factory=lambda: ["v5e", "v6e"], description="TPU generations targeted")
+    work_dir: Path = Field(Path(".maxkernel"), description="where sandbox run directories go")
+    feedback: str = Field("", description="human or harness feedback the next step should take into account")
+    starting_source: str | None = Field(None, description="a correct kernel to improve on, when one exists")
+    strategy: str | None = Field(None, description="the optimisation strategy this round should apply")
+    history: list[Attempt] = Field(default_factory=list, description="earlier attempts in this run")
+    profile: str | None = Field(None, description="trace summary / estimates of the best kernel (markdown)")
+
+
+class TileConfig(BaseModel):
+    """One point of a tuning space: named parameters (block sizes, grid order, ...).
+
+    Frozen and hashable so a space is a set and a config can key a results table. Parameters are kept
+    sorted by name, so two configs with the same values are equal however they were built.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    params: tuple[tuple[str, ParamValue], ...]
+
+    @field_validator("params")
+    @classmethod
+    def _valid(cls, params: tuple[tuple[str, ParamValue], ...]) -> tuple[tuple[str, ParamValue], ...]:
+        names = [n for n, _ in params]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate parameter names in {names}")
+        for name, value in params:
+            if not name or not name.replace("_", "").replace(".", "").isalnum():
+                raise ValueError(f"bad parameter name {name!r}")
+            if isinstance(value, bool) or (isinstance(value, int) and value <= 0):
+                raise ValueError(f"parameter {name} must be a positive int or a string, got {value!r}")
+        return tuple(sorted(params))
+
+    @classmethod
+    def of(cls, values: dict[str, ParamValue] | None = None, **kw: ParamValue) -> TileConfig:
+        merged = {**(values or {}), **kw}
+        return cls(params=tuple(merged.items()))
+
+    def as_dict(self) -> dict[str, ParamValue]:
+        return dict(self.params)
+
+    def get(self, name: str, default: ParamValue | None = None) -> ParamValue | None:
+        return self.as_dict().get(name, default)
+
+    def replace(self, **kw: ParamValue) -> TileConfig:
+        return TileConfig.of(self.as_dict(), **kw)
+
+    def label(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.params) or "(defaults)"
+
+
+class Plan(BaseModel):
+    """What the author intends to write. `text` is for people (and for a model to follow); `data` is the
+    author's own structured material (the offline author keeps its jaxpr analysis there), opaque to the
+    graph but serialisable so a checkpointed run can resume."""
+
+    family: str = Field(description="what kind of computation this is, e.g. 'matmul', 'attention'")
+    summary: str = Field(description="one line")
+    text: str = Field(description="the plan in markdown: computation, kernel structure, tiling, tuning")
+    supported: bool = Field(True, description="False when the author cannot write a kernel for this task")
+    unsupported_reason: str | None = None
+    default_config: TileConfig | None = None
+    hints: list[str] = Field(default_factory=list, description="guidance folded in (reflection, humans)")
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class Draft(BaseModel):
+    """Kernel source the harness can evaluate, with the author's notes about it."""
+
+    source: str
+    notes: str = ""
+    config: TileConfig | None = None
+
+
+class Attempt(BaseModel):
+    """One evaluated kernel as an author sees it. Extra fields (the graph's richer record) are ignored, so
+    `Attempt.model_validate(graph_attempt.model_dump())` works."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    source_hash: str = ""
+    kind: str = ""
+    stage: str = Field("", description="'accepted' or the stage the harness stopped at")
+    message: str = ""
+    accepted: bool = False
+    config: dict[str, Any] | None = None
+    estimated_seconds: float | None = None
+    measured_seconds: float | None = None
+
+
+class Reflection(BaseModel):
+    """After a round: go on with a new plan hint, or stop, and why."""
+
+    action: Literal["continue", "stop"]
+    reasons: list[str] = Field(default_factory=list)
+    plan_hint: str | None = Field(None, description="what the next plan should change (when continuing)")
+
+
+@runtime_checkable
+class Author(Protocol):
+    """The methods the agent graph calls. Each is one step; none evaluates anything."""
+
+    name: str
+
+    def plan(self, ctx: AuthorContext) -> Plan:
+        """Analyse the task and say what kernel to write (or that none can be written, and why)."""
+        ...
+
+    def implement(self, ctx: AuthorContext, plan: Plan) -> Draft:
+        """Write the kernel the plan describes, at the plan's default config."""
+        ...
+
+    def repair(
+        self, ctx: AuthorContext, plan: Plan, source: str, failure: str, history: list[Attempt]
+    ) -> Draft:
+        """Write a new source that avoids `failure` (the harness's stage and message). Raises
+        `AuthorError` when the author has nothing left to try."""
+        ...
+
+    def tuning_space(self, ctx: AuthorContext, plan: Plan) -> list[TileConfig]:
+        """Valid configs for the plan's kernel(s): aligned for the dtypes and within VMEM on every target."""
+        ...
+
+    def render(self, ctx: AuthorContext, plan: Plan, config: TileConfig) -> Draft:
+        """The same kernel with another config."""
+        ...
+
+    def reflect(self, ctx: AuthorContext, history: list[Attempt]) -> Reflection:
+        """Decide whether another round is worth it."""
+        ...
+
+
+AuthorContext.model_rebuild()
