@@ -38,6 +38,9 @@ class AuthorContext(BaseModel):
     strategy: str | None = Field(None, description="the optimisation strategy this round should apply")
     history: list[Attempt] = Field(default_factory=list, description="earlier attempts in this run")
     profile: str | None = Field(None, description="trace summary / estimates of the best kernel (markdown)")
+    scope: str = Field(
+        "", description="where in a run this call happens (thread/round/step); identical scope+prompt = same call"
+    )
 
 
 class TileConfig(BaseModel):

@@ -104,13 +104,18 @@ class LLMAuthor:
         from langchain_core.messages import HumanMessage, SystemMessage
 
         messages = [SystemMessage(system_prompt(ctx.tpu)), HumanMessage(prompt)]
-        key = hashlib.sha256(json.dumps([self.name, [m.content for m in messages]]).encode()).hexdigest()
+        key = hashlib.sha256(
+            json.dumps([self.name, ctx.scope, [m.content for m in messages]]).encode()
+        ).hexdigest()
         if self.store is not None:
             cached = self.store.get_model_reply(key)
             if cached is not None:
                 self.usage.cached_calls += 1
                 return cached
-        reply = self.model.invoke(messages)
+        try:
+            reply = self.model.invoke(messages)
+        except Exception as exc:  # noqa: BLE001 - provider errors of every kind end this step, not the run
+            raise AuthorError(f"model call failed: {type(exc).__name__}: {exc}") from exc
         text = reply.content if isinstance(reply.content, str) else _flatten(reply.content)
         self.usage.model_calls += 1
         meta = getattr(reply, "usage_metadata", None) or {}

@@ -28,6 +28,7 @@ class AgentInput(BaseModel):
     scale: str | None = Field(None, description="validation scale (cpu, tpu, or a shrink factor)")
     out_dir: str | None = Field(None, description="where finalize writes kernel.py, result.json, report.md")
     strategy: str | None = Field(None, description="optimisation strategy this run should apply first")
+    tune_max_configs: int = Field(6, ge=0, description="configs the autotuner evaluates per round")
 
 
 class Budgets(BaseModel):
@@ -101,6 +102,7 @@ class AgentState(BaseModel):
     scale: str | None = None
     out_dir: str | None = None
     strategy: str | None = None
+    tune_max_configs: int = 6
     # prepared
     task: KernelTask | None = None
     run_dir: str | None = None

@@ -33,7 +33,7 @@ def prepare(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     update: dict[str, Any] = {
         "task": task,
         "run_dir": str(run_dir),
-        "budgets": Budgets(max_iterations=state.max_iterations),
+        "budgets": Budgets(max_iterations=state.max_iterations, tune_max_configs=state.tune_max_configs),
         "usage": Usage(started_at=time.time()),
     }
     if (ctx.model == "offline" and ctx.chat_model is None) or not ctx.baseline:
