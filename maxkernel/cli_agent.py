@@ -336,3 +336,34 @@ def runs_cmd(
             r.get("created_at") or "",
         )
     out.print(t)
+
+
+@app.command("profile")
+def profile_cmd(
+    task: Annotated[Path, typer.Argument(help="task: a problem dir, a reference.py, or a JAXBench module")],
+    kernel: Annotated[Path, typer.Argument(help="kernel module exporting `computation`")],
+    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations to estimate for")] = DEFAULT_TPU_TEXT,
+    scale: Annotated[
+        str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
+) -> None:
+    """Profile a kernel against its reference (on CPU: interpreted, labelled) and estimate TPU time."""
+    from maxkernel.tools.profiling import profile_kernel
+    from maxkernel.tools.tasks import TaskError, load_task
+
+    gens = parse_tpus(tpu)
+    if not kernel.is_file():
+        raise fail_usage(f"kernel file not found: {kernel}")
+    try:
+        kt = load_task(task, scale=scale, work_dir=work_dir)
+    except TaskError as exc:
+        raise fail_usage(str(exc)) from exc
+    with console.status(f"profiling {kernel.name} on {kt.task_id} ..."):
+        report = profile_kernel(kt, kernel.read_text(), gens, work_dir)
+    if json_out:
+        print(report.model_dump_json())
+    else:
+        print(report.to_markdown())
+    raise typer.Exit(1 if report.error else 0)

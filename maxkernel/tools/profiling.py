@@ -1,0 +1,163 @@
+"""Profile a candidate against its reference, and estimate both on TPU generations.
+
+On a machine without a TPU the profile is what it is: the XLA reference and the *interpreted* kernel timed
+on the CPU, labelled as such. That shows where the interpreted program spends its time (which kernel,
+which XLA ops around it), not TPU performance. TPU performance comes from the estimates: the block model
+of each pallas_call and the TPU compiler's cost model of the reference, per generation — estimates, named
+so. The capture runs in the sandbox like every other execution of candidate or task code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from maxkernel.tools.results import EstimateSummary
+from maxkernel.tools.sandbox import SandboxLimits, run_sandboxed
+from maxkernel.tools.store import sha256_text
+from maxkernel.tools.tasks import KernelTask
+from maxkernel.tools.trace import TraceSummary
+
+
+class ProfileReport(BaseModel):
+    task_id: str
+    reference: TraceSummary | None = None
+    candidate: TraceSummary | None = None
+    estimates: dict[str, EstimateSummary] = Field(default_factory=dict, description="per TPU generation")
+    error: str | None = None
+
+    def to_markdown(self, *, detail: bool = True) -> str:
+        lines = [f"### Profile of {self.task_id}"]
+        if self.error:
+            lines.append(f"profiling failed: {self.error}")
+        if self.reference and self.candidate:
+            r, c = self.reference, self.candidate
+            per_step = lambda t: t.measured_wall_us / max(t.steps, 1)  # noqa: E731
+            lines.append(
+                f"Measured on {c.platform}{'' if c.on_tpu else ' (not TPU performance)'}: candidate "
+                f"{per_step(c):.0f} us/step ({c.device_label}), reference {per_step(r):.0f} us/step "
+                f"({r.device_label})."
+            )
+        for summary in (self.candidate, self.reference):
+            if summary is not None and detail:
+                lines += ["", summary.to_markdown()]
+        if self.estimates:
+            lines += [
+                "",
+                "| TPU | estimated candidate | estimated reference | estimated speedup | bound |",
+                "| --- | --- | --- | --- | --- |",
+            ]
+            for gen, e in self.estimates.items():
+                cand = f"{e.estimated_seconds * 1e6:.1f} us" if e.estimated_seconds else "—"
+                ref = (
+                    f"{e.reference_estimated_seconds * 1e6:.1f} us" if e.reference_estimated_seconds else "—"
+                )
+                sp = f"{e.estimated_speedup:.2f}x" if e.estimated_speedup else "—"
+                lines.append(f"| {gen} | {cand} | {ref} | {sp} | {e.bound or '—'} |")
+            first = next(iter(self.estimates.values()))
+            if detail and first.detail_markdown:
+                lines += ["", first.detail_markdown]
+            notes = {e.note for e in self.estimates.values() if e.note}
+            lines += [f"- note: {n}" for n in sorted(notes)]
+        return "\n".join(lines)
+
+
+def profile_kernel(
+    task: KernelTask, source: str, tpu: list[str], work_dir: str | Path, *, repeats: int = 3
+) -> ProfileReport:
+    run_dir = (
+        Path(work_dir).resolve() / "profiles" / sha256_text(task.fingerprint + source + ",".join(tpu))[:20]
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    candidate_path = run_dir / "candidate.py"
+    candidate_path.write_text(source)
+    payload = {
+        "task": task.model_dump(mode="json"),
+        "candidate_path": str(candidate_path),
+        "tpu": tpu,
+        "repeats": repeats,
+    }
+    outcome = run_sandboxed(
+        "maxkernel.tools.profiling:profile_job",
+        payload,
+        run_dir,
+        SandboxLimits(timeout_s=600),
+        read_paths=[Path(task.reference_path).parent],
+    )
+    if not outcome.ok or outcome.value is None:
+        return ProfileReport(task_id=task.task_id, error=f"{outcome.stage}: {outcome.error}")
+    return ProfileReport.model_validate(outcome.value)
+
+
+def profile_summary(task: KernelTask, source_path: str, tpu: list[str], work_dir: str | Path) -> str:
+    """Markdown for the reflect prompt and the report (the profile node's tool)."""
+    report = profile_kernel(task, Path(source_path).read_text(), tpu[:1] or ["v5e"], work_dir)
+    return report.to_markdown(detail=False)
+
+
+# --- worker side ------------------------------------------------------------------------------------------
+
+
+def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    import jax
+    import numpy as np
+    from jax.experimental.pallas import tpu as pltpu
+
+    from maxkernel.tools import taskcode
+    from maxkernel.tools.evaluation import _bind_static, _estimate
+    from maxkernel.tools.results import InputConfig
+    from maxkernel.tools.trace import capture_trace, summarize_trace
+
+    ctx.guard()
+    task = payload["task"]
+    ctx.stage("task")
+    ref = taskcode.Reference(
+        {
+            "format": task["format"],
+            "reference_path": task["reference_path"],
+            "input_gen_code": task.get("input_gen_code"),
+        }
+    )
+    own = [InputConfig.model_validate(c) for c in task["configs"]]
+    val = InputConfig.model_validate(task["validation_configs"][0])
+    mode = task["validation_mode"]
+    if mode == "shrink":
+        rng = np.random.default_rng(0)
+        stats = {"min": -1.0, "max": 1.0, "mean": 0.0, "std": 0.5}
+        inputs = [jax.numpy.asarray(taskcode.random_from_spec(s, rng, stats)) for s in val.dynamic]
+    else:
+        dyn, _ = ref.raw_inputs("cpu" if mode == "cpu" else ("tpu" if ref.accepts_scale else None))[0]
+        inputs = [jax.numpy.asarray(a) for a in dyn]
+    traces = Path(ctx.run_dir) / "traces"
+    repeats = int(payload.get("repeats", 3))
+    ctx.stage("trace")
+    ref_dir = capture_trace(
+        _bind_static(ref.computation, val.static),
+        inputs,
+        traces,
+        label="cpu (XLA reference)",
+        repeats=repeats,
+    )
+    ctx.stage("load")
+    module = taskcode.load_module(Path(payload["candidate_path"]), "maxkernel_candidate")
+    candidate = module.computation
+    ctx.stage("trace")
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+        cand_dir = capture_trace(
+            _bind_static(candidate, val.static),
+            inputs,
+            traces,
+            label="cpu (Pallas TPU interpret)",
+            repeats=repeats,
+        )
+    report = ProfileReport(
+        task_id=task["task_id"],
+        reference=summarize_trace(ref_dir, label="cpu (XLA reference)"),
+        candidate=summarize_trace(cand_dir, label="cpu (Pallas TPU interpret)"),
+    )
+    ctx.stage("estimate")
+    for gen in payload["tpu"]:
+        report.estimates[gen] = _estimate(ref, candidate, own, gen, None)
+    return report.model_dump(mode="json")
