@@ -60,3 +60,29 @@ class ScriptedChatModel(BaseChatModel):
 
     def stream_replies(self) -> Iterator[str]:
         yield from self.replies
+
+
+class RoutedChatModel(BaseChatModel):
+    """Replies chosen by what the prompt asks for (first matching substring wins), so concurrent branches
+    of a search get the right kind of reply whatever order they run in."""
+
+    rules: list[tuple[str, str]]
+    calls: int = 0
+
+    @property
+    def _llm_type(self) -> str:
+        return "routed"
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        prompt = str(messages[-1].content)
+        self.calls += 1
+        for needle, reply in self.rules:
+            if needle in prompt:
+                return ChatResult(generations=[ChatGeneration(message=AIMessage(content=reply))])
+        raise RuntimeError(f"no scripted rule matches the prompt: {prompt[:200]!r}")

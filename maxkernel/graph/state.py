@@ -29,6 +29,8 @@ class AgentInput(BaseModel):
     out_dir: str | None = Field(None, description="where finalize writes kernel.py, result.json, report.md")
     strategy: str | None = Field(None, description="optimisation strategy this run should apply first")
     tune_max_configs: int = Field(6, ge=0, description="configs the autotuner evaluates per round")
+    start_source_path: str | None = Field(None, description="a kernel to start from (search: the parent's)")
+    label: str | None = Field(None, description="branch label in a search: scopes run dirs and model replies")
 
 
 class Budgets(BaseModel):
@@ -103,6 +105,8 @@ class AgentState(BaseModel):
     out_dir: str | None = None
     strategy: str | None = None
     tune_max_configs: int = 6
+    start_source_path: str | None = None
+    label: str | None = None
     # prepared
     task: KernelTask | None = None
     run_dir: str | None = None

@@ -78,7 +78,7 @@ def author_context(state: AgentState, ctx: Context, *, feedback: str | None = No
         history=[AuthorAttempt.model_validate(a.model_dump()) for a in state.attempts],
         profile=state.trace_summary,
         # Stable when a node re-runs after a resume, different for every new step of the run.
-        scope=f"{thread_id()}/{state.iteration}/{len(state.attempts)}/{len(state.human)}",
+        scope=f"{thread_id()}/{state.label or ''}/{state.iteration}/{len(state.attempts)}/{len(state.human)}",
     )
 
 

@@ -29,6 +29,8 @@ def prepare(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     except TaskError as exc:
         return {"status": "failed", "stop_reason": f"bad task: {exc}", "errors": [str(exc)]}
     run_dir = Path(ctx.work_dir).resolve() / "runs" / f"{task.task_id}-{thread_id()}"
+    if state.label:
+        run_dir = run_dir / state.label
     run_dir.mkdir(parents=True, exist_ok=True)
     update: dict[str, Any] = {
         "task": task,
@@ -36,6 +38,8 @@ def prepare(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         "budgets": Budgets(max_iterations=state.max_iterations, tune_max_configs=state.tune_max_configs),
         "usage": Usage(started_at=time.time()),
     }
+    if state.start_source_path:
+        return {**update, **_start_from(state.model_copy(update=update), ctx, Path(state.start_source_path))}
     if (ctx.model == "offline" and ctx.chat_model is None) or not ctx.baseline:
         return update  # the offline author's first round *is* the baseline
     # Any other author starts from the offline author's kernel when it can write one: a correct starting
@@ -54,6 +58,18 @@ def prepare(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     result = run_eval(staged, ctx, draft.source)
     attempt = to_attempt(staged, "baseline", digest, path, result)
     update["attempts"] = [attempt]
+    if attempt.accepted:
+        update["best"] = attempt
+    return update
+
+
+def _start_from(state: AgentState, ctx: Context, path: Path) -> dict[str, Any]:
+    """A given starting kernel (a search parent's) is evaluated as the baseline this run must beat."""
+    source = path.read_text()
+    digest, saved = save_source(state, source)
+    result = run_eval(state, ctx, source)
+    attempt = to_attempt(state, "baseline", digest, saved, result)
+    update: dict[str, Any] = {"attempts": [attempt]}
     if attempt.accepted:
         update["best"] = attempt
     return update

@@ -12,7 +12,13 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from maxkernel.tools.results import STAGES, TPU_GENERATIONS, EvalResult, StageError
-from maxkernel.tools.sandbox import SandboxLimits, SandboxOutcome, accelerator_present, run_sandboxed
+from maxkernel.tools.sandbox import (
+    SandboxLimits,
+    SandboxOutcome,
+    accelerator_present,
+    fresh_run_dir,
+    run_sandboxed,
+)
 from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text
 from maxkernel.tools.tasks import KernelTask
 
@@ -76,8 +82,7 @@ def evaluate(
             return hit
         store.put_candidate(source_hash, task.task_id, source, origin="eval")
         store.log_execution(key, task.task_id)
-    run_dir = Path(work_dir or Path.cwd() / ".maxkernel").resolve() / "evals" / key[:20]
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = fresh_run_dir(Path(work_dir or Path.cwd() / ".maxkernel") / "evals", key[:16])
     candidate_path = run_dir / "candidate.py"
     candidate_path.write_text(source)
     worker_opts = options.model_dump(mode="json")

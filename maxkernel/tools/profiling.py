@@ -15,8 +15,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from maxkernel.tools.results import EstimateSummary
-from maxkernel.tools.sandbox import SandboxLimits, run_sandboxed
-from maxkernel.tools.store import sha256_text
+from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
 from maxkernel.tools.tasks import KernelTask
 from maxkernel.tools.trace import TraceSummary
 
@@ -67,10 +66,7 @@ class ProfileReport(BaseModel):
 def profile_kernel(
     task: KernelTask, source: str, tpu: list[str], work_dir: str | Path, *, repeats: int = 3
 ) -> ProfileReport:
-    run_dir = (
-        Path(work_dir).resolve() / "profiles" / sha256_text(task.fingerprint + source + ",".join(tpu))[:20]
-    )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = fresh_run_dir(Path(work_dir) / "profiles", task.task_id)
     candidate_path = run_dir / "candidate.py"
     candidate_path.write_text(source)
     payload = {

@@ -142,6 +142,16 @@ def _with_limits(cmd: list[str], memory_mb: int) -> list[str]:
     ]
 
 
+def fresh_run_dir(parent: Path, stem: str) -> Path:
+    """A run directory of its own for one child: concurrent children (search branches, bench jobs) never
+    share job, progress or result files, even when they evaluate the same thing."""
+    import uuid
+
+    path = Path(parent).resolve() / f"{stem}-{uuid.uuid4().hex[:8]}"
+    path.mkdir(parents=True, exist_ok=False)
+    return path
+
+
 def read_progress(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / PROGRESS_FILE
     if not path.exists():

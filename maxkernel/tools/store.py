@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import sqlite3
+import threading
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -18,6 +20,8 @@ from typing import Any
 import sqlite_utils
 
 from maxkernel.tools.results import EvalResult
+
+_SCHEMA_LOCK = threading.Lock()
 
 
 @lru_cache(maxsize=1)
@@ -49,15 +53,25 @@ def evaluation_key(task_fingerprint: str, source_hash: str, options: dict[str, A
 
 
 class ResultsStore:
-    """Thin typed access to the store's tables; safe to open from several processes."""
+    """Thin typed access to the store's tables; safe to use from several threads (search branches run in
+    threads: each gets its own connection) and several processes (WAL, generous busy timeout)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite_utils.Database(self.path)
-        self.db.execute("PRAGMA busy_timeout = 30000")
-        self.db.execute("PRAGMA journal_mode = WAL")
-        self._ensure_tables()
+        self._local = threading.local()
+        with _SCHEMA_LOCK:
+            self._ensure_tables()
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            conn = sqlite3.connect(str(self.path), timeout=60)
+            conn.execute("PRAGMA journal_mode = WAL")
+            db = sqlite_utils.Database(conn)
+            self._local.db = db
+        return db
 
     def _ensure_tables(self) -> None:
         if "evaluations" not in self.db.table_names():

@@ -8,7 +8,9 @@ allocation). A task whose validation inputs would not fit this machine is refuse
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,7 +18,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from maxkernel.tools.results import InputConfig
-from maxkernel.tools.sandbox import SandboxLimits, run_sandboxed
+from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
 
 TaskFormat = Literal["maxkernel", "reference", "jaxbench"]
 
@@ -121,7 +123,6 @@ def load_task(
     files = [ref_path] + ([path / "kernel_task.yaml"] if path.is_dir() else [])
     fingerprint = _fingerprint(files, scale)
     work_dir = Path(work_dir or Path.cwd() / ".maxkernel").resolve()
-    run_dir = work_dir / "describe" / fingerprint[:16]
     tolerances = {k: meta[k] for k in ("atol", "rtol") if k in meta}
     payload = {
         "source": {
@@ -132,16 +133,31 @@ def load_task(
         "scale": scale,
         "tolerances": tolerances,
     }
-    outcome = run_sandboxed(
-        "maxkernel.tools.evaluation:describe_job",
-        payload,
-        run_dir,
-        SandboxLimits(timeout_s=timeout_s),
-        read_paths=[ref_path.parent],
-    )
-    if not outcome.ok:
-        raise TaskError(f"loading the task failed ({outcome.stage}): {outcome.error}")
-    value = outcome.value or {}
+    # The description depends only on the task's files and the scale: cache it next to the run dirs.
+    cache = work_dir / "describe" / f"{fingerprint}.json"
+    value: dict[str, Any] | None = None
+    if cache.exists():
+        try:
+            value = json.loads(cache.read_text())
+        except json.JSONDecodeError:
+            value = None
+    if value is None:
+        run_dir = fresh_run_dir(work_dir / "describe", fingerprint[:16])
+        outcome = run_sandboxed(
+            "maxkernel.tools.evaluation:describe_job",
+            payload,
+            run_dir,
+            SandboxLimits(timeout_s=timeout_s),
+            read_paths=[ref_path.parent],
+        )
+        if not outcome.ok:
+            raise TaskError(f"loading the task failed ({outcome.stage}): {outcome.error}")
+        value = outcome.value or {}
+        if value.get("ok"):
+            tmp = cache.with_suffix(f".{run_dir.name}.part")
+            tmp.write_text(json.dumps(value))
+            tmp.replace(cache)
+        shutil.rmtree(run_dir, ignore_errors=True)
     if not value.get("ok"):
         raise TaskError(str(value.get("error")))
     task = KernelTask(
