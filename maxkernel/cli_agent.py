@@ -29,13 +29,15 @@ CheckpointOpt = Annotated[
 StoreOpt = Annotated[Path, typer.Option("--store", help="results store (SQLite)")]
 
 
-def _graph(checkpoint_db: str) -> Any:
+def _graph(checkpoint_db: str, kind: str = "agent") -> Any:
     from maxkernel.graph.agent import checkpointer_for, compile_graph
+    from maxkernel.graph.search import compile_search
 
     try:
-        return compile_graph(checkpointer_for(checkpoint_db))
+        saver = checkpointer_for(checkpoint_db)
     except RuntimeError as exc:
         raise fail_usage(str(exc)) from exc
+    return compile_search(saver) if kind == "search" else compile_graph(saver)
 
 
 def _store(path: Path) -> Any:
@@ -70,15 +72,33 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
     return f"[round {it}] {node}" + (": " + " | ".join(bits) if bits else "")
 
 
-def _drive(graph: Any, inp: Any, config: dict[str, Any], ctx: Context) -> None:
+def _drive(graph: Any, inp: Any, config: dict[str, Any], ctx: Context, *, search: bool = False) -> None:
+    """Stream the run, one line per finished node (search runs: one line per branch verdict)."""
     seen: dict[str, Any] = {}
     with console.status("working ...") as status:
         for chunk in graph.stream(inp, config, context=ctx, stream_mode="updates"):
             for node, update in chunk.items():
                 if node == "__interrupt__":
                     continue
-                console.print(_describe(node, update or {}, seen))
+                update = update or {}
+                console.print(_describe_search(node, update) if search else _describe(node, update, seen))
                 status.update(f"after {node} ...")
+
+
+def _describe_search(node: str, update: dict[str, Any]) -> str:
+    bits = []
+    for n in update.get("nodes", []):
+        perf = (
+            f"{n.score_kind} {n.score:.2f}x"
+            if n.score is not None
+            else ("correct" if n.accepted else "failed")
+        )
+        verdict = "" if node != "select" else (" kept" if n.kept else f" pruned ({n.reason[:80]})")
+        bits.append(f"{n.id} [{n.strategy or 'root'}] {perf}{verdict}")
+    if update.get("best") is not None:
+        b = update["best"]
+        bits.append(f"best so far {b.id}")
+    return f"[search] {node}" + (": " + " | ".join(bits) if bits else "")
 
 
 def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> None:
@@ -86,6 +106,26 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
     snapshot = graph.get_state(config)
     values = snapshot.values
     pending = [i for t in snapshot.tasks for i in t.interrupts]
+    if "algorithm" in values:  # a search thread
+        best = values.get("best")
+        store.upsert_run(
+            thread_id,
+            status=values.get("status", "unknown"),
+            best=json.dumps(
+                {
+                    "source_hash": best.source_hash,
+                    "score": [{"measured": 2, "estimated": 1}.get(best.score_kind, 0), best.score or 0.0],
+                }
+            )
+            if best
+            else None,
+        )
+        console.print(f"\n[bold]{values.get('status')}[/]: best {best.id if best else 'none'}")
+        if values.get("result_path"):
+            console.print(
+                f"wrote {Path(values['result_path']).parent}/kernel.py, result.json, report.md, search_tree.png"
+            )
+        raise typer.Exit(0 if best is not None else 1)
     if pending:
         payload = pending[0].value
         store.upsert_run(thread_id, status=f"paused:{payload.get('kind')}")
@@ -275,7 +315,7 @@ def resume_cmd(
     if run is None:
         raise fail_usage(f"no run with thread id {thread_id!r} in {store}")
     settings = json.loads(run["settings"])
-    graph = _graph(checkpoint_db or settings["checkpoint_db"])
+    graph = _graph(checkpoint_db or settings["checkpoint_db"], settings.get("graph", "agent"))
     config = {"configurable": {"thread_id": thread_id}}
     snapshot = graph.get_state(config)
     if not snapshot.values:
@@ -299,7 +339,9 @@ def resume_cmd(
         inp = None
     st.upsert_run(thread_id, status="running")
     console.print(f"resuming thread [bold]{thread_id}[/] at {', '.join(snapshot.next)}")
-    _drive(graph, inp, config, ctx)
+    if settings.get("max_concurrency"):
+        config["max_concurrency"] = settings["max_concurrency"]
+    _drive(graph, inp, config, ctx, search=settings.get("graph") == "search")
     _finish(graph, config, st, thread_id)
 
 
@@ -367,3 +409,143 @@ def profile_cmd(
     else:
         print(report.to_markdown())
     raise typer.Exit(1 if report.error else 0)
+
+
+@app.command("search")
+def search_cmd(
+    task: Annotated[Path, typer.Argument(help="task: a problem dir, a reference.py, or a JAXBench module")],
+    algorithm: Annotated[str, typer.Option("--algorithm", help="parallel or beam")] = "parallel",
+    branches: Annotated[
+        int, typer.Option("--branches", min=1, help="parallel: branches; beam: children per node")
+    ] = 4,
+    beam_width: Annotated[int, typer.Option("--beam-width", min=1, help="beam: nodes kept per level")] = 2,
+    depth: Annotated[int, typer.Option("--depth", min=1, help="beam: levels below the root")] = 2,
+    keep_factor: Annotated[
+        float, typer.Option("--keep-factor", help="beam: child must beat parent by this factor")
+    ] = 1.0,
+    iterations: Annotated[int, typer.Option("--iterations", min=1, help="agent rounds per branch")] = 1,
+    tune_configs: Annotated[
+        int, typer.Option("--tune-configs", min=0, help="autotune configs per branch round")
+    ] = 2,
+    strategies: Annotated[
+        str | None, typer.Option("--strategies", help="comma-separated strategy names")
+    ] = None,
+    max_concurrency: Annotated[
+        int, typer.Option("--max-concurrency", min=1, help="branches running at once")
+    ] = 2,
+    model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
+    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="output dir (default out/TASK_ID)")] = None,
+    scale: Annotated[
+        str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
+    ] = None,
+    checkpoint_db: CheckpointOpt = DEFAULT_CHECKPOINTS,
+    store: StoreOpt = Path(DEFAULT_STORE),
+    work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
+    thread_id: Annotated[str | None, typer.Option("--thread-id", help="use this thread id")] = None,
+) -> None:
+    """Search over optimisation strategies (parallel branches or a beam) and keep the best kernel."""
+    from maxkernel.strategies import get_strategy
+
+    if algorithm not in ("parallel", "beam"):
+        raise fail_usage(f"--algorithm must be parallel or beam, not {algorithm!r}")
+    if not task.exists():
+        raise fail_usage(f"task not found: {task}")
+    names = [x.strip() for x in strategies.split(",") if x.strip()] if strategies else None
+    for name in names or []:
+        try:
+            get_strategy(name)
+        except KeyError as exc:
+            raise fail_usage(str(exc.args[0])) from exc
+    gens = parse_tpus(tpu)
+    model = model or default_model()
+    thread_id = thread_id or f"ms-{uuid.uuid4().hex[:12]}"
+    settings = {
+        "graph": "search",
+        "model": model,
+        "tpu": gens,
+        "store_path": str(store.resolve()),
+        "work_dir": str(work_dir.resolve()),
+        "checkpoint_db": checkpoint_db,
+        "max_concurrency": max_concurrency,
+    }
+    st = _store(store)
+    st.upsert_run(
+        thread_id,
+        task_id=task.stem if task.is_file() else task.name,
+        task_path=str(task.resolve()),
+        settings=json.dumps(settings),
+        status="running",
+        out_dir=str(out_dir.resolve()) if out_dir else None,
+    )
+    console.print(f"thread [bold]{thread_id}[/] — {algorithm} search, model {model}, TPU {', '.join(gens)}")
+    ctx = _context(settings)
+    graph = _graph(checkpoint_db, "search")
+    config = {"configurable": {"thread_id": thread_id}, "max_concurrency": max_concurrency}
+    search_inp = {
+        "task_path": str(task.resolve()),
+        "algorithm": algorithm,
+        "branches": branches,
+        "beam_width": beam_width,
+        "depth": depth,
+        "keep_factor": keep_factor,
+        "iterations": iterations,
+        "tune_max_configs": tune_configs,
+        "strategies": names,
+        "scale": scale,
+        "out_dir": str(out_dir.resolve()) if out_dir else None,
+    }
+    _drive(graph, search_inp, config, ctx, search=True)
+    _finish(graph, config, st, thread_id)
+
+
+@app.command("bench")
+def bench_cmd(
+    suite: Annotated[Path, typer.Argument(help="a folder of task dirs (e.g. benchmarks/suite)")],
+    model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
+    tasks: Annotated[str | None, typer.Option("--tasks", help="glob over task ids, e.g. 'fused_*'")] = None,
+    scale: Annotated[str, typer.Option("--scale", help="validation scale: cpu or tpu")] = "cpu",
+    jobs: Annotated[int, typer.Option("--jobs", min=1, help="tasks run at once")] = 1,
+    out_dir: Annotated[Path, typer.Option("--out", help="output dir")] = Path("out/bench"),
+    algorithm: Annotated[
+        str | None, typer.Option("--algorithm", help="run a parallel|beam search per task")
+    ] = None,
+    iterations: Annotated[int, typer.Option("--iterations", min=1, help="agent rounds per task")] = 1,
+    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    task_timeout: Annotated[float, typer.Option("--task-timeout", help="seconds per task")] = 1800.0,
+) -> None:
+    """Run the agent over a suite; resumable; writes results.db, results.csv, report.md and plots."""
+    from maxkernel.bench import Bench, BenchSettings, summary
+
+    if scale not in ("cpu", "tpu"):
+        raise fail_usage("--scale must be cpu or tpu")
+    if algorithm not in (None, "parallel", "beam"):
+        raise fail_usage(f"--algorithm must be parallel or beam, not {algorithm!r}")
+    settings = BenchSettings(
+        suite=str(suite.resolve()),
+        out_dir=str(out_dir),
+        model=model or default_model(),
+        tasks=tasks,
+        scale=scale,
+        jobs=jobs,
+        tpu=parse_tpus(tpu),
+        iterations=iterations,
+        algorithm=algorithm,
+        task_timeout_s=task_timeout,
+    )
+    try:
+        bench = Bench(settings, on_progress=console.print)
+        rows = bench.run()
+    except FileNotFoundError as exc:
+        raise fail_usage(str(exc)) from exc
+    m = summary(rows)
+    console.print(
+        f"\ncorrect {m['correct']}/{m['tasks']}; geomean estimated speedup "
+        f"{m['geomean_estimated_speedup'] or 0:.2f}x (estimate); measured: "
+        + (
+            f"{m['geomean_measured_speedup']:.2f}x"
+            if m["geomean_measured_speedup"]
+            else "nothing measured (no device)"
+        )
+    )
+    console.print(f"wrote {out_dir}/report.md, results.csv, results.db")

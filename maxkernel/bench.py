@@ -1,0 +1,349 @@
+"""`maxkernel bench`: run the agent (or a search) over a suite and report like a paper's results table.
+
+Each task runs as its own `maxkernel optimize` / `maxkernel search` process with a thread id derived from
+the output dir and the task, so re-running the same bench skips finished tasks and resumes interrupted
+ones from their checkpoints. Results go to `results.db` (sqlite-utils), `results.csv` and `report.md`
+with PNG plots. Measured and estimated speedups are separate columns and separate summary lines.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import fnmatch
+import hashlib
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+import yaml
+from pydantic import BaseModel, Field
+
+TERMINAL = ("succeeded", "failed", "stopped", "error")
+
+
+class BenchSettings(BaseModel):
+    suite: str
+    out_dir: str
+    model: str = "offline"
+    tasks: str | None = Field(None, description="glob over task ids")
+    scale: str = "cpu"
+    jobs: int = 1
+    tpu: list[str] = Field(default_factory=lambda: ["v5e", "v6e"])
+    iterations: int = 1
+    algorithm: str | None = Field(None, description="None: optimize; parallel/beam: a search per task")
+    branches: int = 2
+    tune_configs: int = 3
+    task_timeout_s: float = 1800.0
+
+
+class TaskRow(BaseModel):
+    task_id: str
+    category: str = ""
+    status: str = "pending"
+    compiled: bool = False
+    correct: bool = False
+    uses_pallas: bool = False
+    tpu_compile: dict[str, bool] = Field(default_factory=dict)
+    estimated_speedup: float | None = None
+    measured_speedup: float | None = None
+    seconds: float | None = None
+    iterations: int | None = None
+    error: str | None = None
+    kernel_path: str | None = None
+    thread_id: str = ""
+
+
+def discover(suite: Path, pattern: str | None) -> list[Path]:
+    if not suite.is_dir():
+        raise FileNotFoundError(f"suite not found: {suite}")
+    dirs = sorted(p for p in suite.iterdir() if (p / "reference.py").exists())
+    if pattern:
+        dirs = [p for p in dirs if fnmatch.fnmatch(p.name, pattern)]
+    return dirs
+
+
+def _category(task_dir: Path) -> str:
+    meta = task_dir / "kernel_task.yaml"
+    if meta.exists():
+        data = yaml.safe_load(meta.read_text()) or {}
+        return str(data.get("category", ""))
+    return ""
+
+
+def thread_for(out_dir: Path, task_id: str) -> str:
+    return (
+        "bench-"
+        + hashlib.sha256(f"{out_dir.resolve()}|{task_id}".encode()).hexdigest()[:10]
+        + "-"
+        + task_id[:40]
+    )
+
+
+class Bench:
+    def __init__(self, settings: BenchSettings, on_progress: Callable[[str], None] = print) -> None:
+        self.s = settings
+        self.out = Path(settings.out_dir).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite_utils.Database(self.out / "results.db")
+        self.say = on_progress
+
+    def _done(self) -> dict[str, dict[str, Any]]:
+        if "results" not in self.db.table_names():
+            return {}
+        return {r["task_id"]: r for r in self.db["results"].rows if r["status"] in TERMINAL}
+
+    def run(self) -> list[TaskRow]:
+        tasks = discover(Path(self.s.suite), self.s.tasks)
+        done = self._done()
+        todo = [t for t in tasks if t.name not in done]
+        self.say(
+            f"{len(tasks)} tasks, {len(tasks) - len(todo)} already finished, {len(todo)} to run, {self.s.jobs} at a time"
+        )
+        started = time.monotonic()
+        finished = 0
+        with ThreadPoolExecutor(max_workers=max(1, self.s.jobs)) as pool:
+            futures = {pool.submit(self._run_one, t): t for t in todo}
+            for fut in as_completed(futures):
+                row = fut.result()
+                self.db["results"].upsert(_flat(row), pk="task_id", alter=True)
+                finished += 1
+                elapsed = time.monotonic() - started
+                eta = elapsed / finished * (len(todo) - finished)
+                perf = _perf_text(row)
+                self.say(
+                    f"[{finished}/{len(todo)}] {row.task_id}: {row.status}"
+                    f"{' correct' if row.correct else ''}{perf} in {row.seconds or 0:.0f} s (eta {eta / 60:.1f} min)"
+                )
+        rows = self.rows(tasks)
+        self.write_outputs(rows, time.monotonic() - started)
+        return rows
+
+    def rows(self, tasks: list[Path]) -> list[TaskRow]:
+        ids = {t.name for t in tasks}
+        return [
+            TaskRow.model_validate({**r, "tpu_compile": json.loads(r["tpu_compile"] or "{}")})
+            for r in self.db["results"].rows
+            if r["task_id"] in ids
+        ]
+
+    def _command(self, task: Path, thread: str, out: Path) -> list[str]:
+        common = [
+            "--model", self.s.model, "--tpu", ",".join(self.s.tpu), "--scale", self.s.scale,
+            "--out", str(out), "--thread-id", thread,
+            "--checkpoint-db", str(self.out / "checkpoints.sqlite"),
+            "--store", str(self.out / "store.db"), "--work-dir", str(self.out / "work"),
+            "--iterations", str(self.s.iterations),
+        ]  # fmt: skip
+        if self.s.algorithm:
+            return [sys.executable, "-m", "maxkernel.cli", "search", str(task), "--algorithm", self.s.algorithm,
+                    "--branches", str(self.s.branches), "--tune-configs", str(self.s.tune_configs), *common]  # fmt: skip
+        return [sys.executable, "-m", "maxkernel.cli", "optimize", str(task), *common]
+
+    def _run_one(self, task: Path) -> TaskRow:
+        thread = thread_for(self.out, task.name)
+        out = self.out / "tasks" / task.name
+        row = TaskRow(task_id=task.name, category=_category(task), thread_id=thread, status="running")
+        self.db["results"].upsert(_flat(row), pk="task_id", alter=True)
+        store = self.out / "store.db"
+        resuming = False
+        if store.exists():
+            runs = sqlite_utils.Database(store)
+            resuming = "runs" in runs.table_names() and bool(
+                list(runs.query("select 1 from runs where thread_id = ?", [thread]))
+            )
+        if resuming:
+            cmd = [sys.executable, "-m", "maxkernel.cli", "resume", thread, "--store", str(store)]
+        else:
+            cmd = self._command(task, thread, out)
+        t0 = time.monotonic()
+        log = out / "bench.log"
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(log, "w") as fh:
+                proc = subprocess.run(
+                    cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=self.s.task_timeout_s, env=_env()
+                )
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+        row.seconds = round(time.monotonic() - t0, 1)
+        return _read_result(row, out, rc, log)
+
+    def write_outputs(self, rows: list[TaskRow], wall_s: float) -> None:
+        with open(self.out / "results.csv", "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(_flat(TaskRow(task_id="x")).keys()))
+            writer.writeheader()
+            for r in rows:
+                writer.writerow(_flat(r))
+        plots = make_plots(rows, self.out)
+        (self.out / "report.md").write_text(render_report(rows, self.s, wall_s, plots))
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _read_result(row: TaskRow, out: Path, rc: int, log: Path) -> TaskRow:
+    result_path = out / "result.json"
+    if not result_path.exists():
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+        row.status = "error"
+        row.error = ("timed out" if rc == -1 else f"exit {rc}") + (": " + " | ".join(tail) if tail else "")
+        return row
+    res = json.loads(result_path.read_text())
+    harness = res.get("harness") or {}
+    row.status = res.get("status") or ("succeeded" if res.get("correct") else "failed")
+    row.correct = bool(res.get("correct"))
+    row.compiled = bool(harness.get("compiled"))
+    row.uses_pallas = bool(harness.get("uses_pallas"))
+    row.tpu_compile = {g: bool(o.get("ok")) for g, o in (harness.get("tpu_compile") or {}).items()}
+    est = harness.get("estimate") or {}
+    row.estimated_speedup = est.get("estimated_speedup")
+    timing = harness.get("timing") or {}
+    row.measured_speedup = timing.get("measured_speedup")
+    row.iterations = res.get("iterations")
+    row.kernel_path = res.get("kernel_path")
+    if not row.correct:
+        row.error = res.get("stop_reason") or (harness.get("error") or {}).get("message")
+    return row
+
+
+def _flat(row: TaskRow) -> dict[str, Any]:
+    d = row.model_dump()
+    d["tpu_compile"] = json.dumps(d["tpu_compile"], sort_keys=True)
+    return d
+
+
+def _perf_text(row: TaskRow) -> str:
+    if row.measured_speedup is not None:
+        return f", measured {row.measured_speedup:.2f}x"
+    if row.estimated_speedup is not None:
+        return f", estimated {row.estimated_speedup:.2f}x"
+    return ""
+
+
+def geomean(values: list[float]) -> float | None:
+    vals = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def summary(rows: list[TaskRow]) -> dict[str, Any]:
+    correct = [r for r in rows if r.correct]
+    est = [r.estimated_speedup for r in correct if r.estimated_speedup is not None]
+    meas = [r.measured_speedup for r in correct if r.measured_speedup is not None]
+    return {
+        "tasks": len(rows),
+        "correct": len(correct),
+        "fast1_estimated": sum(1 for v in est if v > 1.0),
+        "fast1_measured": sum(1 for v in meas if v > 1.0),
+        "geomean_estimated_speedup": geomean(est),
+        "geomean_measured_speedup": geomean(meas),
+        "estimated_n": len(est),
+        "measured_n": len(meas),
+    }
+
+
+def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: list[Path]) -> str:
+    m = summary(rows)
+    fmt = lambda v: f"{v:.2f}x" if v is not None else "—"  # noqa: E731
+    lines = [
+        f"# maxkernel bench — {Path(s.suite).name}",
+        "",
+        f"- model `{s.model}`, {'search ' + s.algorithm if s.algorithm else 'optimize'}, {s.iterations} round(s) per task, "
+        f"validation scale `{s.scale}`, TPU targets {', '.join(s.tpu)}",
+        f"- generated {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}; this invocation ran {wall_s / 60:.1f} min",
+        "",
+        "## Summary",
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+        f"| correct / total | {m['correct']} / {m['tasks']} |",
+        f"| fast₁ (correct and faster), estimated | {m['fast1_estimated']} / {m['tasks']} (over {m['estimated_n']} with an estimate) |",
+        f"| fast₁ (correct and faster), measured | {m['fast1_measured']} / {m['tasks']} (over {m['measured_n']} measured) |",
+        f"| geomean speedup, estimated (TPU model, not measured) | {fmt(m['geomean_estimated_speedup'])} |",
+        f"| geomean speedup, measured on a device | {fmt(m['geomean_measured_speedup'])} |",
+        "",
+    ]
+    for p in plots:
+        lines.append(f"![{p.stem}]({p.name})")
+    gens = sorted({g for r in rows for g in r.tpu_compile})
+    lines += [
+        "",
+        "## Tasks",
+        "",
+        "| task | category | status | compiled | correct | Pallas does the work | "
+        + " | ".join(f"TPU {g}" for g in gens)
+        + " | estimated speedup | measured speedup | time | note |",
+        "| --- | --- | --- | --- | --- | --- | "
+        + " | ".join("---" for _ in gens)
+        + " | --- | --- | --- | --- |",
+    ]
+    yes = lambda b: "✓" if b else "✗"  # noqa: E731
+    for r in sorted(rows, key=lambda r: (r.category, r.task_id)):
+        comp = " | ".join(yes(r.tpu_compile.get(g, False)) if g in r.tpu_compile else "—" for g in gens)
+        note = (r.error or "").replace("|", "\\|").replace("\n", " ")[:140]
+        lines.append(
+            f"| {r.task_id} | {r.category} | {r.status} | {yes(r.compiled)} | {yes(r.correct)} | {yes(r.uses_pallas)} | "
+            f"{comp} | {fmt(r.estimated_speedup)} | {fmt(r.measured_speedup)} | {r.seconds or 0:.0f} s | {note} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def make_plots(rows: list[TaskRow], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    cats = sorted({r.category or "uncategorised" for r in rows})
+    statuses = ["correct", "incorrect", "error"]
+    counts = {c: {s: 0 for s in statuses} for c in cats}
+    for r in rows:
+        key = "correct" if r.correct else ("error" if r.status == "error" else "incorrect")
+        counts[r.category or "uncategorised"][key] += 1
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bottom = [0] * len(cats)
+    colours = {"correct": "#4caf50", "incorrect": "#ff9800", "error": "#e53935"}
+    for s in statuses:
+        vals = [counts[c][s] for c in cats]
+        ax.bar(cats, vals, bottom=bottom, label=s, color=colours[s])
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_ylabel("tasks")
+    ax.set_title("status by category")
+    ax.legend()
+    fig.tight_layout()
+    p = out / "status_by_category.png"
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    paths.append(p)
+
+    est = [r.estimated_speedup for r in rows if r.correct and r.estimated_speedup]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if est:
+        logs = [math.log2(v) for v in est]
+        ax.hist(logs, bins=min(20, max(5, len(est) // 2)), color="#1e88e5")
+        ax.axvline(0.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xlabel("log2(estimated speedup)  —  right of the line: estimated faster than XLA")
+    else:
+        ax.text(0.5, 0.5, "no estimates", ha="center", va="center")
+    ax.set_ylabel("tasks")
+    ax.set_title("estimated speedup distribution (TPU time model, not measured)")
+    fig.tight_layout()
+    p = out / "estimated_speedup.png"
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    paths.append(p)
+    return paths
