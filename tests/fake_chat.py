@@ -62,12 +62,18 @@ class ScriptedChatModel(BaseChatModel):
         yield from self.replies
 
 
+class Killed(BaseException):  # noqa: N818 - it is what happened
+    """Stands in for the process dying mid-call: not an Exception, so nothing on the way catches it."""
+
+
 class RoutedChatModel(BaseChatModel):
     """Replies chosen by what the prompt asks for (first matching substring wins), so concurrent branches
     of a search get the right kind of reply whatever order they run in."""
 
     rules: list[tuple[str, str]]
     calls: int = 0
+    prompts: list[str] = Field(default_factory=list)
+    kill_once_on: str | None = Field(None, description="raise Killed the first time a prompt contains this")
 
     @property
     def _llm_type(self) -> str:
@@ -81,7 +87,11 @@ class RoutedChatModel(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         prompt = str(messages[-1].content)
+        if self.kill_once_on and self.kill_once_on in prompt:
+            self.kill_once_on = None
+            raise Killed(f"simulated kill while answering a prompt with {prompt[:60]!r}")
         self.calls += 1
+        self.prompts.append(prompt)
         for needle, reply in self.rules:
             if needle in prompt:
                 return ChatResult(generations=[ChatGeneration(message=AIMessage(content=reply))])

@@ -150,7 +150,7 @@ class LLMAuthor:
                 "plan",
                 **self._common(ctx),
                 history=_history(ctx.history),
-                strategy=ctx.strategy or "(your choice)",
+                strategy=_strategy_text(ctx.strategy),
             ),
         ).strip()
         if not text:
@@ -228,6 +228,17 @@ class LLMAuthor:
         return Reflection(
             action=action, reasons=[reply.reason] if reply.reason else [], plan_hint=hint or None
         )
+
+
+def _strategy_text(name: str | None) -> str:
+    if not name:
+        return "(your choice)"
+    from maxkernel.strategies import get_strategy
+
+    try:
+        return get_strategy(name).render()
+    except KeyError:
+        return name  # a free-form strategy from a human or a reflection
 
 
 def _flatten(content: list[Any]) -> str:

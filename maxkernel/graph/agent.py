@@ -77,6 +77,10 @@ STATE_TYPES: list[tuple[str, str]] = [
     ("maxkernel.graph.state", "Attempt"),
     ("maxkernel.graph.state", "HumanFeedback"),
     ("maxkernel.graph.state", "AgentState"),
+    ("maxkernel.graph.search", "BranchTask"),
+    ("maxkernel.graph.search", "SearchNode"),
+    ("maxkernel.graph.search", "SearchInput"),
+    ("maxkernel.graph.search", "SearchState"),
 ]
 
 

@@ -122,6 +122,7 @@ def branch(task: BranchTask, runtime: Runtime[Context]) -> dict[str, Any]:
     """One agent run as a subgraph (checkpointed under this task's namespace)."""
     from maxkernel.graph.agent import compile_graph
 
+    task = BranchTask.model_validate(task)
     s = task.search
     out = Path(s.out_dir or Path("out") / Path(s.task_path).stem) / "branches" / task.node_id
     agent = compile_graph()  # no checkpointer of its own: it inherits the search's, namespaced per task
