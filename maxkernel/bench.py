@@ -140,11 +140,11 @@ class Bench:
             "--out", str(out), "--thread-id", thread,
             "--checkpoint-db", str(self.out / "checkpoints.sqlite"),
             "--store", str(self.out / "store.db"), "--work-dir", str(self.out / "work"),
-            "--iterations", str(self.s.iterations),
+            "--iterations", str(self.s.iterations), "--tune-configs", str(self.s.tune_configs),
         ]  # fmt: skip
         if self.s.algorithm:
             return [sys.executable, "-m", "maxkernel.cli", "search", str(task), "--algorithm", self.s.algorithm,
-                    "--branches", str(self.s.branches), "--tune-configs", str(self.s.tune_configs), *common]  # fmt: skip
+                    "--branches", str(self.s.branches), *common]  # fmt: skip
         return [sys.executable, "-m", "maxkernel.cli", "optimize", str(task), *common]
 
     def _run_one(self, task: Path) -> TaskRow:

@@ -174,6 +174,7 @@ def optimize_cmd(
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
     ] = None,
     strategy: Annotated[str | None, typer.Option("--strategy", help="strategy to apply first")] = None,
+    tune_configs: Annotated[int, typer.Option("--tune-configs", min=0, help="autotune configs per round")] = 6,
     checkpoint_db: CheckpointOpt = DEFAULT_CHECKPOINTS,
     store: StoreOpt = Path(DEFAULT_STORE),
     work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
@@ -221,6 +222,7 @@ def optimize_cmd(
         "scale": scale,
         "out_dir": str(out_dir.resolve()) if out_dir else None,
         "strategy": strategy,
+        "tune_max_configs": tune_configs,
     }
     _drive(graph, inp, config, ctx)
     _check_bad_task(graph, config)

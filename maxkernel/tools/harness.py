@@ -81,7 +81,6 @@ def evaluate(
             hit.cached = True
             return hit
         store.put_candidate(source_hash, task.task_id, source, origin="eval")
-        store.log_execution(key, task.task_id)
     run_dir = fresh_run_dir(Path(work_dir or Path.cwd() / ".maxkernel") / "evals", key[:16])
     candidate_path = run_dir / "candidate.py"
     candidate_path.write_text(source)
@@ -112,6 +111,7 @@ def evaluate(
         store.put_reference_estimate(task.fingerprint, gen, result.estimate.reference_estimated_seconds)
     if store is not None:
         store.put_evaluation(key, task.fingerprint, options.key_fields(), result, time.monotonic() - t0)
+        store.log_execution(key, task.task_id)
     return result
 
 

@@ -94,8 +94,8 @@ class ResultsStore:
             )
             self.db["evaluations"].create_index(["task_id"], if_not_exists=True)
         if "eval_log" not in self.db.table_names():
-            # One row per evaluation actually executed in a sandbox (a store hit adds none): lets a resumed
-            # run prove it re-ran nothing.
+            # One row per evaluation executed to completion in a sandbox (a store hit adds none): lets a
+            # resumed run prove it re-ran nothing that had finished.
             self.db["eval_log"].create({"key": str, "task_id": str, "started_at": str}, if_not_exists=True)
         if "model_replies" not in self.db.table_names():
             self.db["model_replies"].create(
