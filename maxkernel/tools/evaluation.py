@@ -7,6 +7,8 @@ against. The jaxpr that is checked for "Pallas does the work" is the very trace 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from pathlib import Path
@@ -133,8 +135,9 @@ def evaluate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     result = EvalResult(task_id=task["task_id"], source_hash=payload["source_hash"])
     clock = _StageClock(ctx, result)
     ctx.guard()
+    extras: dict[str, Any] = {}
     try:
-        _evaluate(task, payload["candidate_path"], opts, result, clock)
+        _evaluate(task, extras, payload["candidate_path"], opts, result, clock)
     except _Rejected as exc:
         result.error = StageError(stage=exc.stage, message=exc.message)  # type: ignore[arg-type]
     clock.stop()
@@ -143,7 +146,7 @@ def evaluate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     result.accepted = result.error is None and result.correct and result.uses_pallas and result.compiled
     if result.accepted is False and result.error is None:
         result.error = StageError(stage="compile", message="not compiled for every requested TPU generation")
-    return result.model_dump(mode="json")
+    return {**result.model_dump(mode="json"), **extras}
 
 
 class _StageClock:
@@ -163,8 +166,62 @@ class _StageClock:
             self.name = None
 
 
+def save_reference_sets(
+    path: Path, input_sets: list[list[tuple[list[np.ndarray], str]]], expected: list[list[list[np.ndarray]]]
+) -> None:
+    """Inputs and reference outputs of every set, with dtype names (npz cannot name bfloat16)."""
+    arrays: dict[str, np.ndarray] = {}
+    meta: dict[str, Any] = {"configs": []}
+    for ci, sets in enumerate(input_sets):
+        cmeta = []
+        for si, (inputs, origin) in enumerate(sets):
+            entry = {"origin": origin, "inputs": [], "outputs": []}
+            for k, a in enumerate(inputs):
+                arrays[f"c{ci}s{si}i{k}"] = _raw(a)
+                entry["inputs"].append(str(a.dtype))
+            for k, a in enumerate(expected[ci][si]):
+                arrays[f"c{ci}s{si}o{k}"] = _raw(a)
+                entry["outputs"].append(str(a.dtype))
+            cmeta.append(entry)
+        meta["configs"].append(cmeta)
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def load_reference_sets(
+    path: Path,
+) -> tuple[list[list[tuple[list[np.ndarray], str]]], list[list[list[np.ndarray]]]]:
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+        input_sets, expected = [], []
+        for ci, cmeta in enumerate(meta["configs"]):
+            sets, outs = [], []
+            for si, entry in enumerate(cmeta):
+                ins = [_typed(z[f"c{ci}s{si}i{k}"], d) for k, d in enumerate(entry["inputs"])]
+                sets.append((ins, entry["origin"]))
+                outs.append([_typed(z[f"c{ci}s{si}o{k}"], d) for k, d in enumerate(entry["outputs"])])
+            input_sets.append(sets)
+            expected.append(outs)
+    return input_sets, expected
+
+
+def _raw(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+
+
+def _typed(a: np.ndarray, dtype: str) -> np.ndarray:
+    return a.view(np_dtype(dtype)) if dtype == "bfloat16" else a
+
+
 def _evaluate(
-    task: dict[str, Any], candidate_path: str, opts: dict[str, Any], result: EvalResult, clock: _StageClock
+    task: dict[str, Any],
+    result_extras: dict[str, Any],
+    candidate_path: str,
+    opts: dict[str, Any],
+    result: EvalResult,
+    clock: _StageClock,
 ) -> None:
     import jax
     from jax.experimental.pallas import tpu as pltpu
@@ -180,13 +237,22 @@ def _evaluate(
         )
         own = [InputConfig.model_validate(c) for c in task["configs"]]
         val = [InputConfig.model_validate(c) for c in task["validation_configs"]]
-        input_sets = _build_input_sets(
-            ref, task, val, int(opts.get("input_sets", 3)), int(opts.get("seed", 0))
-        )
-        expected = [
-            [_run_reference(ref, cfg, inputs) for inputs, _origin in sets]
-            for cfg, sets in zip(val, input_sets, strict=True)
-        ]
+        cached = opts.get("reference_cache")
+        if cached:
+            input_sets, expected = load_reference_sets(Path(cached))
+        else:
+            input_sets = _build_input_sets(
+                ref, task, val, int(opts.get("input_sets", 3)), int(opts.get("seed", 0))
+            )
+            expected = [
+                [_run_reference(ref, cfg, inputs) for inputs, _origin in sets]
+                for cfg, sets in zip(val, input_sets, strict=True)
+            ]
+            # Written and hashed before the candidate is imported; the hash travels in the signed result,
+            # so the parent caches this file only if the candidate did not touch it.
+            path = Path(clock.ctx.run_dir) / "reference_sets.npz"
+            save_reference_sets(path, input_sets, expected)
+            result_extras["_reference_sets_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
     except taskcode.TaskCodeError as exc:
         raise _Rejected("task", str(exc)) from exc
 

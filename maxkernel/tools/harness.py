@@ -6,6 +6,9 @@ unusable. Every outcome, including hangs and crashes, is an `EvalResult` with `e
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 import time
 from pathlib import Path
 
@@ -19,7 +22,7 @@ from maxkernel.tools.sandbox import (
     fresh_run_dir,
     run_sandboxed,
 )
-from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text
+from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text, toolchain_versions
 from maxkernel.tools.tasks import KernelTask
 
 DEFAULT_TPUS: tuple[str, ...] = ("v5e", "v6e")
@@ -85,6 +88,9 @@ def evaluate(
     candidate_path = run_dir / "candidate.py"
     candidate_path.write_text(source)
     worker_opts = options.model_dump(mode="json")
+    ref_cache = reference_cache_path(task, options, work_dir)
+    if ref_cache.exists():
+        worker_opts["reference_cache"] = str(ref_cache)
     gen = options.tpu[0] if options.tpu else "v5e"
     if store is not None and options.estimate:
         worker_opts["reference_estimated_seconds"] = store.get_reference_estimate(task.fingerprint, gen)
@@ -104,8 +110,9 @@ def evaluate(
             memory_mb=options.memory_mb,
             allow_device=options.timing and accelerator_present(),
         ),
-        read_paths=[Path(task.reference_path).parent],
+        read_paths=[Path(task.reference_path).parent, ref_cache.parent],
     )
+    _keep_reference_sets(outcome, run_dir, ref_cache)
     result = _to_result(task, source_hash, outcome)
     if store is not None and result.estimate and result.estimate.reference_estimated_seconds:
         store.put_reference_estimate(task.fingerprint, gen, result.estimate.reference_estimated_seconds)
@@ -113,6 +120,28 @@ def evaluate(
         store.put_evaluation(key, task.fingerprint, options.key_fields(), result, time.monotonic() - t0)
         store.log_execution(key, task.task_id)
     return result
+
+
+def reference_cache_path(task: KernelTask, options: EvalOptions, work_dir: Path | None) -> Path:
+    """Input sets and reference outputs depend only on the task, the draw and the toolchain: one file per
+    such key, reused by every later candidate of the task (the reference stage then costs a file read)."""
+    key = sha256_text(json.dumps([task.fingerprint, options.input_sets, options.seed, toolchain_versions()]))
+    path = Path(work_dir or Path.cwd() / ".maxkernel").resolve() / "reference_sets" / f"{key[:24]}.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _keep_reference_sets(outcome: SandboxOutcome, run_dir: Path, cache: Path) -> None:
+    """Cache the child's reference sets only if the file is byte-for-byte what the harness wrote before the
+    candidate was imported (its hash is in the signed result)."""
+    value = outcome.value or {}
+    digest = value.pop("_reference_sets_sha256", None)
+    produced = run_dir / "reference_sets.npz"
+    if digest and produced.exists() and hashlib.sha256(produced.read_bytes()).hexdigest() == digest:
+        tmp = cache.with_suffix(f".{run_dir.name}.part")
+        shutil.copyfile(produced, tmp)
+        tmp.replace(cache)
+    produced.unlink(missing_ok=True)
 
 
 def _stage_of(progress_stage: str | None) -> str:
