@@ -126,3 +126,19 @@ def test_unusable_replies_are_evaluated_or_reported(tmp_path: Path, bad: str) ->
     assert state.get("best") is None and state["status"] == "failed"
     assert not (tmp_path / "out" / "kernel.py").exists()
     assert json.loads((tmp_path / "out" / "result.json").read_text())["correct"] is False
+
+
+def test_reflect_picks_the_next_strategy_from_the_bound(tmp_path: Path) -> None:
+    again = json.dumps({"decision": "continue", "reason": "", "hint": ""})
+    code = fenced("llm_correct.py")
+    model = ScriptedChatModel(replies=["# Plan", code, again, "# Plan", code])
+    state = run_graph(tmp_path, model, max_iterations=2, tune_max_configs=0)
+    bound = state["best"].estimated_bound
+    assert bound in ("memory", "compute", "overhead")
+    from maxkernel.nodes.reflect import BOUND_STRATEGIES
+
+    assert state["strategy"] == BOUND_STRATEGIES[bound][0]
+    # round two's plan prompt carried the chosen strategy's text
+    from maxkernel.strategies import get_strategy
+
+    assert get_strategy(state["strategy"]).title in model.prompts[3][-1].content

@@ -65,6 +65,7 @@ class Attempt(BaseModel):
     config: dict[str, Any] | None = None
     estimated_seconds: float | None = None
     estimated_speedup: float | None = None
+    estimated_bound: str | None = Field(None, description="memory / compute / overhead, per the block model")
     measured_seconds: float | None = None
     measured_speedup: float | None = None
 
@@ -130,6 +131,7 @@ class AgentState(BaseModel):
     attempts: Annotated[list[Attempt], operator.add] = Field(default_factory=list)
     human: Annotated[list[HumanFeedback], operator.add] = Field(default_factory=list)
     errors: Annotated[list[str], operator.add] = Field(default_factory=list)
+    tried_strategies: Annotated[list[str], operator.add] = Field(default_factory=list)
     best: Attempt | None = None
     rounds_without_gain: int = 0
     stop_reason: str | None = None

@@ -123,6 +123,7 @@ def to_attempt(
         config=config,
         estimated_seconds=est.estimated_seconds if est else None,
         estimated_speedup=est.estimated_speedup if est else None,
+        estimated_bound=est.bound if est else None,
         measured_seconds=r.timing.candidate_median_s if r.timing else None,
         measured_speedup=r.timing.measured_speedup if r.timing else None,
     )

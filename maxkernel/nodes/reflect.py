@@ -41,12 +41,38 @@ def reflect(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
             if decision.action == "stop":
                 stop = "author: " + ("; ".join(decision.reasons) or "nothing left to try")
             else:
+                strategy = next_strategy(state)
                 hint = decision.plan_hint or ""
+                if strategy:
+                    update["strategy"] = strategy
+                    update["tried_strategies"] = [state.strategy] if state.strategy else []
+                    hint = (hint + " " if hint else "") + f"Next strategy (from the profile): {strategy}."
                 update["feedback"] = hint
         update.update(usage_update(state, author, before))
     if stop:
         update["stop_reason"] = stop
     return update
+
+
+# What the profile says limits the best kernel → strategies that attack that limit, in order.
+BOUND_STRATEGIES: dict[str, tuple[str, ...]] = {
+    "memory": ("larger_tiles", "cache_reused_block", "full_k_panel", "fuse_chain", "bf16_operands"),
+    "overhead": ("larger_tiles", "full_k_panel", "fuse_chain"),
+    "compute": ("mxu_shaped_tiles", "bf16_operands", "cheap_transcendentals", "remove_redundant_work"),
+}
+
+
+def next_strategy(state: AgentState) -> str | None:
+    """Pick the next round's strategy from the best kernel's bound class (measured or estimated), skipping
+    strategies this run already applied."""
+    best = state.best
+    if best is None or best.estimated_bound is None:
+        return None
+    tried = {state.strategy, *state.tried_strategies}  # the current round's strategy counts as tried
+    for name in BOUND_STRATEGIES.get(best.estimated_bound, ()):
+        if name not in tried:
+            return name
+    return None
 
 
 def route_after_reflect(state: AgentState) -> Literal["plan", "finalize"]:
