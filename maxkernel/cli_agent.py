@@ -174,7 +174,9 @@ def optimize_cmd(
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
     ] = None,
     strategy: Annotated[str | None, typer.Option("--strategy", help="strategy to apply first")] = None,
-    tune_configs: Annotated[int, typer.Option("--tune-configs", min=0, help="autotune configs per round")] = 6,
+    tune_configs: Annotated[
+        int, typer.Option("--tune-configs", min=0, help="autotune configs per round")
+    ] = 6,
     checkpoint_db: CheckpointOpt = DEFAULT_CHECKPOINTS,
     store: StoreOpt = Path(DEFAULT_STORE),
     work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
@@ -192,26 +194,10 @@ def optimize_cmd(
             get_strategy(strategy)
         except KeyError as exc:
             raise fail_usage(str(exc.args[0])) from exc
-    gens = parse_tpus(tpu)
-    model = model or default_model()
     thread_id = thread_id or f"mk-{uuid.uuid4().hex[:12]}"
-    settings = {
-        "model": model,
-        "tpu": gens,
-        "store_path": str(store.resolve()),
-        "work_dir": str(work_dir.resolve()),
-        "checkpoint_db": checkpoint_db,
-    }
-    st = _store(store)
-    st.upsert_run(
-        thread_id,
-        task_id=task.stem if task.is_file() else task.name,
-        task_path=str(task.resolve()),
-        settings=json.dumps(settings),
-        status="running",
-        out_dir=str(out_dir.resolve()) if out_dir else None,
+    st, settings = _start_run(
+        "agent", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir, describe=f"mode {mode}"
     )
-    console.print(f"thread [bold]{thread_id}[/] — model {model}, mode {mode}, TPU {', '.join(gens)}")
     ctx = _context(settings)
     graph = _graph(checkpoint_db)
     config = {"configurable": {"thread_id": thread_id}}
@@ -227,6 +213,46 @@ def optimize_cmd(
     _drive(graph, inp, config, ctx)
     _check_bad_task(graph, config)
     _finish(graph, config, st, thread_id)
+
+
+def _start_run(
+    kind: str,
+    thread_id: str,
+    task: Path,
+    out_dir: Path | None,
+    model: str | None,
+    tpu: str,
+    checkpoint_db: str,
+    store: Path,
+    work_dir: Path,
+    *,
+    describe: str,
+    **extra: Any,
+) -> tuple[Any, dict[str, Any]]:
+    """Record a new thread and the settings `resume` needs to rebuild its context in another process."""
+    gens = parse_tpus(tpu)
+    settings = {
+        "graph": kind,
+        "model": model or default_model(),
+        "tpu": gens,
+        "store_path": str(store.resolve()),
+        "work_dir": str(work_dir.resolve()),
+        "checkpoint_db": checkpoint_db,
+        **extra,
+    }
+    st = _store(store)
+    st.upsert_run(
+        thread_id,
+        task_id=task.stem if task.is_file() else task.name,
+        task_path=str(task.resolve()),
+        settings=json.dumps(settings),
+        status="running",
+        out_dir=str(out_dir.resolve()) if out_dir else None,
+    )
+    console.print(
+        f"thread [bold]{thread_id}[/] — {describe}, model {settings['model']}, TPU {', '.join(gens)}"
+    )
+    return st, settings
 
 
 def _check_bad_task(graph: Any, config: dict[str, Any]) -> None:
@@ -459,28 +485,11 @@ def search_cmd(
             get_strategy(name)
         except KeyError as exc:
             raise fail_usage(str(exc.args[0])) from exc
-    gens = parse_tpus(tpu)
-    model = model or default_model()
     thread_id = thread_id or f"ms-{uuid.uuid4().hex[:12]}"
-    settings = {
-        "graph": "search",
-        "model": model,
-        "tpu": gens,
-        "store_path": str(store.resolve()),
-        "work_dir": str(work_dir.resolve()),
-        "checkpoint_db": checkpoint_db,
-        "max_concurrency": max_concurrency,
-    }
-    st = _store(store)
-    st.upsert_run(
-        thread_id,
-        task_id=task.stem if task.is_file() else task.name,
-        task_path=str(task.resolve()),
-        settings=json.dumps(settings),
-        status="running",
-        out_dir=str(out_dir.resolve()) if out_dir else None,
-    )
-    console.print(f"thread [bold]{thread_id}[/] — {algorithm} search, model {model}, TPU {', '.join(gens)}")
+    st, settings = _start_run(
+        "search", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir,
+        describe=f"{algorithm} search", max_concurrency=max_concurrency,
+    )  # fmt: skip
     ctx = _context(settings)
     graph = _graph(checkpoint_db, "search")
     config = {"configurable": {"thread_id": thread_id}, "max_concurrency": max_concurrency}
