@@ -109,6 +109,19 @@ class Bench:
         )
         started = time.monotonic()
         finished = 0
+        for t in todo:  # only this thread writes results.db (sqlite connections are per thread)
+            self.db["results"].upsert(
+                _flat(
+                    TaskRow(
+                        task_id=t.name,
+                        category=_category(t),
+                        thread_id=thread_for(self.out, t.name),
+                        status="running",
+                    )
+                ),
+                pk="task_id",
+                alter=True,
+            )
         with ThreadPoolExecutor(max_workers=max(1, self.s.jobs)) as pool:
             futures = {pool.submit(self._run_one, t): t for t in todo}
             for fut in as_completed(futures):
@@ -151,7 +164,6 @@ class Bench:
         thread = thread_for(self.out, task.name)
         out = self.out / "tasks" / task.name
         row = TaskRow(task_id=task.name, category=_category(task), thread_id=thread, status="running")
-        self.db["results"].upsert(_flat(row), pk="task_id", alter=True)
         store = self.out / "store.db"
         resuming = False
         if store.exists():

@@ -26,6 +26,7 @@ from maxkernel.nodes.reflect import reflect, route_after_reflect
 from maxkernel.nodes.repair import repair
 from maxkernel.nodes.test import route_after_test, test
 from maxkernel.nodes.validate import route_after_validate, validate
+from maxkernel.tools.store import enable_wal
 
 
 def route_after_prepare(state: AgentState) -> Literal["plan", "finalize"]:
@@ -95,7 +96,8 @@ def sqlite_checkpointer(path: str | Path) -> Any:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(str(path), check_same_thread=False)
+    conn = sqlite3.connect(str(path), check_same_thread=False, timeout=60)
+    enable_wal(conn)
     return SqliteSaver(conn, serde=serializer())
 
 

@@ -52,6 +52,15 @@ def evaluation_key(task_fingerprint: str, source_hash: str, options: dict[str, A
     return sha256_text(blob)
 
 
+def enable_wal(conn: sqlite3.Connection) -> None:
+    """WAL lets readers and one writer work at once across processes. Switching needs a moment of exclusive
+    access; when another process holds the file, it is (or soon will be) in WAL already: carry on."""
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+    except sqlite3.OperationalError:
+        pass
+
+
 class ResultsStore:
     """Thin typed access to the store's tables; safe to use from several threads (search branches run in
     threads: each gets its own connection) and several processes (WAL, generous busy timeout)."""
@@ -68,7 +77,7 @@ class ResultsStore:
         db = getattr(self._local, "db", None)
         if db is None:
             conn = sqlite3.connect(str(self.path), timeout=60)
-            conn.execute("PRAGMA journal_mode = WAL")
+            enable_wal(conn)
             db = sqlite_utils.Database(conn)
             self._local.db = db
         return db

@@ -1,0 +1,5 @@
+"""`python -m maxkernel` is the `maxkernel` command."""
+
+from maxkernel.cli import main
+
+main()
