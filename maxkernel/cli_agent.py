@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from maxkernel.cli import DEFAULT_TPU_TEXT, app, console, fail_usage, out, parse_tpus
@@ -58,7 +59,10 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
     if "attempts" in update:
         for a in update["attempts"]:
             cfg = f" {a.config}" if a.config else ""
-            bits.append(f"{a.kind}{cfg}: " + ("accepted" if a.accepted else f"{a.stage} — {a.message[:140]}"))
+            perf = f" (estimated {a.estimated_speedup:.2f}x)" if a.estimated_speedup is not None else ""
+            if a.measured_speedup is not None:
+                perf = f" (measured {a.measured_speedup:.2f}x)"
+            bits.append(f"{a.kind}{cfg}: " + (f"accepted{perf}" if a.accepted else f"{a.stage} — {a.message[:140]}"))
     if update.get("best") is not None:
         b = update["best"]
         seen["best"] = b
@@ -69,7 +73,7 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
         bits.append(f"new best [{b.source_hash[:10]}] ({perf})")
     if update.get("stop_reason"):
         bits.append(f"stop: {update['stop_reason']}")
-    return f"[round {it}] {node}" + (": " + " | ".join(bits) if bits else "")
+    return escape(f"[round {it}] {node}" + (": " + " | ".join(bits) if bits else ""))
 
 
 def _drive(graph: Any, inp: Any, config: dict[str, Any], ctx: Context, *, search: bool = False) -> None:
@@ -98,7 +102,7 @@ def _describe_search(node: str, update: dict[str, Any]) -> str:
     if update.get("best") is not None:
         b = update["best"]
         bits.append(f"best so far {b.id}")
-    return f"[search] {node}" + (": " + " | ".join(bits) if bits else "")
+    return escape(f"[search] {node}" + (": " + " | ".join(bits) if bits else ""))
 
 
 def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> None:
