@@ -32,9 +32,6 @@ from maxkernel.tools.results import (
 )
 from maxkernel.tools.worker import WorkerContext
 
-TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2", "7x": "tpu7x:2x2x1"}
-
-
 # --- describe ---------------------------------------------------------------------------------------------
 
 
@@ -508,12 +505,14 @@ def _aot_compile(candidate: Any, configs: list[InputConfig], gen: str) -> Compil
     from jax.sharding import SingleDeviceSharding
 
     t0 = time.perf_counter()
-    if gen not in TOPOLOGIES:
-        return CompileOutcome(
-            ok=False, error=f"unknown TPU generation {gen!r}; known: {', '.join(TOPOLOGIES)}"
-        )
+    from maxkernel.tools.tpu_specs import get_spec
+
     try:
-        device = topologies.get_topology_desc(TOPOLOGIES[gen], "tpu").devices[0]
+        topology = get_spec(gen).topology
+    except ValueError as exc:
+        return CompileOutcome(ok=False, error=str(exc))
+    try:
+        device = topologies.get_topology_desc(topology, "tpu").devices[0]
     except Exception as exc:
         return CompileOutcome(
             ok=False, error=f"no TPU compiler available (libtpu): {type(exc).__name__}: {exc}"

@@ -48,18 +48,12 @@ class EvalOptions(BaseModel):
 
 
 def normalise_generations(names: list[str]) -> list[str]:
-    aliases = {
-        "v6": "v6e",
-        "trillium": "v6e",
-        "tpu7x": "7x",
-        "ironwood": "7x",
-        "v7": "7x",
-        "v7x": "7x",
-        "v5": "v5e",
-    }
+    """Canonical generation names (v4, v5e, v5p, v6e, 7x) from any spelling the spec table accepts."""
+    from maxkernel.tools.tpu_specs import get_spec
+
     out = []
     for raw in names:
-        name = aliases.get(raw.strip().lower(), raw.strip().lower())
+        name = get_spec(raw).name
         if name not in TPU_GENERATIONS:
             raise ValueError(f"unknown TPU generation {raw!r}; choose from {', '.join(TPU_GENERATIONS)}")
         if name not in out:
