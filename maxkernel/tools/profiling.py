@@ -89,7 +89,9 @@ def profile_kernel(
 
 def profile_summary(task: KernelTask, source_path: str, tpu: list[str], work_dir: str | Path) -> str:
     """Markdown for the reflect prompt and the report (the profile node's tool)."""
-    report = profile_kernel(task, Path(source_path).read_text(), tpu[:1] or ["v5e"], work_dir)
+    # One traced run each: on CPU the trace shows where the interpreted program's time goes, which one run
+    # tells as well as three, and interpreted kernels are slow.
+    report = profile_kernel(task, Path(source_path).read_text(), tpu[:1] or ["v5e"], work_dir, repeats=1)
     return report.to_markdown(detail=False)
 
 
