@@ -110,6 +110,101 @@ def eval_cmd(
     raise typer.Exit(0 if result.accepted else 1)
 
 
+@app.command("synthesize")
+def synthesize_cmd(
+    task: Annotated[Path, typer.Argument(help="task: a problem dir, a reference.py, or a JAXBench module")],
+    tpu: TpuOpt = DEFAULT_TPU_TEXT,
+    scale: ScaleOpt = None,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", help="where kernel.py, plan.md and result.json go (default out/<task_id>)"),
+    ] = None,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="print the result JSON instead of a table")
+    ] = False,
+    repairs: Annotated[
+        int, typer.Option("--repairs", min=0, help="repair attempts after a rejection (default: one shot)")
+    ] = 0,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="seconds before the evaluation is killed")
+    ] = 600.0,
+    store: StoreOpt = Path(".maxkernel/results.db"),
+    work_dir: WorkOpt = Path(".maxkernel"),
+) -> None:
+    """Write a kernel with the offline author (no model) from the reference's jaxpr, and evaluate it."""
+    from maxkernel.authors.base import Attempt, AuthorContext, AuthorError
+    from maxkernel.authors.offline import OfflineAuthor
+
+    gens = parse_tpus(tpu)
+    try:
+        with console.status(f"loading task {task} ..."):
+            kt = load_task(task, scale=scale, work_dir=work_dir)
+    except TaskError as exc:
+        raise fail_usage(str(exc)) from exc
+    author = OfflineAuthor()
+    ctx = AuthorContext(task=kt, tpu=gens, work_dir=work_dir)
+    with console.status(f"analysing {kt.task_id} ..."):
+        plan = author.plan(ctx)
+    dest = out_dir or Path("out") / kt.task_id
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "plan.md").write_text(plan.text)
+    if not plan.supported:
+        (dest / "kernel.py").unlink(missing_ok=True)
+        summary = EvalResult(task_id=kt.task_id, source_hash="").summary_json()
+        summary["error"] = {"stage": "unsupported", "message": plan.unsupported_reason}
+        summary["family"] = "unsupported"
+        (dest / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if json_out:
+            print(json.dumps(summary))
+        else:
+            console.print(f"[bold red]unsupported:[/] {plan.unsupported_reason}")
+            console.print(f"wrote {dest / 'plan.md'}, {dest / 'result.json'}")
+        raise typer.Exit(1)
+    draft = author.implement(ctx, plan)
+    options = EvalOptions(tpu=gens, timeout_s=timeout)
+    results_store = ResultsStore(store)
+    history: list[Attempt] = []
+    while True:
+        (dest / "kernel.py").write_text(draft.source)
+        with console.status(f"evaluating the {plan.family} kernel for {kt.task_id} ..."):
+            result = evaluate(kt, draft.source, options, store=results_store, work_dir=work_dir)
+        if result.accepted or result.error is None or result.error.stage == "task" or len(history) >= repairs:
+            break
+        failure = f"{result.error.stage}: {result.error.message}"
+        history.append(
+            Attempt(
+                source_hash=result.source_hash,
+                stage=result.error.stage,
+                message=result.error.message,
+                config=draft.config.as_dict() if draft.config else None,
+            )
+        )
+        try:
+            draft = author.repair(ctx, plan, draft.source, failure, history)
+        except AuthorError:
+            break
+        if draft.plan_update is not None:
+            plan = draft.plan_update
+            (dest / "plan.md").write_text(plan.text)
+    summary = result.summary_json()
+    summary["family"] = plan.family
+    summary["kernels"] = [k["family"] for k in plan.data.get("program", {}).get("kernels", [])]
+    summary["config"] = draft.config.as_dict() if draft.config else None
+    (dest / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if result.error and result.error.stage == "task":
+        if json_out:
+            print(json.dumps(summary))
+        raise fail_usage(f"task {kt.task_id}: {result.error.message}")
+    if json_out:
+        print(json.dumps(summary))
+    else:
+        render_eval(result)
+        out.print(
+            f"family: {plan.family} ({', '.join(summary['kernels'])}); wrote {dest}/kernel.py, plan.md, result.json"
+        )
+    raise typer.Exit(0 if result.accepted else 1)
+
+
 def _yes(flag: bool) -> str:
     return "[green]yes[/]" if flag else "[red]no[/]"
 
@@ -165,4 +260,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run through the package module so the commands registered on `maxkernel.cli.app` are the ones used.
+    from maxkernel.cli import main as package_main
+
+    package_main()

@@ -39,7 +39,8 @@ class AuthorContext(BaseModel):
     history: list[Attempt] = Field(default_factory=list, description="earlier attempts in this run")
     profile: str | None = Field(None, description="trace summary / estimates of the best kernel (markdown)")
     scope: str = Field(
-        "", description="where in a run this call happens (thread/round/step); identical scope+prompt = same call"
+        "",
+        description="where in a run this call happens (thread/round/step); identical scope+prompt = same call",
     )
 
 
@@ -106,6 +107,10 @@ class Draft(BaseModel):
     source: str
     notes: str = ""
     config: TileConfig | None = None
+    plan_update: Plan | None = Field(
+        None,
+        description="set when the author switched plans to write this draft (e.g. a repair that fuses less)",
+    )
 
 
 class Attempt(BaseModel):

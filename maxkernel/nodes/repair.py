@@ -52,13 +52,13 @@ def repair(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["val
             },
         )
     digest, path = save_source(state, draft.source)
-    return Command(
-        goto="validate",
-        update={
-            "source_hash": digest,
-            "source_path": path,
-            "repairs": state.repairs + 1,
-            "attempt_kind": "repair",
-            **usage_update(state, author, before),
-        },
-    )
+    update = {
+        "source_hash": digest,
+        "source_path": path,
+        "repairs": state.repairs + 1,
+        "attempt_kind": "repair",
+        **usage_update(state, author, before),
+    }
+    if draft.plan_update is not None:
+        update["plan"] = draft.plan_update  # the author changed approach (e.g. less fusion) to repair
+    return Command(goto="validate", update=update)

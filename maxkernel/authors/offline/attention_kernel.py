@@ -1,0 +1,359 @@
+"""Flash attention (online softmax over key blocks) and its no-softmax variant (chained matmuls)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from maxkernel.authors.offline.emit import dtype_code, dtype_name, is_float
+from maxkernel.authors.offline.graph import is_literal
+from maxkernel.authors.offline.kernels import (
+    Builder,
+    Scope,
+    Space,
+    SpaceDim,
+    _constant_value,
+    _nelems,
+    _op_summary,
+    _precision,
+)
+from maxkernel.authors.offline.spec import BufferSpec
+
+
+class AttentionBuilder(Builder):
+    """Flash attention: online softmax over key blocks, scores never leave VMEM."""
+
+    family = "attention"
+
+    def make_space(self) -> None:
+        g, ax = self.g, self.ax
+        info = self.region.attention
+        assert info is not None
+        e1 = g.eqns[info.score_dots[0]]
+        s = e1.outvars[0]
+        kv = ax.find(info.kv_class)  # type: ignore[arg-type]
+        self.kv_class = kv
+        s_classes = [c for c in ax.classes(s) if c is not None]
+        rows = [c for c in s_classes if c != kv]
+        qside = self.q_side(e1)
+        (lcr, (lbl, lbr)) = e1.params["dimension_numbers"]
+        contract, batch = (lcr[qside], (lbl, lbr)[qside])
+        lhs = e1.invars[qside]
+        lfree = [ax.cls(lhs, d) for d in range(len(lhs.aval.shape)) if d not in contract and d not in batch]
+        lfree = [c for c in lfree if c is not None]
+        q_cls = lfree[-1:] if lfree else []
+        grid = [c for c in rows if c not in q_cls]
+        dims: list[SpaceDim] = []
+        for k, c in enumerate(grid):
+            dims.append(SpaceDim(key=f"h{k}" if len(grid) > 1 else "h", classes=[c], role="grid"))
+        self.q = SpaceDim(key="q", classes=q_cls, role="tiled", param=f"{self.cprefix}BLOCK_Q")
+        self.kv = SpaceDim(key="kv", classes=[kv], role="seq", param=f"{self.cprefix}BLOCK_KV")
+        self.kv.lane_use = True
+        dims += [self.q, self.kv]
+        self.dq: list[SpaceDim] = []
+        for i, d in enumerate(info.score_dots):
+            e = g.eqns[d]
+            qs = self.q_side(e)
+            cdims = e.params["dimension_numbers"][0][qs]
+            cs = [ax.cls(e.invars[qs], a) for a in cdims]
+            self.dq.append(
+                SpaceDim(
+                    key="d" if i == 0 else f"d{i}", classes=[c for c in cs if c is not None], role="full"
+                )
+            )
+        dims += self.dq
+        pv = g.eqns[info.pv_dot]
+        dv = [c for c in ax.classes(pv.outvars[0]) if c is not None and c not in rows]
+        self.dv = SpaceDim(key="dv", classes=dv, role="full")
+        dims.append(self.dv)
+        axis = 0
+        for d in dims:
+            if d.role in ("grid", "tiled"):
+                d.axis = axis
+                axis += 1
+        self.kv.axis = axis
+        self.dims = dims
+        self.score = Space("score", [self.q, self.kv])
+        self.epi = Space("epi", [self.q, self.dv])
+        if not info.softmax:
+            uses_positions = any(g.eqns[i].primitive.name == "iota" for i in self.region.eqns())
+            self.family = "linear_attention" if uses_positions else "fused_mlp"
+            self.stem = self.stem.replace("_attention", f"_{self.family}")
+
+    def q_side(self, e: Any) -> int:
+        """Which operand of a score dot holds the queries (the other's free dim is the key axis)."""
+        kv = self.ax.find(self.region.attention.kv_class)  # type: ignore[union-attr,arg-type]
+        (lc, rc), (lb, rb) = e.params["dimension_numbers"]
+        rhs = e.invars[1]
+        rfree = {self.ax.cls(rhs, d) for d in range(len(rhs.aval.shape)) if d not in rc and d not in rb}
+        return 0 if kv in rfree else 1
+
+    def out_space(self) -> Space:
+        return self.epi
+
+    def scratch(self) -> list[tuple[str, str, list[SpaceDim | str]]]:
+        info = self.region.attention
+        acc = [("acc_ref", "jnp.float32", [self.q, self.dv])]
+        if info is not None and info.softmax:
+            return [("m_ref", "jnp.float32", [self.q, "1"]), ("l_ref", "jnp.float32", [self.q, "1"]), *acc]
+        return acc
+
+    def make_body(self) -> list[str]:
+        g = self.g
+        info = self.region.attention
+        assert info is not None
+        main = Scope(lines=[], indent="    ")
+        kv_index = self.program_id(self.kv.axis)  # type: ignore[arg-type]
+        main.add(f"@pl.when({kv_index} == 0)")
+        main.add("def _init():")
+        if info.softmax:
+            main.add("    m_ref[...] = jnp.full_like(m_ref, -jnp.inf)")
+            main.add("    l_ref[...] = jnp.zeros_like(l_ref)")
+        main.add("    acc_ref[...] = jnp.zeros_like(acc_ref)")
+        main.add("")
+        for i, d in enumerate(info.score_dots):
+            e = g.eqns[d]
+
+            def score_dot(scope: Scope, space: Space, e: Any = e, i: int = i) -> tuple[str, frozenset[str]]:
+                qs = Space(f"q{i}", [self.q, self.dq[i]])
+                ks = Space(f"k{i}", [self.kv, self.dq[i]])
+                side = self.q_side(e)
+                qv, kvv = e.invars[side], e.invars[1 - side]
+                a, am = self.value(qv, qs, scope)
+                b, bm = self.value(kvv, ks, scope)
+                a, _ = self.materialise(
+                    a,
+                    am,
+                    {self.q.key, self.dq[i].key} if self.q.classes else {self.dq[i].key},
+                    qs,
+                    scope,
+                    dtype_name(qv.aval),
+                )
+                b, _ = self.materialise(b, bm, {self.kv.key, self.dq[i].key}, ks, scope, dtype_name(kvv.aval))
+                dt = dtype_name(e.outvars[0].aval)
+                pref = "jnp.float32" if is_float(dt) else dtype_code(dt)
+                nm = self.fresh("scores")
+                mat = frozenset({self.q.key, self.kv.key}) if self.q.classes else frozenset({self.kv.key})
+                cast = "" if dt == "float32" else f".astype({dtype_code(dt)})"
+                scope.add(
+                    f"{nm} = lax.dot_general({a}, {b}, (((1,), (1,)), ((), ())), preferred_element_type={pref}{_precision(e)}){cast}"
+                    + self.comment(dt, space, mat)
+                )
+                return nm, mat
+
+            main.special[e.outvars[0]] = score_dot
+        need = {self.q.key, self.kv.key} if self.q.classes else {self.kv.key}
+        self.kw("n_kv", "n_kv")
+        self.kw(self.kv.blk, self.kv.blk)
+        pv = g.eqns[info.pv_dot]
+        vspace = Space("v", [self.kv, self.dv])
+        pdt = dtype_name(pv.invars[info.probs_side].aval)
+        v_var = pv.invars[1 - info.probs_side]
+        outer = main
+        pred = self.block_mask(info.logits if info.softmax else info.probs, "-inf" if info.softmax else "0")
+        if pred is not None:
+            pcode, _ = self.value(pred, self.score, main)
+            main.add(f"live = jnp.any({pcode})  # key blocks the mask removes entirely are skipped")
+            main.add("")
+            main.add("@pl.when(live)")
+            main.add("def _update():")
+            main = Scope(lines=main.lines, indent="        ", cache=dict(main.cache), special=main.special)
+            self.notes.append(
+                "key blocks whose mask is all false are skipped (pl.when), e.g. above a causal diagonal"
+            )
+        if info.softmax:
+            logits = info.logits
+            gcode, gm = self.value(logits, self.score, main)
+            gcode, gm = self.materialise(gcode, gm, need, self.score, main, dtype_name(logits.aval))
+            main.add(f"if n_kv % {self.kv.blk}:  # padded keys exist: keep them out of the softmax")
+            main.add(
+                f"    kv_pos = {kv_index} * {self.kv.blk} + lax.broadcasted_iota(jnp.int32, (1, {self.kv.blk}), 1)"
+            )
+            main.add(f"    {gcode} = jnp.where(kv_pos < n_kv, {gcode}, -jnp.inf)")
+            main.add("m_prev = m_ref[...]  # f32[bq, 1]: row max over the key blocks seen so far")
+            main.add(f"m_next = jnp.maximum(m_prev, jnp.max({gcode}, axis=1, keepdims=True))")
+            main.add(
+                "m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows whose keys are all masked so far"
+            )
+            main.add(f"probs = jnp.exp({gcode} - m_safe)  # f32[bq, bkv], unnormalised")
+            main.add("rescale = jnp.exp(m_prev - m_safe)  # corrects what was accumulated under the old max")
+            main.add("l_ref[...] = rescale * l_ref[...] + jnp.sum(probs, axis=1, keepdims=True)")
+            main.add("m_ref[...] = m_next")
+            v, vm = self.value(v_var, vspace, main)
+            v, _ = self.materialise(
+                v,
+                vm,
+                {self.kv.key, self.dv.key} if self.dv.classes else {self.kv.key},
+                vspace,
+                main,
+                dtype_name(v_var.aval),
+            )
+            pcast = "probs" if pdt == "float32" else f"probs.astype({dtype_code(pdt)})"
+            main.add(
+                f"acc_ref[...] = rescale * acc_ref[...] + jnp.dot({pcast}, {v}, preferred_element_type=jnp.float32{_precision(pv)})"
+            )
+            self.transcendentals += 2
+        else:
+            pcode, pm = self.value(info.probs, self.score, main)
+            pcode, pm = self.materialise(pcode, pm, need, self.score, main, pdt)
+            main.add(f"if n_kv % {self.kv.blk}:  # padded keys exist: they must add nothing")
+            main.add(
+                f"    kv_pos = {kv_index} * {self.kv.blk} + lax.broadcasted_iota(jnp.int32, (1, {self.kv.blk}), 1)"
+            )
+            main.add(f"    {pcode} = jnp.where(kv_pos < n_kv, {pcode}, 0)")
+            v, vm = self.value(v_var, vspace, main)
+            v, _ = self.materialise(
+                v,
+                vm,
+                {self.kv.key, self.dv.key} if self.dv.classes else {self.kv.key},
+                vspace,
+                main,
+                dtype_name(v_var.aval),
+            )
+            main.add(
+                f"acc_ref[...] += jnp.dot({pcode}, {v}, preferred_element_type=jnp.float32{_precision(pv)})"
+            )
+        main = outer
+        main.add("")
+        main.add(f"@pl.when({kv_index} == pl.num_programs({self.kv.axis}) - 1)")
+        main.add("def _finalize():")
+        fin = Scope(lines=[], indent="        ")
+        out = pv.outvars[0]
+        odt = dtype_name(out.aval)
+
+        def load_out(scope: Scope, space: Space) -> tuple[str, frozenset[str]]:
+            nm = self.fresh("attn")
+            div = " / l_ref[...]" if info.softmax and info.normalised_before_pv else ""
+            cast = "" if odt == "float32" else f".astype({dtype_code(odt)})"
+            expr = f"(acc_ref[...]{div}){cast}" if cast and div else f"acc_ref[...]{div}{cast}"
+            mat = frozenset(k for k, d in ((self.q.key, self.q), (self.dv.key, self.dv)) if d.classes)
+            scope.add(f"{nm} = {expr}" + self.comment(odt, space, mat))
+            return nm, mat
+
+        fin.special[out] = load_out
+        if info.softmax:
+            for var, ref in ((info.row_max, "m_ref"), (info.row_sum, "l_ref")):
+
+                def load_stat(
+                    scope: Scope, space: Space, ref: str = ref, var: Any = var
+                ) -> tuple[str, frozenset[str]]:
+                    nm = self.fresh(ref[0])
+                    dt = dtype_name(var.aval)
+                    cast = "" if dt == "float32" else f".astype({dtype_code(dt)})"
+                    scope.add(f"{nm} = {ref}[...]{cast}" + self.comment(dt, space, frozenset({self.q.key})))
+                    return nm, frozenset({self.q.key})
+
+                fin.special[var] = load_stat
+        names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
+        for v, nm in zip(self.outputs, names, strict=True):
+            self.store(v, f"{nm}_ref", self.epi, fin)
+        return main.lines + fin.lines
+
+    def block_mask(self, var: Any, neutral: str) -> Any | None:
+        """The predicate of a final `where(pred, x, neutral)` on the scores, if there is one: a key block
+        where it is false everywhere contributes nothing (all -inf before a softmax, all 0 without)."""
+        g = self.g
+        own = set(self.region.eqns())
+        while True:
+            p = g.producer.get(var)
+            if p is None or p not in own:
+                return None
+            e = g.eqns[p]
+            if e.primitive.name in (
+                "convert_element_type",
+                "broadcast_in_dim",
+                "reshape",
+                "squeeze",
+                "expand_dims",
+                "transpose",
+                "copy",
+                "copy_p",
+            ):
+                var = e.invars[0]
+                continue
+            break
+        if e.primitive.name == "mul" and neutral == "0":  # x * where(pred, y, 0) (a decay mask)
+            for w in e.invars:
+                if not is_literal(w):
+                    found = self.block_mask(w, neutral)
+                    if found is not None:
+                        return found
+            return None
+        if e.primitive.name != "select_n" or len(e.invars) != 3 or dtype_name(e.invars[0].aval) != "bool":
+            return None
+        if _constant_value(g, e.invars[1], own) != (-math.inf if neutral == "-inf" else 0.0):
+            return None
+        return e.invars[0]
+
+    def title(self) -> str:
+        info = self.region.attention
+        assert info is not None
+        n = len(info.score_dots)
+        what = (
+            "flash attention"
+            if info.softmax
+            else (
+                "attention without softmax (decayed/linear)"
+                if self.family == "linear_attention"
+                else "two chained matmuls in one kernel (the hidden activation never leaves VMEM)"
+            )
+        )
+        extra = _op_summary(self.g, self.region, skip_dots=True, limit=6)
+        return (
+            f"{what}"
+            + (f" ({n} score matmuls summed)" if n > 1 else "")
+            + (f"; score/epilogue ops: {extra}" if extra else "")
+        )
+
+    def structure(self) -> str:
+        info = self.region.attention
+        assert info is not None
+        if info.softmax:
+            return (
+                "grid (batch/heads, Q/bq, KV/bkv) with the key axis innermost and sequential; each step computes "
+                "an (bq, bkv) score tile on the MXU, applies the score function (scale, masks) in VMEM, and "
+                "updates a running row max m, row sum l and an f32 (bq, dv) accumulator (online softmax); the "
+                "output is normalised and written once at the last key block"
+            )
+        return (
+            "grid (batch/heads, Q/bq, KV/bkv) with the key axis innermost; each step computes an (bq, bkv) score "
+            "tile, applies the elementwise score function (decay, masks) and accumulates probs @ v into an f32 "
+            "VMEM accumulator"
+        )
+
+    def param_doc(self, d: SpaceDim) -> str:
+        return "query rows per grid step" if d.key == "q" else "keys per grid step (the sequential axis)"
+
+    def flops(self) -> float:
+        info = self.region.attention
+        assert info is not None
+        total = 0.0
+        for d in [*info.score_dots, info.pv_dot]:
+            e = self.g.eqns[d]
+            (lc, _), _ = e.params["dimension_numbers"]
+            k = 1
+            for a in lc:
+                k *= int(e.invars[0].aval.shape[a])
+            total += 2.0 * _nelems(e.outvars[0]) * k
+        return total
+
+    def flops_code(self) -> str:
+        rows = " * ".join(d.ext for d in [*self.grid_dims(), self.q] if d.classes) or "1"
+        inner = " + ".join(d.ext for d in [*self.dq, self.dv] if d.classes) or "1"
+        return f"2 * {rows} * n_kv * ({inner})"
+
+    def transcendentals_code(self) -> str:
+        info = self.region.attention
+        rows = " * ".join(d.ext for d in [*self.grid_dims(), self.q] if d.classes) or "1"
+        return f"{rows} * n_kv" if info is not None and info.softmax else "0"
+
+    def temporaries(self) -> list[BufferSpec]:
+        return [
+            BufferSpec(
+                what="score/probability tiles (~3 f32)",
+                dims=self.tile_refs(self.score),
+                itemsize=4,
+                copies=3,
+                kind="temporary",
+            )
+        ]

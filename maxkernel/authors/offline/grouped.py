@@ -1,0 +1,220 @@
+"""Grouped matmul (`lax.ragged_dot`): rows of lhs fall into consecutive groups whose sizes arrive at run
+time; group g multiplies rhs[g]. One kernel, written from a template rather than re-emitted from the jaxpr.
+
+The group sizes go to SMEM by scalar prefetch. The grid walks (row block, column block, group, K block)
+with group and K sequential; each step finds its group's first and last row from the sizes, skips the
+step when the group has no row in the block (`pl.when`), and otherwise masks the rows of other groups to
+zero before the MXU multiply-add into an f32 accumulator. Every output tile is written once, at the last
+group and K block. Rows past the last group stay zero, as `ragged_dot` defines.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from maxkernel.authors.offline.emit import dtype_code, dtype_name
+from maxkernel.authors.offline.kernels import SUBLANE, LowerError, _nbytes, _precision
+from maxkernel.authors.offline.partition import Region
+from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
+
+if TYPE_CHECKING:
+    from maxkernel.authors.offline.lower import Lowering
+
+
+class GroupedMatmulBuilder:
+    family = "grouped_matmul"
+
+    def __init__(self, low: Lowering, region: Region, index: int, n_kernels: int) -> None:
+        self.low = low
+        self.g = low.g
+        self.region = region
+        self.stem = f"_grouped_matmul_{index}" if n_kernels > 1 else "_grouped_matmul"
+        self.cprefix = f"K{index}_" if n_kernels > 1 else ""
+        self.eqn = self.g.eqns[min(region.owned)]
+        self.outputs: list[Any] = low.part.region_outputs(region)
+        if len(self.outputs) != 1:
+            raise LowerError("a grouped matmul whose raw and cast results are both needed")
+
+    def build(self) -> tuple[KernelSpec, str]:
+        e = self.eqn
+        p = e.params
+        dn = p["ragged_dot_dimension_numbers"]
+        (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+        lhs, rhs, sizes = e.invars
+        if (
+            tuple(lc) != (1,)
+            or tuple(rc) != (1,)
+            or lb
+            or rb
+            or tuple(dn.lhs_ragged_dimensions) != (0,)
+            or tuple(dn.rhs_group_dimensions) != (0,)
+            or len(lhs.aval.shape) != 2
+            or len(rhs.aval.shape) != 3
+        ):
+            raise LowerError("a ragged_dot with dimension numbers other than (m, k) x (g, k, n)")
+        if p.get("group_offset") is not None:
+            raise LowerError("a ragged_dot with a group offset")
+        out = self.outputs[0]
+        odt = dtype_name(out.aval)
+        m, k = (int(s) for s in lhs.aval.shape)
+        g, _, n = (int(s) for s in rhs.aval.shape)
+        s = self.stem
+        c = self.cprefix
+        names = [self.low.name_of(v) for v in (lhs, rhs, sizes)]
+        ln, rn, sn = names
+        lsub = SUBLANE.get(lhs.aval.dtype.itemsize, 8)
+        prec = _precision(e)
+        code = f'''def {s}_lhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
+    return (m_index, k_index)
+
+
+def {s}_rhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
+    return (g_index, k_index, n_index)
+
+
+def {s}_out_index_map(m_index, n_index, g_index, k_index, sizes_ref):
+    return (m_index, n_index)
+
+
+def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups):
+    """Rows of lhs belong to consecutive groups (sizes in SMEM); group g multiplies rhs[g]."""
+    m_index = pl.program_id(0)
+    g_index = pl.program_id(2)
+    k_index = pl.program_id(3)
+
+    @pl.when((g_index == 0) & (k_index == 0))
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    # first row of this group: the sizes of the groups before it
+    start = lax.fori_loop(0, n_groups, lambda j, acc: acc + jnp.where(j < g_index, sizes_ref[j], 0), 0)
+    end = start + sizes_ref[g_index]
+    row0 = m_index * bm
+
+    @pl.when((start < row0 + bm) & (end > row0))  # the group has rows in this block
+    def _accumulate():
+        rows = row0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+        lhs_blk = jnp.where((rows >= start) & (rows < end), lhs_ref[...], 0)  # other groups' rows -> 0
+        acc_ref[...] += jnp.dot(lhs_blk, rhs_ref[...], preferred_element_type=jnp.float32{prec})
+
+    @pl.when((g_index == pl.num_programs(2) - 1) & (k_index == pl.num_programs(3) - 1))
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def {s}({ln}, {rn}, {sn}):
+    """lax.ragged_dot({ln}, {rn}, {sn}) as one Pallas kernel; pads M, N, K to the blocks and crops."""
+    n_m, n_k = {ln}.shape
+    n_groups, _, n_n = {rn}.shape
+    bm = _block(n_m, {c}BLOCK_M, {lsub})
+    bn = _block(n_n, {c}BLOCK_N, 128)
+    bk = _block(n_k, {c}BLOCK_K, 128)
+    n_m_p, n_n_p, n_k_p = _round_up(n_m, bm), _round_up(n_n, bn), _round_up(n_k, bk)
+    {ln} = _pad_to({ln}, (n_m_p, n_k_p))
+    {rn} = _pad_to({rn}, (n_groups, n_k_p, n_n_p))
+    out_shape = jax.ShapeDtypeStruct((n_m_p, n_n_p), {dtype_code(odt)})
+    cost = pl.CostEstimate(
+        flops=2 * n_m * n_n * n_k,
+        transcendentals=0,
+        bytes_accessed=_nbytes({ln}, {rn}, out_shape),
+    )
+    out = pl.pallas_call(
+        functools.partial({s}_kernel, bm=bm, n_groups=n_groups),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(n_m_p // bm, n_n_p // bn, n_groups, n_k_p // bk),
+            in_specs=[
+                pl.BlockSpec((bm, bk), {s}_lhs_index_map),
+                pl.BlockSpec((None, bk, bn), {s}_rhs_index_map),
+            ],
+            out_specs=pl.BlockSpec((bm, bn), {s}_out_index_map),
+            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes={c}VMEM_LIMIT_BYTES,
+        ),
+        cost_estimate=cost,
+    )({sn}.astype(jnp.int32), {ln}, {rn})
+    return _crop(out, (n_m, n_n))
+'''
+        isz_l, isz_r = lhs.aval.dtype.itemsize, rhs.aval.dtype.itemsize
+        params = [
+            ParamSpec(
+                name=f"{c}BLOCK_M",
+                role="sublane",
+                align=lsub,
+                extent=m,
+                default=0,
+                doc="rows of lhs per grid step (M)",
+            ),
+            ParamSpec(
+                name=f"{c}BLOCK_N",
+                role="lane",
+                align=128,
+                extent=n,
+                default=0,
+                doc="columns of the output tile (N)",
+            ),
+            ParamSpec(
+                name=f"{c}BLOCK_K",
+                role="lane",
+                align=128,
+                extent=k,
+                default=0,
+                doc="contraction block (K) per grid step",
+            ),
+        ]
+        pm, pn, pk = (DimRef(kind="param", param=q.name, extent=q.extent) for q in params)
+        buffers = [
+            BufferSpec(
+                what=f"{ln} block",
+                dims=[pm, pk],
+                itemsize=isz_l,
+                kind="input",
+                axes=[0, 3],
+                hbm_bytes=_nbytes(lhs),
+            ),
+            BufferSpec(
+                what=f"{rn} block",
+                dims=[pk, pn],
+                itemsize=isz_r,
+                kind="input",
+                axes=[1, 2, 3],
+                hbm_bytes=_nbytes(rhs),
+            ),
+            BufferSpec(
+                what="output block",
+                dims=[pm, pn],
+                itemsize=out.aval.dtype.itemsize,
+                kind="output",
+                axes=[0, 1],
+                hbm_bytes=_nbytes(out),
+            ),
+            BufferSpec(what="acc_ref", dims=[pm, pn], itemsize=4, copies=1, kind="scratch"),
+        ]
+        spec = KernelSpec(
+            name=s,
+            family=self.family,
+            title="grouped matmul (ragged_dot): each row block multiplies the rhs of every group it holds rows of",
+            code=code,
+            params=params,
+            grid=[
+                GridAxis(name="m_index", extent=m, param=params[0].name),
+                GridAxis(name="n_index", extent=n, param=params[1].name),
+                GridAxis(name="g_index", extent=g, param=None, semantics="arbitrary"),
+                GridAxis(name="k_index", extent=k, param=params[2].name, semantics="arbitrary"),
+            ],
+            buffers=buffers,
+            flops=2.0 * m * n * k,
+            structure=(
+                "grid (M/bm, N/bn, groups, K/bk) with groups and K sequential; group sizes are scalar-prefetched "
+                "to SMEM, a step whose group has no row in the block is skipped, other groups' rows are masked "
+                "to zero before the MXU, and the f32 accumulator is written once per output tile"
+            ),
+            notes=[
+                "the rhs block of every group is still fetched for every row block (skipped steps save compute, not DMA)"
+            ],
+        )
+        return spec, f"{s}({', '.join(names)})"

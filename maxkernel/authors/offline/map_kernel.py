@@ -1,0 +1,305 @@
+"""Row-wise and elementwise kernels: one block of rows per grid step, or reductions walked in blocks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from maxkernel.authors.offline.axes import Node
+from maxkernel.authors.offline.emit import dtype_code, dtype_name
+from maxkernel.authors.offline.graph import is_literal, reduced_axes
+from maxkernel.authors.offline.kernels import (
+    Builder,
+    Scope,
+    Space,
+    SpaceDim,
+    _nelems,
+    _op_summary,
+)
+from maxkernel.authors.offline.spec import BufferSpec
+
+
+class MapBuilder(Builder):
+    """Elementwise maps and reductions along whole trailing axes: one block of rows per grid step."""
+
+    family = "rowwise"
+
+    def make_space(self) -> None:
+        ax = self.ax
+        g = self.g
+        region_vars = [
+            v
+            for i in self.region.eqns()
+            for v in (*g.eqns[i].invars, *g.eqns[i].outvars)
+            if not is_literal(v)
+        ]
+        # Class order: the layout of the biggest operand, so that most operands need no transpose.
+        io = [*self.inputs, *self.outputs]
+        dominant = sorted(io, key=lambda v: (-len(ax.footprint(v)), -_nelems(v)))
+        order: list[Node] = []
+        for v in [*dominant, *region_vars]:
+            for c in ax.classes(v):
+                if c is not None and c not in order:
+                    order.append(c)
+        reduced = ax.reduced_classes()
+        self.stream = self.region.stream
+        if not reduced:
+            self.family = "elementwise"
+            self.stem = self.stem.replace("_rowwise", "_elementwise")
+        elif self.stream:
+            self.family = "reduction"
+            self.stem = self.stem.replace("_rowwise", "_reduction")
+        red_sig: dict[Node, frozenset[int]] = {}
+        for i in self.region.eqns():
+            e = g.eqns[i]
+            if g.kind[i] == "reduce":
+                for a in reduced_axes(e):
+                    c = ax.cls(e.invars[0], a)
+                    if c is not None:
+                        red_sig[c] = red_sig.get(c, frozenset()) | {i}
+
+        def span_sig(c: Node) -> frozenset[int]:
+            return frozenset(k for k, v in enumerate(io) if c in ax.footprint(v))
+
+        def key(c: Node) -> Any:
+            if self.stream and c in reduced:
+                return ("streamed",)
+            return (red_sig.get(c), span_sig(c))
+
+        def grouped(order: list[Node]) -> list[list[Node]]:
+            out: list[list[Node]] = []
+            for c in order:
+                if out and key(out[-1][0]) == key(c):
+                    out[-1].append(c)
+                else:
+                    out.append([c])
+            return out
+
+        groups = grouped(order)
+        if self.stream and sum(1 for grp in groups if grp[0] in reduced) != 1:
+            # the streamed axes must be one dim: move them last (the operands get transposed outside)
+            groups = grouped([c for c in order if c not in reduced] + [c for c in order if c in reduced])
+        ext = lambda grp: math.prod(ax.extent(c) for c in grp)  # noqa: E731
+        if not reduced:
+            groups = self._widen_lanes(groups, io)
+        is_red = [grp[0] in reduced for grp in groups]
+        if any(is_red):
+            first = is_red.index(True)
+            start = first - 1 if first > 0 else first
+        else:
+            start = max(len(groups) - 2, 0)
+        tile = groups[start:]
+        grid = groups[:start]
+        # lanes want a long axis: move the longest tile group last when the natural last one is short
+        if tile and ext(tile[-1]) < 128:
+            longest = max(range(len(tile)), key=lambda k: ext(tile[k]) if tile[k][0] in reduced else 0)
+            if tile[longest][0] in reduced and ext(tile[longest]) > ext(tile[-1]):
+                tile.append(tile.pop(longest))
+        dims: list[SpaceDim] = []
+        for k, grp in enumerate(grid):
+            dims.append(SpaceDim(key=f"g{k}" if len(grid) > 1 else "g", classes=grp, role="grid"))
+        if len(tile) < 2:
+            dims.append(SpaceDim(key="unit", classes=[], role="full"))
+        n_lead = 0
+        for pos, grp in enumerate(tile):
+            if grp[0] in reduced:
+                if self.stream:
+                    dims.append(
+                        SpaceDim(key="red", classes=grp, role="seq", param=f"{self.cprefix}BLOCK_RED")
+                    )
+                else:
+                    k = sum(1 for x in tile[:pos] if x[0] in reduced)
+                    n_red = sum(1 for x in tile if x[0] in reduced)
+                    dims.append(SpaceDim(key=f"red{k}" if n_red > 1 else "red", classes=grp, role="full"))
+                continue
+            if pos == len(tile) - 1:
+                name, kk = "BLOCK_COLS", "cols"
+            elif pos == len(tile) - 2:
+                name, kk = "BLOCK_ROWS", "rows"
+            else:
+                n_leads = sum(1 for q, x in enumerate(tile) if x[0] not in reduced and q < len(tile) - 2)
+                name, kk = f"BLOCK_LEAD{n_lead if n_leads > 1 else ''}", f"lead{n_lead}"
+                n_lead += 1
+            dims.append(SpaceDim(key=kk, classes=grp, role="tiled", param=f"{self.cprefix}{name}"))
+        axis = 0
+        for d in dims:
+            if d.role in ("grid", "tiled"):
+                d.axis = axis
+                axis += 1
+        for d in dims:
+            if d.role == "seq":
+                d.axis = axis
+                axis += 1
+        if axis == 0:  # nothing to walk: one grid step over a size-1 axis
+            dims[0].role = "tiled"
+            dims[0].axis = 0
+        self.dims = dims
+        self.space = Space("tile", [d for d in dims if d.role != "grid"])
+
+    def _widen_lanes(self, groups: list[list[Node]], io: list[Any]) -> list[list[Node]]:
+        """Merge trailing groups into the lane dim while it is short (< 512) and the operands that vary
+        along only part of it are small enough to broadcast outside (a quarter of the largest operand)."""
+        ax = self.ax
+        biggest = max((_nelems(v) for v in io), default=1)
+        groups = [list(g) for g in groups]
+        while len(groups) >= 3 or (len(groups) == 2 and False):
+            lane = groups[-1]
+            if math.prod(ax.extent(c) for c in lane) >= 512:
+                break
+            merged = groups[-2] + lane
+            ok = True
+            for v in io:
+                fp = ax.footprint(v)
+                inter = [c for c in merged if c in fp]
+                if inter and len(inter) < len(merged):
+                    other = math.prod(ax.extent(c) for c in fp if c not in merged)
+                    if other * math.prod(ax.extent(c) for c in merged) > biggest // 4:
+                        ok = False
+            if not ok:
+                break
+            groups = groups[:-2] + [merged]
+        return groups
+
+    def out_space(self) -> Space:
+        return self.space
+
+    def scratch(self) -> list[tuple[str, str, list[SpaceDim | str]]]:
+        if not getattr(self, "stream", False):
+            return []
+        out: list[tuple[str, str, list[SpaceDim | str]]] = []
+        for k, _ in enumerate(self.stream_reductions()):
+            dims: list[SpaceDim | str] = [("1" if d.role == "seq" else d) for d in self.space.dims]
+            out.append((f"acc{k}_ref", "jnp.float32", dims))
+        return out
+
+    def stream_reductions(self) -> list[int]:
+        return [i for i in sorted(self.region.owned) if self.g.kind[i] == "reduce"]
+
+    def make_body(self) -> list[str]:
+        names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
+        if not self.stream:
+            scope = Scope(lines=[], indent="    ")
+            for v, nm in zip(self.outputs, names, strict=True):
+                self.store(v, f"{nm}_ref", self.space, scope)
+            return scope.lines
+        return self.stream_body(names)
+
+    def stream_body(self, names: list[str]) -> list[str]:
+        """Reductions along an axis walked in blocks: accumulate per block, finish at the last block."""
+        g = self.g
+        red = next(d for d in self.dims if d.role == "seq")
+        pos = self.space.dims.index(red)
+        main = Scope(lines=[], indent="    ")
+        r_index = self.program_id(red.axis)  # type: ignore[arg-type]
+        reds = self.stream_reductions()
+        init = {
+            "reduce_sum": "jnp.zeros_like({a})",
+            "reduce_max": "jnp.full_like({a}, -jnp.inf)",
+            "reduce_min": "jnp.full_like({a}, jnp.inf)",
+        }
+        neutral = {"reduce_sum": "0", "reduce_max": "-jnp.inf", "reduce_min": "jnp.inf"}
+        combine = {
+            "reduce_sum": "{a} + {b}",
+            "reduce_max": "jnp.maximum({a}, {b})",
+            "reduce_min": "jnp.minimum({a}, {b})",
+        }
+        fn = {"reduce_sum": "jnp.sum", "reduce_max": "jnp.max", "reduce_min": "jnp.min"}
+        main.add(f"@pl.when({r_index} == 0)")
+        main.add("def _init():")
+        for k, i in enumerate(reds):
+            main.add(f"    acc{k}_ref[...] = " + init[g.eqns[i].primitive.name].format(a=f"acc{k}_ref"))
+        main.add("")
+        self.kw("n_red", red.ext)
+        self.kw(red.blk, red.blk)
+        shape = ["1"] * len(self.space.dims)
+        shape[pos] = red.blk
+        main.add(
+            f"valid = {r_index} * {red.blk} + lax.broadcasted_iota(jnp.int32, ({', '.join(shape)},), {pos}) < n_red"
+        )
+        post_vars: set[Any] = set()
+        for i in sorted(self.region.eqns()):
+            e = g.eqns[i]
+            if g.kind[i] == "reduce" or any(v in post_vars for v in e.invars if not is_literal(v)):
+                post_vars.update(e.outvars)
+        for k, i in enumerate(reds):
+            e = g.eqns[i]
+            name = e.primitive.name
+            x = e.invars[0]
+            code, mat = self.value(x, self.space, main)
+            need = {d.key for d in self.space.dims if self.spans(x, d)} | {red.key}
+            code, mat = self.materialise(code, mat, need, self.space, main, dtype_name(x.aval))
+            src = code if dtype_name(x.aval) == "float32" else f"{code}.astype(jnp.float32)"
+            part = f"{fn[name]}(jnp.where(valid, {src}, {neutral[name]}), axis={pos}, keepdims=True)"
+            main.add(f"acc{k}_ref[...] = " + combine[name].format(a=f"acc{k}_ref[...]", b=part))
+        for v, nm in zip(self.outputs, names, strict=True):
+            if v not in post_vars:
+                self.store(v, f"{nm}_ref", self.space, main)
+        main.add("")
+        main.add(f"@pl.when({r_index} == pl.num_programs({red.axis}) - 1)")
+        main.add("def _finish():")
+        fin = Scope(lines=[], indent="        ")
+        for k, i in enumerate(reds):
+            out = g.eqns[i].outvars[0]
+            dt = dtype_name(out.aval)
+
+            def load(
+                scope: Scope, space: Space, k: int = k, dt: str = dt, out: Any = out
+            ) -> tuple[str, frozenset[str]]:
+                nm = self.fresh("acc")
+                cast = "" if dt == "float32" else f".astype({dtype_code(dt)})"
+                mat = frozenset(d.key for d in space.dims if d.role != "seq" and self.spans(out, d))
+                scope.add(f"{nm} = acc{k}_ref[...]{cast}" + self.comment(dt, space, mat))
+                return nm, mat
+
+            fin.special[out] = load
+        for v, nm in zip(self.outputs, names, strict=True):
+            if v in post_vars:
+                self.store(v, f"{nm}_ref", self.space, fin)
+        if not fin.lines:
+            fin.add("pass")
+        return main.lines + fin.lines
+
+    def title(self) -> str:
+        red = any(self.g.kind[i] == "reduce" for i in self.region.eqns())
+        ops = _op_summary(self.g, self.region)
+        return ("row-wise " if red else "elementwise ") + ops
+
+    def structure(self) -> str:
+        if self.family == "elementwise":
+            return (
+                "one grid step per (rows, cols) tile of the output; every elementwise op of the chain runs on "
+                "the tile in VMEM, so each input is read once and each output written once"
+            )
+        return (
+            "one grid step per block of rows; each row's reduced axis is whole in the block, so the "
+            "reductions and everything around them run in VMEM in a single pass over HBM"
+        )
+
+    def param_doc(self, d: SpaceDim) -> str:
+        return {
+            "rows": "rows per grid step",
+            "cols": "columns (lanes) per grid step",
+            "red": "elements of the reduced axis per grid step (the sequential axis)",
+        }.get(d.key, "block of a leading axis per grid step")
+
+    def flops(self) -> float:
+        n = 0.0
+        for i in self.region.eqns():
+            if self.g.kind[i] in ("elementwise", "reduce"):
+                n += max(
+                    _nelems(v) for v in (*self.g.eqns[i].invars, *self.g.eqns[i].outvars) if not is_literal(v)
+                )
+        return n
+
+    def temporaries(self) -> list[BufferSpec]:
+        n_ops = sum(1 for i in self.region.eqns() if self.g.kind[i] in ("elementwise", "reduce"))
+        live = min(max(2, n_ops // 3), 6)
+        return [
+            BufferSpec(
+                what=f"~{live} f32 tiles of intermediates",
+                dims=self.tile_refs(self.space),
+                itemsize=4,
+                copies=live,
+                kind="temporary",
+            )
+        ]

@@ -1,0 +1,222 @@
+"""(Batched) matmuls with a K loop into f32 VMEM accumulators and a fused epilogue."""
+
+from __future__ import annotations
+
+from maxkernel.authors.offline.emit import dtype_code, dtype_name
+from maxkernel.authors.offline.kernels import (
+    Builder,
+    LowerError,
+    Scope,
+    Space,
+    SpaceDim,
+    _nelems,
+    _op_summary,
+    _precision,
+)
+from maxkernel.authors.offline.spec import BufferSpec
+
+
+class MatmulBuilder(Builder):
+    """(Batched) matmul with a K loop into f32 VMEM accumulators and a fused epilogue."""
+
+    family = "matmul"
+
+    def make_space(self) -> None:
+        g, ax = self.g, self.ax
+        dots = [g.eqns[d] for d in self.region.dots]
+        e0 = dots[0]
+        (lc, rc), (lb, rb) = e0.params["dimension_numbers"]
+        lhs, rhs = e0.invars
+        out = e0.outvars[0]
+        batch = [ax.cls(lhs, d) for d in lb]
+        mcls = [ax.cls(lhs, d) for d in range(len(lhs.aval.shape)) if d not in lc and d not in lb]
+        ncls = [ax.cls(rhs, d) for d in range(len(rhs.aval.shape)) if d not in rc and d not in rb]
+        batch = [c for c in batch if c is not None]
+        mcls = [c for c in mcls if c is not None]
+        ncls = [c for c in ncls if c is not None]
+        for e in dots[1:]:
+            (lc2, rc2), (lb2, rb2) = e.params["dimension_numbers"]
+            b2 = {ax.cls(e.invars[0], d) for d in lb2} - {None}
+            m2 = {
+                ax.cls(e.invars[0], d)
+                for d in range(len(e.invars[0].aval.shape))
+                if d not in lc2 and d not in lb2
+            } - {None}
+            n2 = {
+                ax.cls(e.invars[1], d)
+                for d in range(len(e.invars[1].aval.shape))
+                if d not in rc2 and d not in rb2
+            } - {None}
+            if b2 != set(batch) or m2 != set(mcls) or n2 != set(ncls):
+                raise LowerError("the dots of a fused matmul do not share their output axes the same way")
+        del out
+        dims: list[SpaceDim] = []
+        for k, c in enumerate(batch):
+            dims.append(SpaceDim(key=f"b{k}" if len(batch) > 1 else "b", classes=[c], role="grid"))
+        self.m = SpaceDim(key="m", classes=mcls, role="tiled", param=f"{self.cprefix}BLOCK_M")
+        n_full = self.region.has_reduction
+        self.n = SpaceDim(
+            key="n",
+            classes=ncls,
+            role="full" if n_full else "tiled",
+            param=None if n_full else f"{self.cprefix}BLOCK_N",
+        )
+        dims += [self.m, self.n]
+        self.ks: list[SpaceDim] = []
+        for e in dots:
+            (lci, _), _ = e.params["dimension_numbers"]
+            kc = [ax.cls(e.invars[0], d) for d in lci]
+            kc = [c for c in kc if c is not None]
+            same = next((k for k in self.ks if k.classes == kc), None)
+            if same is None:
+                n = len({id(k) for k in self.ks})
+                same = SpaceDim(
+                    key="k" if n == 0 else f"k{n}", classes=kc, role="seq", param=f"{self.cprefix}BLOCK_K"
+                )
+            self.ks.append(same)
+        for k in dict.fromkeys(self.ks):
+            dims.append(k)
+        axis = 0
+        for d in dims:
+            if d.role in ("grid", "tiled"):
+                d.axis = axis
+                axis += 1
+        self.k_axis = axis
+        for k in self.ks:
+            k.axis = axis
+        self.dims = dims
+        self.epi = Space("epi", [self.m, self.n])
+        if n_full:
+            self.family = "matmul_rowreduce"
+            self.stem = self.stem.replace("_matmul", "_matmul_rowreduce")
+        if len(dots) > 1:
+            self.family = "gated_matmul" if not n_full else self.family
+            self.stem = self.stem.replace("_matmul", "_gated_matmul") if not n_full else self.stem
+
+    def out_space(self) -> Space:
+        return self.epi
+
+    def scratch(self) -> list[tuple[str, str, list[SpaceDim | str]]]:
+        return [
+            (f"acc{i}_ref" if len(self.region.dots) > 1 else "acc_ref", "jnp.float32", [self.m, self.n])
+            for i in range(len(self.region.dots))
+        ]
+
+    def make_body(self) -> list[str]:
+        g = self.g
+        main = Scope(lines=[], indent="    ")
+        k_index = self.program_id(self.k_axis)
+        accs = [s[0] for s in self.scratch()]
+        main.add(f"@pl.when({k_index} == 0)")
+        main.add("def _init():")
+        for a in accs:
+            main.add(f"    {a}[...] = jnp.zeros_like({a})")
+        main.add("")
+        for i, d in enumerate(self.region.dots):
+            e = g.eqns[d]
+            lhs_space = Space(f"lhs_{self.ks[i].key}", [self.m, self.ks[i]])
+            rhs_space = Space(f"rhs_{self.ks[i].key}", [self.ks[i], self.n])
+            a, am = self.value(e.invars[0], lhs_space, main)
+            b, bm = self.value(e.invars[1], rhs_space, main)
+            a, _ = self.materialise(
+                a,
+                am,
+                {self.m.key, self.ks[i].key} if self.m.classes else {self.ks[i].key},
+                lhs_space,
+                main,
+                dtype_name(e.invars[0].aval),
+            )
+            b, _ = self.materialise(
+                b,
+                bm,
+                {self.ks[i].key, self.n.key} if self.n.classes else {self.ks[i].key},
+                rhs_space,
+                main,
+                dtype_name(e.invars[1].aval),
+            )
+            prec = _precision(e)
+            if dtype_name(e.outvars[0].aval).startswith("int"):
+                raise LowerError("integer matmuls are not supported")
+            main.add(f"{accs[i]}[...] += jnp.dot({a}, {b}, preferred_element_type=jnp.float32{prec})")
+        main.add("")
+        main.add(f"@pl.when({k_index} == pl.num_programs({self.k_axis}) - 1)")
+        main.add("def _epilogue():")
+        epi = Scope(lines=[], indent="        ")
+        for i, d in enumerate(self.region.dots):
+            out = g.eqns[d].outvars[0]
+            dt = dtype_name(out.aval)
+            acc = accs[i]
+
+            def load_acc(
+                scope: Scope, space: Space, acc: str = acc, dt: str = dt
+            ) -> tuple[str, frozenset[str]]:
+                nm = self.fresh("acc")
+                mat = frozenset(k for k in (self.m.key, self.n.key))
+                cast = "" if dt == "float32" else f".astype({dtype_code(dt)})"
+                scope.add(f"{nm} = {acc}[...]{cast}" + self.comment(dt, space, mat))
+                return nm, mat
+
+            epi.special[out] = load_acc
+        names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
+        for v, nm in zip(self.outputs, names, strict=True):
+            self.store(v, f"{nm}_ref", self.epi, epi)
+        return main.lines + epi.lines
+
+    def title(self) -> str:
+        g = self.g
+        n = len(self.region.dots)
+        e = g.eqns[self.region.dots[0]]
+        base = "batched matmul" if e.params["dimension_numbers"][1][0] else "matmul"
+        if n > 1:
+            base = f"{n} matmuls sharing a K loop"
+        ops = _op_summary(g, self.region, skip_dots=True)
+        return base + (f" with epilogue: {ops}" if ops else "")
+
+    def structure(self) -> str:
+        s = (
+            "grid (batch, M/bm, N/bn, K/bk) with K innermost and sequential; each step multiplies an (bm, bk) "
+            "block by a (bk, bn) block on the MXU and adds into an f32 VMEM accumulator; the epilogue runs once "
+            "per output tile at the last K step, so it costs no extra HBM traffic"
+        )
+        if self.region.has_reduction:
+            s += "; N is whole in each tile because the epilogue reduces along it"
+        if len(self.region.dots) > 1:
+            s += f"; {len(self.region.dots)} accumulators share the K loop (one per dot)"
+        return s
+
+    def param_doc(self, d: SpaceDim) -> str:
+        return {"m": "rows of the output tile (M)", "n": "columns of the output tile (N)"}.get(
+            d.key, "contraction block (K) per grid step"
+        )
+
+    def flops(self) -> float:
+        total = 0.0
+        for d in self.region.dots:
+            e = self.g.eqns[d]
+            (lc, _), _ = e.params["dimension_numbers"]
+            k = 1
+            for a in lc:
+                k *= int(e.invars[0].aval.shape[a])
+            total += 2.0 * _nelems(e.outvars[0]) * k
+        return total
+
+    def flops_code(self) -> str:
+        per = " * ".join(d.ext for d in [*self.grid_dims(), self.m, self.n] if d.classes) or "1"
+        terms = [f"2 * {per} * {k.ext}" for k in self.ks]  # one term per dot
+        return " + ".join(terms)
+
+    def transcendentals_code(self) -> str:
+        n = int(self.transcendentals)
+        per = " * ".join(d.ext for d in [*self.grid_dims(), self.m, self.n] if d.classes) or "1"
+        return f"{n} * {per}" if n else "0"
+
+    def temporaries(self) -> list[BufferSpec]:
+        return [
+            BufferSpec(
+                what="epilogue f32 temporaries (~2 tiles)",
+                dims=self.tile_refs(self.epi),
+                itemsize=4,
+                copies=2,
+                kind="temporary",
+            )
+        ]

@@ -1,0 +1,596 @@
+"""Cut the flat jaxpr into kernels ("regions") and the plain-XLA layout glue between them.
+
+Every equation gets a status:
+
+* **glue**: a real layout op (split/merge reshape, slice, pad, concatenate, gather), or an absorbed op on
+  inputs whose result a glue op needs. Runs outside `pallas_call`.
+* **float**: elementwise/absorbed work on values available outside any kernel (inputs, glue results,
+  iotas): a mask built from `arange`, a `.astype` of an input. Floats belong to no kernel in particular;
+  every kernel that uses one recomputes it on its own blocks, which costs no HBM traffic.
+* **owned**: everything else belongs to exactly one region.
+
+Regions grow greedily in program order. A `dot_general` starts a matmul region, or an attention region
+when the flash-attention pattern follows it; a reduction joins its producer's region when the template
+allows it (a matmul epilogue may reduce along its full output rows) and otherwise starts a row-wise region;
+elementwise work joins the region of its operands. Two matmul regions whose results are combined
+elementwise merge into one kernel with two accumulators (SwiGLU). Whatever cannot join is cut: the value is
+written to HBM by one kernel and read by the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from maxkernel.authors.offline.axes import Axes, Conflict, Node
+from maxkernel.authors.offline.graph import Graph, is_literal, reduced_axes
+
+STREAM_ELEMS = 64 * 1024
+"""Reduced extents above this (at the task's own shapes) are walked in blocks instead of held whole."""
+
+
+TINY_GLUE_ELEMS = 1 << 16
+"""Elementwise work feeding only layout ops (index arithmetic before a gather) stays outside kernels when
+it is this small and under 1% of the largest input."""
+
+MATMUL_ROW_ELEMS = 16 * 1024
+"""A matmul epilogue may reduce along N only while a (bm, N) f32 tile stays small."""
+
+
+@dataclass
+class Options:
+    """Fusion switches; the repair path turns them off one by one when a fused kernel fails."""
+
+    attention: bool = True
+    multi_dot: bool = True
+    epilogue_reductions: bool = True
+
+
+FUSION_LEVELS: tuple[Options, ...] = (
+    Options(),
+    Options(attention=True, multi_dot=True, epilogue_reductions=False),
+    Options(attention=True, multi_dot=False, epilogue_reductions=False),
+    Options(attention=False, multi_dot=False, epilogue_reductions=False),
+)
+"""From most to least fused; analysis falls down this ladder when a fused region does not fit."""
+
+
+@dataclass
+class AttentionInfo:
+    score_dots: list[int]
+    pv_dot: int
+    softmax: bool
+    row_max: Any | None = None  # var: the reference's row max (m)
+    row_sum: Any | None = None  # var: the reference's row sum (l)
+    normalised_before_pv: bool = False
+    logits: Any | None = None  # var G fed to the row max (or to exp)
+    probs: Any | None = None  # var fed to the pv dot (lhs)
+    kv_class: Node | None = None
+    probs_side: int = 0  # which operand of the pv dot holds the probabilities
+
+
+@dataclass
+class Region:
+    id: int
+    kind: str  # "map" | "matmul" | "attention"
+    axes: Axes
+    owned: list[int] = field(default_factory=list)
+    pulled: set[int] = field(default_factory=set)
+    dots: list[int] = field(default_factory=list)
+    has_reduction: bool = False
+    attention: AttentionInfo | None = None
+    stream: bool = False  # a map region whose reduced axis is too long for one block: walked in blocks
+
+    def eqns(self) -> list[int]:
+        return sorted(set(self.owned) | self.pulled)
+
+
+def _elems(v: Any) -> int:
+    n = 1
+    for d in getattr(v.aval, "shape", ()):
+        n *= int(d)
+    return n
+
+
+class Partition:
+    def __init__(self, graph: Graph, options: Options | None = None) -> None:
+        self.g = graph
+        self.opt = options or Options()
+        self.status: list[str] = [""] * len(graph.eqns)
+        self.regions: dict[int, Region] = {}
+        self.owner: dict[int, int] = {}  # eqn -> region id
+        self._next = 0
+        self._classify()
+
+    # --- statuses -------------------------------------------------------------------------------------
+    def _classify(self) -> None:
+        g = self.g
+        outside: set[Any] = set(g.invars) | set(g.constvars)  # values available without a kernel
+        random: set[Any] = set()  # values derived only from random bits (a dropout mask)
+        const: set[Any] = set()  # values derived only from literals
+        for i, e in enumerate(g.eqns):
+            kind = g.kind[i]
+            ins = [v for v in e.invars if not is_literal(v)]
+            avail = all(v in outside for v in ins)
+            if (
+                kind in ("elementwise", "absorbed")
+                and all(v in const for v in ins)
+                and e.primitive.name != "iota"
+            ):
+                const.update(e.outvars)
+            if kind == "random" or (
+                kind in ("elementwise", "absorbed")
+                and avail
+                and any(v in random for v in ins)
+                and all(v in random or v in const for v in ins)
+            ):
+                self.status[i] = "glue"
+                outside.update(e.outvars)
+                random.update(e.outvars)
+            elif kind == "glue":
+                self.status[i] = "glue"
+                outside.update(e.outvars)
+            elif kind in ("elementwise", "absorbed") and avail:
+                self.status[i] = "float"
+                outside.update(e.outvars)
+            else:
+                self.status[i] = "owned"
+        # An absorbed float whose result a glue op (or the program's output) needs runs as glue; walking
+        # backwards lets a chain of them (broadcast of a convert of an input) all become glue.
+        self.const = const
+        self.dual: set[int] = set()  # glue equations kernels may also recompute (casts of inputs)
+        for i in range(len(g.eqns) - 1, -1, -1):
+            if self.status[i] != "float":
+                continue
+            e = g.eqns[i]
+            literal_only = (
+                all(v in const for v in e.invars if not is_literal(v)) and e.primitive.name != "iota"
+            )
+            if g.kind[i] != "absorbed" and not literal_only:
+                continue
+            if not self._pure_inputs(e) and not literal_only:
+                continue
+            cons = [c for v in e.outvars for c in g.consumers.get(v, [])]
+            if any(self.status[c] == "glue" for c in cons) or any(v in g.out_set for v in e.outvars):
+                self.status[i] = "glue"
+                if g.kind[i] == "absorbed" and any(self.status[c] != "glue" for c in cons):
+                    # kernels recompute it from its (smaller) source instead of reading XLA's copy
+                    self.dual.add(i)
+
+    def _pure_inputs(self, e: Any) -> bool:
+        """Inputs produced without compute (program inputs, consts, glue)."""
+        for v in e.invars:
+            if is_literal(v) or v in self.g.invars or v in self.g.constvars:
+                continue
+            p = self.g.producer.get(v)
+            if p is None or self.status[p] != "glue":
+                return False
+        return True
+
+    # --- helpers --------------------------------------------------------------------------------------
+    def float_closure(self, var: Any) -> list[int]:
+        """The float equations `var` needs, in program order (empty for inputs and glue values)."""
+        out: set[int] = set()
+        stack = [var]
+        while stack:
+            v = stack.pop()
+            if is_literal(v):
+                continue
+            p = self.g.producer.get(v)
+            if p is None or (self.status[p] != "float" and p not in self.dual) or p in out:
+                continue
+            out.add(p)
+            stack.extend(self.g.eqns[p].invars)
+        return sorted(out)
+
+    def _depends_on(self, var: Any, region: Region, extra: set[int]) -> bool:
+        """Does `var` (outside the region) depend on anything the region owns?"""
+        owned = set(region.owned)
+        seen: set[int] = set()
+        stack = [var]
+        while stack:
+            v = stack.pop()
+            if is_literal(v):
+                continue
+            p = self.g.producer.get(v)
+            if p is None or p in seen:
+                continue
+            if p in owned:
+                return True
+            seen.add(p)
+            if p in extra:
+                continue
+            stack.extend(self.g.eqns[p].invars)
+        return False
+
+    def produced_in(self, region: Region) -> set[Any]:
+        return {v for i in region.eqns() for v in self.g.eqns[i].outvars}
+
+    def _external_inputs(self, region: Region, eqns: list[int]) -> list[Any]:
+        produced = self.produced_in(region) | {v for i in eqns for v in self.g.eqns[i].outvars}
+        ext = []
+        for i in eqns:
+            for v in self.g.eqns[i].invars:
+                if not is_literal(v) and v not in produced:
+                    ext.append(v)
+        return ext
+
+    def _new(self, kind: str) -> Region:
+        r = Region(id=self._next, kind=kind, axes=Axes(self.g))
+        self._next += 1
+        self.regions[r.id] = r
+        return r
+
+    def prepare(self, region: Region, i: int) -> tuple[Axes, list[int]] | None:
+        """Axes and floats to pull if owned equation `i` can join the region (its template still holds)."""
+        e = self.g.eqns[i]
+        pulls: list[int] = []
+        for v in e.invars:
+            for p in self.float_closure(v):
+                if p not in region.pulled and p not in region.owned and p not in pulls:
+                    pulls.append(p)
+        pulls.sort()
+        new = [*pulls, i]
+        ext = self._external_inputs(region, new)
+        if any(self._depends_on(v, region, set()) for v in ext):
+            return None
+        ax = region.axes.copy()
+        try:
+            for j in new:
+                ax.add(self.g.eqns[j])
+        except Conflict:
+            return None
+        if not self._template_ok(region, ax, i):
+            return None
+        return ax, pulls
+
+    def commit(self, region: Region, i: int, ax: Axes, pulls: list[int]) -> None:
+        region.axes = ax
+        region.pulled.update(pulls)
+        region.owned.append(i)
+        self.owner[i] = region.id
+        if self.g.kind[i] == "reduce":
+            region.has_reduction = True
+            if region.kind == "map" and self.reduced_extent(ax, self.g.eqns[i]) > STREAM_ELEMS:
+                region.stream = True
+
+    def try_add(self, region: Region, i: int) -> bool:
+        prepared = self.prepare(region, i)
+        if prepared is None:
+            return False
+        self.commit(region, i, *prepared)
+        return True
+
+    def _template_ok(self, region: Region, ax: Axes, i: int) -> bool:
+        e = self.g.eqns[i]
+        kind = self.g.kind[i]
+        if region.kind == "grouped":  # a fixed template: only a cast of its result joins it
+            return len(region.owned) == 1 and e.primitive.name == "convert_element_type"
+        if region.kind == "map":
+            if kind == "dot":
+                return False
+            return self._stream_ok(region, ax, i)
+        if kind == "dot":
+            return False
+        out_classes = self._output_classes(region, ax)
+        for v in e.outvars:
+            if not ax.footprint(v) <= out_classes:
+                return False
+        for j in region.pulled | {i}:
+            for v in self.g.eqns[j].outvars:
+                if not ax.footprint(v) <= out_classes | ax.contracted_classes():
+                    return False
+        if kind == "reduce":
+            if region.kind != "matmul" or not self.opt.epilogue_reductions:
+                return False
+            x = e.invars[0]
+            red = {ax.cls(x, d) for d in reduced_axes(e)} - {None}
+            n_classes = self._n_classes(region, ax)
+            if red != n_classes or not n_classes:
+                return False
+            if self.reduced_extent(ax, e) > MATMUL_ROW_ELEMS:
+                return False  # a whole output row per tile would not fit VMEM: reduce in a separate kernel
+            if e.primitive.name not in ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"):
+                return False
+        return True
+
+    def reduced_extent(self, ax: Axes, e: Any) -> int:
+        n = 1
+        for a in reduced_axes(e):
+            c = ax.cls(e.invars[0], a)
+            if c is not None:
+                n *= max(ax.extents_all(c))
+        return n
+
+    def _post_vars(self, region: Region, extra: list[int]) -> set[Any]:
+        """Values computed from a reduction's result (in program order)."""
+        post: set[Any] = set()
+        for j in sorted(set(region.eqns()) | set(extra)):
+            e = self.g.eqns[j]
+            if self.g.kind[j] == "reduce" or any(v in post for v in e.invars if not is_literal(v)):
+                post.update(e.outvars)
+        return post
+
+    def _stream_ok(self, region: Region, ax: Axes, i: int) -> bool:
+        """A map region whose reduced axis is longer than STREAM_ELEMS is walked in blocks along that axis
+        with accumulators, so nothing may combine a finished reduction with values along the axis, and
+        every reduction must run along the same axes."""
+        e = self.g.eqns[i]
+        stream = region.stream
+        if self.g.kind[i] == "reduce" and self.reduced_extent(ax, e) > STREAM_ELEMS:
+            stream = True
+        if not stream:
+            return True
+        red = ax.reduced_classes()
+        reds = [j for j in [*region.eqns(), i] if self.g.kind[j] == "reduce"]
+        sets = {
+            frozenset(ax.cls(self.g.eqns[j].invars[0], a) for a in reduced_axes(self.g.eqns[j])) - {None}
+            for j in reds
+        }
+        if len(sets) > 1:
+            return False
+        if any(self.g.eqns[j].primitive.name not in ("reduce_sum", "reduce_max", "reduce_min") for j in reds):
+            return False
+        post = self._post_vars(region, [i])
+        for j in sorted(set(region.eqns()) | {i}):
+            ej = self.g.eqns[j]
+            ins = [v for v in ej.invars if not is_literal(v)]
+            if self.g.kind[j] == "reduce":
+                if any(v in post for v in ins):
+                    return False
+                continue
+            if any(v in post for v in ins) and any(ax.footprint(v) & red for v in [*ins, *ej.outvars]):
+                return False
+        return True
+
+    def _output_classes(self, region: Region, ax: Axes) -> set[Node]:
+        cs: set[Node] = set()
+        for d in region.dots:
+            cs |= ax.footprint(self.g.eqns[d].outvars[0])
+        return cs
+
+    def _n_classes(self, region: Region, ax: Axes) -> set[Node]:
+        """Classes of the rhs free dims of the region's dots (the matmul's N)."""
+        out: set[Node] = set()
+        for d in region.dots:
+            e = self.g.eqns[d]
+            (_, rc), (_, rb) = e.params["dimension_numbers"]
+            rhs = e.invars[1]
+            for k in range(len(rhs.aval.shape)):
+                if k not in rc and k not in rb:
+                    c = ax.cls(rhs, k)
+                    if c is not None:
+                        out.add(c)
+        return out
+
+    # --- building -------------------------------------------------------------------------------------
+    def run(self) -> None:
+        from maxkernel.authors.offline.attention import match_attention
+
+        g = self.g
+        for i, e in enumerate(g.eqns):
+            if self.status[i] != "owned" or i in self.owner:
+                continue
+            kind = g.kind[i]
+            if kind == "ragged":
+                r = self._new("grouped")
+                r.owned.append(i)
+                r.axes.add(e)
+                self.owner[i] = r.id
+                continue
+            if kind == "dot":
+                if self.opt.attention:
+                    info = match_attention(self, i)
+                    if info is not None:
+                        continue
+                self._start(i, "matmul")
+                continue
+            homes = self._homes(e)
+            if kind == "reduce":
+                if homes and self._join(homes, i):
+                    continue
+                self._start(i, "map")
+                continue
+            # elementwise / absorbed with at least one operand owned by a region
+            if homes and self._join(homes, i):
+                continue
+            self._start(i, "map")
+        self._float_sinks()
+
+    def _homes(self, e: Any) -> list[Region]:
+        out: list[Region] = []
+        for v in e.invars:
+            if is_literal(v):
+                continue
+            p = self.g.producer.get(v)
+            if p is not None and p in self.owner:
+                r = self.regions[self.owner[p]]
+                if r not in out:
+                    out.append(r)
+        return out
+
+    def _join(self, homes: list[Region], i: int) -> bool:
+        if len(homes) >= 2 and self.opt.multi_dot:
+            merged = self._try_merge(homes, i)
+            if merged:
+                return True
+        for r in sorted(homes, key=lambda r: -r.id):
+            if self.try_add(r, i):
+                return True
+        return False
+
+    def _try_merge(self, homes: list[Region], i: int) -> bool:
+        """Two matmul regions combined elementwise (gate * up): one kernel, one accumulator per dot."""
+        if len(homes) != 2 or not all(r.kind == "matmul" and not r.has_reduction for r in homes):
+            return False
+        a, b = homes
+        ks = set()
+        for r in homes:
+            for d in r.dots:
+                e = self.g.eqns[d]
+                (lc, _), _ = e.params["dimension_numbers"]
+                k = 1
+                for ax_ in lc:
+                    k *= int(e.invars[0].aval.shape[ax_])
+                ks.add(k)
+        if len(ks) != 1:
+            return False
+        ext_a = self._external_inputs(a, a.eqns())
+        ext_b = self._external_inputs(b, b.eqns())
+        if any(self._depends_on(v, b, set()) for v in ext_a) or any(
+            self._depends_on(v, a, set()) for v in ext_b
+        ):
+            return False
+        combined = Region(id=a.id, kind="matmul", axes=a.axes.copy())
+        combined.owned = [*a.owned, *b.owned]
+        combined.pulled = a.pulled | b.pulled
+        combined.dots = [*a.dots, *b.dots]
+        try:
+            for j in b.eqns():
+                combined.axes.add(self.g.eqns[j])
+        except Conflict:
+            return False
+        prepared = self.prepare(combined, i)
+        if prepared is None:
+            return False
+        ax, pulls = prepared
+        outs = [ax.footprint(self.g.eqns[d].outvars[0]) for d in combined.dots]
+        if any(o != outs[0] for o in outs):
+            return False
+        del self.regions[b.id]
+        self.regions[a.id] = combined
+        for j in combined.owned:
+            self.owner[j] = a.id
+        self.commit(combined, i, ax, pulls)
+        return True
+
+    def _output_classes_of(self, region: Region, d: int) -> set[Node]:
+        return region.axes.footprint(self.g.eqns[d].outvars[0])
+
+    def _start(self, i: int, kind: str) -> Region:
+        r = self._new(kind)
+        e = self.g.eqns[i]
+        if kind == "matmul":
+            r.dots.append(i)
+            # pull only absorbed floats (casts, transposes, broadcasts) into the operands' loads
+            pulls: list[int] = []
+            for v in e.invars:
+                chain = self.float_closure(v)
+                if chain and all(
+                    self.g.kind[p] == "absorbed" and self.g.eqns[p].primitive.name != "iota" for p in chain
+                ):
+                    pulls.extend(chain)
+            for j in sorted(set(pulls)):
+                r.axes.add(self.g.eqns[j])
+            r.pulled.update(pulls)
+            r.axes.add(e)
+            r.owned.append(i)
+            self.owner[i] = r.id
+            return r
+        if not self.try_add(r, i):
+            # its floats clash with it: compute them in a map kernel of their own, then take it alone
+            for v in e.invars:
+                if is_literal(v):
+                    continue
+                p = self.g.producer.get(v)
+                if p is not None and self.status[p] == "float" and p not in self.owner:
+                    fr = self._new("map")
+                    if not self._own_float(fr, p):
+                        raise AssertionError("a float equation failed to start its own region")
+            r.axes = Axes(self.g)
+            r.pulled = set()
+            r.axes.add(e)
+            r.owned.append(i)
+            self.owner[i] = r.id
+            r.has_reduction = self.g.kind[i] == "reduce"
+            if r.has_reduction and self.reduced_extent(r.axes, e) > STREAM_ELEMS:
+                r.stream = True
+        return r
+
+    def _float_sinks(self) -> None:
+        """Float values the program returns or a glue op needs are computed by a map kernel of their own."""
+        g = self.g
+        needed: list[Any] = []
+        for v in g.outvars:
+            if not is_literal(v) and v in g.producer and self.status[g.producer[v]] == "float":
+                needed.append(v)
+        for i, e in enumerate(g.eqns):
+            if self.status[i] != "glue":
+                continue
+            for v in e.invars:
+                if is_literal(v):
+                    continue
+                p = g.producer.get(v)
+                if p is not None and self.status[p] == "float" and g.kind[p] != "absorbed":
+                    needed.append(v)
+                elif (
+                    p is not None
+                    and self.status[p] == "float"
+                    and self.float_closure(v)
+                    and any(g.kind[q] == "elementwise" for q in self.float_closure(v))
+                ):
+                    needed.append(v)
+        done: dict[Any, Region] = {}
+        current: Region | None = None
+        biggest = max((_elems(v) for v in g.invars), default=1)
+        for v in dict.fromkeys(needed):
+            p = g.producer[v]
+            if p in self.owner:
+                continue
+            chain = [q for q in self.float_closure(v) if self.status[q] == "float"]
+            work = sum(_elems(w) for q in chain if g.kind[q] == "elementwise" for w in g.eqns[q].outvars)
+            if v not in g.out_set and work <= min(TINY_GLUE_ELEMS, biggest // 100):
+                for q in chain:  # index arithmetic on a few values: plain XLA next to the gather
+                    self.status[q] = "glue"
+                continue
+            placed = False
+            if current is not None:
+                placed = self._own_float(current, p)
+            if not placed:
+                current = self._new("map")
+                if not self._own_float(current, p):
+                    raise AssertionError("a float equation failed to start its own region")
+            done[v] = current
+
+    def _own_float(self, region: Region, p: int) -> bool:
+        """Make float equation `p` (and its float inputs) owned by a map region, so its result is stored."""
+        chain = [q for q in self.float_closure(self.g.eqns[p].outvars[0]) if q != p]
+        ax = region.axes.copy()
+        try:
+            for q in [*chain, p]:
+                if q not in region.pulled and q not in region.owned:
+                    ax.add(self.g.eqns[q])
+        except Conflict:
+            return False
+        region.axes = ax
+        region.pulled.update(q for q in chain if q not in region.owned)
+        region.owned.append(p)
+        self.owner[p] = region.id
+        return True
+
+    # --- results --------------------------------------------------------------------------------------
+    def region_outputs(self, region: Region) -> list[Any]:
+        """Values a region must write: used by glue, another region, or returned."""
+        g = self.g
+        owned = set(region.owned)
+        outs: list[Any] = []
+        for i in sorted(owned):
+            for v in g.eqns[i].outvars:
+                used_outside = v in g.out_set
+                for c in g.consumers.get(v, []):
+                    if c in owned:
+                        continue
+                    if self.status[c] == "glue" or c in self.owner and self.owner[c] != region.id:
+                        used_outside = True
+                if used_outside:
+                    outs.append(v)
+        return outs
+
+    def region_inputs(self, region: Region) -> list[Any]:
+        produced = self.produced_in(region)
+        ins: list[Any] = []
+        for i in region.eqns():
+            for v in self.g.eqns[i].invars:
+                if not is_literal(v) and v not in produced and v not in ins:
+                    ins.append(v)
+        return ins

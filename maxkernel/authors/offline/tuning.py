@@ -1,0 +1,228 @@
+"""Block sizes: the VMEM model, the default config and the tuning space of a generated program.
+
+Figures used (per TensorCore, from `maxkernel.tools.tpu_specs`, measured against libtpu 0.0.42.1):
+
+* physical VMEM: v4 16 MiB, v5e 128 MiB, v5p 64 MiB, v6e 128 MiB, 7x 64 MiB;
+* default scoped limit without `vmem_limit_bytes`: 16 MiB (v4, v5e, v5p), 32 MiB (v6e, 7x).
+
+Every generated kernel sets `vmem_limit_bytes` explicitly, so the default scoped limit does not bind; the
+budget a config must fit is half the smallest physical VMEM among the targets (64 MiB for v5e + v6e). Half,
+because the model counts blocks (double-buffered), scratch and a rough allowance for in-kernel temporaries,
+and Mosaic needs room of its own. Defaults aim lower, at 16 MiB, so they also fit the default scoped limit
+of every generation. A config is valid when every block dim is a multiple of its alignment (lanes: 128;
+sublanes: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit dtypes) or covers the whole dim, and when its VMEM
+estimate fits the budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from maxkernel.authors.base import TileConfig
+from maxkernel.authors.offline.spec import KernelSpec, ParamSpec, ProgramSpec, block_for
+from maxkernel.tools.tpu_specs import get_spec
+
+MiB = 1 << 20
+DEFAULT_TARGET = 16 * MiB
+
+LADDERS = {
+    "lane": [128, 256, 512, 1024, 2048, 4096],
+    "sublane": [8, 16, 32, 64, 128, 256, 512, 1024, 2048],
+    "leading": [1, 2, 4, 8, 16, 32, 64],
+}
+
+STARTS = {
+    "BLOCK_M": 512,
+    "BLOCK_N": 512,
+    "BLOCK_K": 512,
+    "BLOCK_Q": 256,
+    "BLOCK_KV": 512,
+    "BLOCK_ROWS": 256,
+    "BLOCK_COLS": 1024,
+    "BLOCK_RED": 4096,
+    "BLOCK_LEAD": 8,
+}
+
+
+def key_of(param: str) -> str:
+    """TileConfig key of a constant: BLOCK_M -> block_m, K1_BLOCK_M -> k1_block_m."""
+    return param.lower()
+
+
+def vmem_budget(tpu: list[str]) -> int:
+    return min(get_spec(t).vmem_bytes for t in tpu) // 2
+
+
+def vmem_ceiling(tpu: list[str]) -> int:
+    """Largest `vmem_limit_bytes` a kernel may ask for: three quarters of the smallest physical VMEM."""
+    return min(get_spec(t).vmem_bytes for t in tpu) * 3 // 4
+
+
+def kernel_values(kernel: KernelSpec, config: TileConfig) -> dict[str, int]:
+    vals: dict[str, int] = {}
+    for p in kernel.params:
+        v = config.get(key_of(p.name))
+        vals[p.name] = int(v) if v is not None else p.default
+    return vals
+
+
+def vmem_estimate(kernel: KernelSpec, values: dict[str, int]) -> int:
+    return sum(b.vmem_bytes(values) for b in kernel.buffers)
+
+
+def vmem_limit(kernel: KernelSpec, values: dict[str, int], tpu: list[str]) -> int:
+    need = vmem_estimate(kernel, values)
+    want = max(32 * MiB, int(need * 1.5) + 8 * MiB)
+    return min(_round_mib(want), vmem_ceiling(tpu))
+
+
+def _round_mib(n: int) -> int:
+    return -(-n // MiB) * MiB
+
+
+def hbm_traffic(kernel: KernelSpec, values: dict[str, int]) -> int:
+    """Bytes moved between HBM and VMEM: each operand block is fetched again whenever its block index
+    changes, i.e. once per step of every grid axis up to the innermost axis it is indexed by."""
+    steps = [a.steps(values) for a in kernel.grid]
+    total = 0
+    for b in kernel.buffers:
+        if b.kind not in ("input", "output"):
+            continue
+        if not b.axes:
+            fetches = 1
+        else:
+            last = max(b.axes)
+            fetches = 1
+            for s in steps[: last + 1]:
+                fetches *= s
+        total += fetches * b.hbm_block_bytes(values)
+    return total
+
+
+def grid_steps(kernel: KernelSpec, values: dict[str, int]) -> int:
+    n = 1
+    for a in kernel.grid:
+        n *= a.steps(values)
+    return n
+
+
+def candidates(p: ParamSpec) -> list[int]:
+    """Aligned values for one param; everything at least the dim's extent collapses into one entry."""
+    ladder = [v for v in LADDERS[p.role] if v % p.align == 0 or p.role == "leading"]
+    out: list[int] = []
+    for v in ladder:
+        out.append(v)
+        if v >= p.extent:
+            break
+    return out or [p.align]
+
+
+def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
+    """Start from sizes that suit the MXU and the pipeline, then halve the largest block until the
+    estimate fits the default target (16 MiB), or at least the budget."""
+    vals: dict[str, int] = {}
+    for p in kernel.params:
+        base = p.name.split("_", 1)[1] if p.name.startswith("K") and "_BLOCK_" in p.name else p.name
+        start = STARTS.get(base, 256)
+        cands = candidates(p)
+        fit = [c for c in cands if c <= start] or cands[:1]
+        vals[p.name] = fit[-1]
+    if kernel.family == "rowwise" and vals:
+        _size_rows(kernel, vals)
+    for target in (DEFAULT_TARGET, budget):
+        guard = 0
+        while vmem_estimate(kernel, vals) > target and guard < 64:
+            guard += 1
+            shrinkable = [p for p in kernel.params if _smaller(p, vals[p.name]) is not None]
+            if not shrinkable:
+                break
+            p = max(shrinkable, key=lambda p: (block_for(p.extent, vals[p.name], 1), p.role != "sublane"))
+            vals[p.name] = _smaller(p, vals[p.name])  # type: ignore[assignment]
+        if vmem_estimate(kernel, vals) <= target:
+            break
+    for p in kernel.params:
+        p.default = vals[p.name]
+    return vals
+
+
+def _size_rows(kernel: KernelSpec, vals: dict[str, int]) -> None:
+    """Row-wise kernels: aim for ~1 MiB per input block, the sweet spot of the pipelined DMA."""
+    rows = [p for p in kernel.params if p.name.endswith("BLOCK_ROWS")]
+    if not rows:
+        return
+    p = rows[0]
+    probe = dict(vals)
+    probe[p.name] = p.align if p.role != "leading" else 1
+    per_row = max(sum(b.block_bytes(probe) for b in kernel.buffers if b.kind == "input"), 1) / probe[p.name]
+    want = int((1 * MiB) / per_row)
+    cands = candidates(p)
+    fit = [c for c in cands if c <= max(want, cands[0])]
+    vals[p.name] = fit[-1] if fit else cands[0]
+
+
+def _smaller(p: ParamSpec, v: int) -> int | None:
+    cands = [c for c in candidates(p) if c < block_for(p.extent, v, 1)]
+    return cands[-1] if cands else None
+
+
+def default_config(program: ProgramSpec, tpu: list[str]) -> TileConfig:
+    budget = vmem_budget(tpu)
+    values: dict[str, int] = {}
+    for k in program.kernels:
+        for name, v in default_values(k, budget).items():
+            values[key_of(name)] = v
+    return TileConfig.of(values)
+
+
+def validate(program: ProgramSpec, config: TileConfig, tpu: list[str]) -> list[str]:
+    """Problems with a config (empty when valid): misaligned blocks, VMEM over budget, unknown keys."""
+    problems = []
+    budget = vmem_budget(tpu)
+    known = {key_of(p.name) for k in program.kernels for p in k.params}
+    for key in config.as_dict():
+        if key not in known:
+            problems.append(f"unknown parameter {key}")
+    for k in program.kernels:
+        vals = kernel_values(k, config)
+        for p in k.params:
+            v = vals[p.name]
+            if v < p.extent and v % p.align:
+                problems.append(f"{key_of(p.name)}={v} is not a multiple of {p.align} ({p.role})")
+        est = vmem_estimate(k, vals)
+        if est > budget:
+            problems.append(
+                f"{k.name}: VMEM estimate {est / MiB:.1f} MiB exceeds the budget {budget / MiB:.0f} MiB"
+            )
+    return problems
+
+
+def tuning_space(
+    program: ProgramSpec, tpu: list[str], *, per_kernel: int = 48, total: int = 64
+) -> list[TileConfig]:
+    """Valid configs: every aligned combination per kernel that fits VMEM, at most `per_kernel` of them
+    (spread over the range of VMEM use); several kernels vary one at a time around the default."""
+    budget = vmem_budget(tpu)
+    default = default_config(program, tpu)
+    per: list[list[dict[str, int]]] = []
+    for k in program.kernels:
+        names = [p.name for p in k.params]
+        combos = []
+        for values in itertools.product(*(candidates(p) for p in k.params)):
+            vals = dict(zip(names, values, strict=True))
+            if vmem_estimate(k, vals) <= budget:
+                combos.append(vals)
+        combos.sort(key=lambda v: vmem_estimate(k, v))
+        if len(combos) > per_kernel:
+            step = len(combos) / per_kernel
+            combos = [combos[int(i * step)] for i in range(per_kernel)]
+        per.append(combos)
+    out: list[TileConfig] = [default]
+    seen = {default}
+    base = default.as_dict()
+    for combos in per:
+        for vals in combos:
+            cfg = TileConfig.of(base, **{key_of(n): v for n, v in vals.items()})
+            if cfg not in seen:
+                seen.add(cfg)
+                out.append(cfg)
+    return out[:total]

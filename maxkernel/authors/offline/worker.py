@@ -1,0 +1,99 @@
+"""Sandbox entry: trace the task's reference and analyse it into a `ProgramSpec`. Runs only in the child.
+
+`maxkernel.authors.offline.worker:analyse_job` is called through `maxkernel.tools.sandbox.run_sandboxed`,
+like the harness's own jobs: the reference is task code and never runs in the agent's process. Tracing
+uses abstract inputs (`jax.ShapeDtypeStruct`), so nothing is allocated; the whole job takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import keyword
+import re
+from typing import Any
+
+from maxkernel.tools import taskcode
+from maxkernel.tools.worker import WorkerContext
+
+RESERVED = {
+    "jax",
+    "jnp",
+    "lax",
+    "pl",
+    "pltpu",
+    "functools",
+    "math",
+    "out",
+    "outs",
+    "cost",
+    "out_shape",
+    "computation",
+}
+
+
+def arg_names(fn: Any, n: int) -> list[str]:
+    """The reference's parameter names (so the kernel's signature reads the same), made safe to use."""
+    names: list[str] = []
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+    names = names[:n]
+    while len(names) < n:
+        names.append(f"arg{len(names)}")
+    safe = []
+    for i, nm in enumerate(names):
+        bad = (
+            nm in RESERVED
+            or keyword.iskeyword(nm)
+            or nm.startswith("_")
+            or re.fullmatch(r"[tc]\d+|n_\w+|b(m|n|k\d*|q|kv|rows|cols)|\w+_(ref|index|blk)|[a-z]+\d+", nm)
+            is not None
+        )
+        safe.append(f"arg{i}_{nm}" if bad else nm)
+    return safe
+
+
+def analyse_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
+    from maxkernel.authors.offline.lower import lower_program
+    from maxkernel.authors.offline.partition import Options
+    from maxkernel.authors.offline.trace import Config, Unsupported, trace_reference
+
+    ctx.guard()
+    ctx.stage("load")
+    try:
+        ref = taskcode.Reference(payload["source"])
+    except taskcode.TaskCodeError as exc:
+        return {"ok": False, "task_error": str(exc)}
+    configs: list[Config] = []
+    seen = set()
+    for c in [*payload["configs"], *payload.get("validation_configs", [])]:
+        cfg = Config(
+            dynamic=[(tuple(a["shape"]), a["dtype"]) for a in c["dynamic"]], static=list(c.get("static", []))
+        )
+        key = repr((cfg.dynamic, cfg.static))
+        if key not in seen:
+            seen.add(key)
+            configs.append(cfg)
+    n_args = len(configs[0].dynamic) + len(configs[0].static)
+    names = arg_names(ref.computation, n_args)
+    ctx.stage("trace")
+    options = Options(**payload.get("options", {}))
+    try:
+        traces = trace_reference(ref.computation, configs, names)
+        ctx.stage("analyse")
+        program = lower_program(traces, payload.get("task_id", ""), options)
+    except Unsupported as exc:
+        return {"ok": False, "unsupported": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - a bug here must read as "no kernel", with the reason
+        import traceback
+
+        return {
+            "ok": False,
+            "unsupported": f"the offline author failed on this reference ({type(exc).__name__}: {exc})",
+            "internal_error": traceback.format_exc(limit=6),
+        }
+    return {"ok": True, "program": program.model_dump(mode="json")}
