@@ -40,7 +40,7 @@ class BenchSettings(BaseModel):
     iterations: int = 1
     algorithm: str | None = Field(None, description="None: optimize; parallel/beam: a search per task")
     branches: int = 2
-    tune_configs: int = 3
+    tune_configs: int = 2
     task_timeout_s: float = 1800.0
 
 
@@ -151,7 +151,7 @@ class Bench:
         common = [
             "--model", self.s.model, "--tpu", ",".join(self.s.tpu), "--scale", self.s.scale,
             "--out", str(out), "--thread-id", thread,
-            "--checkpoint-db", str(self.out / "checkpoints.sqlite"),
+            "--checkpoint-db", str(out / "checkpoints.sqlite"),
             "--store", str(self.out / "store.db"), "--work-dir", str(self.out / "work"),
             "--iterations", str(self.s.iterations), "--tune-configs", str(self.s.tune_configs),
         ]  # fmt: skip

@@ -12,6 +12,7 @@ import hashlib
 import json
 import sqlite3
 import threading
+import time
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -70,7 +71,16 @@ class ResultsStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         with _SCHEMA_LOCK:
-            self._ensure_tables()
+            # Two processes creating a fresh store at once race on the switch to WAL, and SQLite reports
+            # that as "locked" without waiting: retry a few times (bench jobs start together).
+            for attempt in range(40):
+                try:
+                    self._ensure_tables()
+                    break
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) or attempt == 39:
+                        raise
+                    time.sleep(0.05 * (attempt + 1))
 
     @property
     def db(self) -> sqlite_utils.Database:
