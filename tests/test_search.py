@@ -119,3 +119,27 @@ def test_killed_search_resumes_without_rerunning_finished_branches(tmp_path: Pat
     store = ResultsStore(tmp_path / "results.db")
     assert len(store.executions()) == len(set(store.executions()))
     check_outputs(tmp_path / "out")
+
+
+def test_offline_author_searches_parallel_and_beam(tmp_path: Path) -> None:
+    """The offline author maps strategies to concrete variants (the strategy's preferred tile config)."""
+    graph = compile_search(sqlite_checkpointer(tmp_path / "checkpoints.sqlite"))
+    ctx = Context(
+        model="offline", tpu=["v5e"], store_path=str(tmp_path / "results.db"), work_dir=str(tmp_path / "w")
+    )
+    par = graph.invoke(
+        inputs(tmp_path / "par", "parallel", tune_max_configs=2),
+        {"configurable": {"thread_id": "op"}},
+        context=ctx,
+    )
+    nodes = latest_nodes(par["nodes"])
+    assert all(n.accepted and n.score_kind == "estimated" for n in nodes)
+    check_outputs(tmp_path / "par" / "out")
+    beam = graph.invoke(
+        inputs(tmp_path / "beam", "beam", tune_max_configs=2),
+        {"configurable": {"thread_id": "ob"}},
+        context=ctx,
+    )
+    tree = check_outputs(tmp_path / "beam" / "out")
+    assert {n["depth"] for n in tree["nodes"]} == {0, 1}
+    assert beam["best"].accepted

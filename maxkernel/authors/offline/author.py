@@ -35,7 +35,7 @@ from maxkernel.authors.offline.tuning import (
     validate,
     vmem_estimate,
 )
-from maxkernel.tools.sandbox import SandboxLimits, run_sandboxed
+from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
 
 LEVEL_NOTES = (
     "full fusion: epilogues (with row reductions) in matmul kernels, flash attention, shared K loops",
@@ -75,7 +75,8 @@ class OfflineAuthor:
                 "epilogue_reductions": opts.epilogue_reductions,
             },
         }
-        run_dir = Path(ctx.work_dir).resolve() / "offline" / f"{task.fingerprint[:16]}-{level}"
+        # A run dir of its own: search branches analyse the same task concurrently.
+        run_dir = fresh_run_dir(Path(ctx.work_dir) / "offline", f"{task.fingerprint[:16]}-{level}")
         outcome = run_sandboxed(
             "maxkernel.authors.offline.worker:analyse_job",
             payload,
@@ -84,9 +85,9 @@ class OfflineAuthor:
             read_paths=[Path(task.reference_path).parent],
         )
         if not outcome.ok:
-            result = {"ok": False, "unsupported": f"the analysis failed ({outcome.stage}): {outcome.error}"}
-        else:
-            result = dict(outcome.value or {})
+            # Not cached: a crash or timeout of the analysis is not a fact about the task.
+            return {"ok": False, "unsupported": f"the analysis failed ({outcome.stage}): {outcome.error}"}
+        result = dict(outcome.value or {})
         self._cache[key] = result
         return result
 
