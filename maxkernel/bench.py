@@ -253,8 +253,8 @@ def geomean(values: list[float]) -> float | None:
 
 def summary(rows: list[TaskRow]) -> dict[str, Any]:
     correct = [r for r in rows if r.correct]
-    est = [r.estimated_speedup for r in correct if r.estimated_speedup is not None]
-    meas = [r.measured_speedup for r in correct if r.measured_speedup is not None]
+    est = [r.estimated_speedup for r in correct if r.estimated_speedup is not None and r.estimated_speedup > 0]
+    meas = [r.measured_speedup for r in correct if r.measured_speedup is not None and r.measured_speedup > 0]
     return {
         "tasks": len(rows),
         "correct": len(correct),
@@ -342,7 +342,7 @@ def make_plots(rows: list[TaskRow], out: Path) -> list[Path]:
     plt.close(fig)
     paths.append(p)
 
-    est = [r.estimated_speedup for r in rows if r.correct and r.estimated_speedup]
+    est = [r.estimated_speedup for r in rows if r.correct and r.estimated_speedup and r.estimated_speedup > 0]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if est:
         logs = [math.log2(v) for v in est]

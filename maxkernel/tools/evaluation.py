@@ -561,8 +561,10 @@ def _estimate(
             notes.append(f"reference cost model failed: {type(exc).__name__}: {exc}")
     summary.reference_estimated_seconds = reference_s
     summary.method += "; reference: TPU compiler cost model (optimal_seconds)"
-    if summary.estimated_seconds and reference_s:
+    if summary.estimated_seconds and summary.estimated_seconds > 0 and reference_s and reference_s > 0:
         summary.estimated_speedup = reference_s / summary.estimated_seconds
+    elif reference_s is not None and reference_s <= 0:
+        notes.append(f"the compiler's estimate for the reference is not a time ({reference_s:g} s): no speedup")
     summary.note = "; ".join(notes) or None
     return summary
 
