@@ -15,8 +15,7 @@ from langgraph.runtime import Runtime
 from maxkernel.graph.context import Context
 from maxkernel.graph.state import AgentState
 from maxkernel.nodes.common import better, budget_exhausted, run_eval, to_attempt
-
-COMPILE_STAGES = ("load", "trace", "pallas", "compile", "sandbox", "task")
+from maxkernel.tools.results import COMPILE_STAGES
 
 
 def validate(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
