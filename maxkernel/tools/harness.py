@@ -186,7 +186,7 @@ def _run(
 ) -> EvalResult:
     cand_dir, judge_dir = eval_dir / "candidate", eval_dir / "judge"
     cand_dir.mkdir()
-    judge_dir.mkdir()
+    judge_dir.mkdir(mode=0o700)
     candidate_path = cand_dir / "candidate.py"
     candidate_path.write_text(source)
     device = options.timing and accelerator_present()
@@ -196,7 +196,8 @@ def _run(
         "maxkernel.tools.judge:judge_job",
         {"task": task_json, "input_sets": options.input_sets, "seed": options.seed},
         judge_dir,
-        SandboxLimits(timeout_s=timeout, memory_mb=options.memory_mb, file_mb=file_mb, allow_device=device),
+        SandboxLimits(timeout_s=timeout, memory_mb=options.memory_mb, file_mb=file_mb, allow_device=device,
+                      fallback_as_nobody=False),
         read_paths=[Path(task.reference_path).parent],
         stdin=True,
     )
@@ -284,13 +285,15 @@ def _orchestrate(
         "reference_estimate_generation": gen if options.estimate and cached_ref_estimate is None else None,
         "timing": device,
     }
-    judge.send(json.dumps(request).encode())
+    judge.send(json.dumps(request).encode() + b"\n", close=False)
     try:
         inputs = read_capped(judge.run_dir / INPUTS_FILE, MAX_ARRAY_FILE_BYTES)
     except ReadBackError as exc:
         return _fail(result, "infrastructure", f"the judge's inputs could not be read: {exc}")
     cand.send(inputs)
     cand_out = cand.wait(deadline)
+    cand.kill()  # its reaper is gone only when every descendant is: nothing of it outlives this line
+    judge.send(b"release\n")
     judge_out = judge.wait(deadline)
     if not judge_out.ok or judge_out.value is None or not judge_out.value.get("ok"):
         return _judge_failure(result, judge_out)

@@ -7,12 +7,13 @@
    process that never sees the secret, cannot re-derive them;
 2. computes the reference outputs and writes `inputs.npz` (handed to the candidate by the agent, after the
    candidate's programs are fixed) and `expected.npz` (read only by the agent, which compares);
-3. announces `inputs_ready` and waits on stdin for the candidate's TPU programs (serialized `jax.export`
+3. announces `inputs_ready` and waits on stdin (one JSON line) for the candidate's TPU programs (serialized `jax.export`
    artifacts, forwarded by the agent); deserializes each, checks Pallas does the work in its StableHLO
    text (`stablehlo_check`), and compiles that very program with the Mosaic compiler for each requested
    TPU generation;
 4. with a device present, runs and times that same exported program and the reference on the device,
-   and re-checks the outputs there.
+   and re-checks the outputs there (not exercised on this project's CPU-only machines);
+5. writes `expected.npz` only when the agent sends `release` (the candidate's process is gone by then).
 
 Its result is signed with the per-run key (the candidate's process never holds it) and is the only
 child result the agent treats as trusted. There is no reference cache on disk: expected outputs live and
@@ -88,13 +89,12 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     outputs = {output_name(ci, si, k): a for ci, sets in enumerate(expected)
                for si, outs in enumerate(sets) for k, a in enumerate(outs)}  # fmt: skip
     (run_dir / INPUTS_FILE).write_bytes(pack_arrays(inputs))
-    (run_dir / EXPECTED_FILE).write_bytes(pack_arrays(outputs))
     origins = [[origin for _a, origin in sets] for sets in input_sets]
     seconds["reference"] = time.perf_counter() - t0
     ctx.stage(STAGE_INPUTS_READY)
 
-    message = sys.stdin.buffer.read(MAX_PROGRAMS_BYTES)
-    base = {"ok": True, "origins": origins, "seconds": seconds}
+    message = sys.stdin.buffer.readline(MAX_PROGRAMS_BYTES)
+    base: dict[str, Any] = {"ok": True, "origins": origins, "seconds": seconds}
     if not message.strip():
         return base  # the candidate never got as far as a program: nothing to compile
     request = json.loads(message)
@@ -116,6 +116,10 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     if request.get("timing") and programs and programs[0] is not None:
         ctx.stage("timing")
         base["timing"] = _measure(ref, own[0], programs[0], payload, ctx.secret)
+    # The expected outputs reach the disk only once the agent says the candidate's process is gone, so
+    # they never coexist with it (in the fallback mode it could otherwise read them).
+    if sys.stdin.buffer.readline(64).strip() == b"release":
+        (run_dir / EXPECTED_FILE).write_bytes(pack_arrays(outputs))
     return base
 
 

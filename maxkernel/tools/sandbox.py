@@ -76,6 +76,11 @@ class SandboxLimits(BaseModel):
     allow_device: bool = Field(
         False, description="pass accelerator device nodes through and let JAX use them (device timing)"
     )
+    fallback_as_nobody: bool = Field(
+        True,
+        description="without bubblewrap, a root agent's child drops to nobody. The judge keeps root there, "
+        "so that a candidate (nobody) can neither trace it nor read its run dir",
+    )
     allow_unsandboxed: bool = Field(
         True,
         description="run even without bubblewrap (fallback: rlimits, scrubbed env, nobody when root); "
@@ -303,6 +308,7 @@ class SandboxedChild:
         python_cmd = [sys.executable, "-m", "maxkernel.tools.worker", str(run_dir)]
         bwrap = bubblewrap_path()
         drop = False
+        as_nobody = os.geteuid() == 0
         if bwrap and _bwrap_usable(bwrap):
             pkg = _package_root() / "maxkernel"
             ro = [Path(sys.prefix), Path(sys.base_prefix), pkg, *self.read_paths]
@@ -324,9 +330,9 @@ class SandboxedChild:
                 )
                 _warned_no_bwrap = True
             inner = python_cmd
-            drop = os.geteuid() == 0
+            drop = as_nobody = os.geteuid() == 0 and limits.fallback_as_nobody
             self.isolation = "fallback"
-        if os.geteuid() == 0:
+        if as_nobody:
             _give_to_nobody(run_dir)
         reaper = [sys.executable, "-m", "maxkernel.tools.reaper", "--timeout", f"{limits.timeout_s:g}"]
         reaper += ["--memory-mb", str(limits.memory_mb), "--fsize-mb", str(limits.file_mb)]
@@ -360,13 +366,15 @@ class SandboxedChild:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def send(self, data: bytes) -> bool:
-        """Write to the child's stdin and close it; False if the child is gone or stopped reading."""
+    def send(self, data: bytes, *, close: bool = True) -> bool:
+        """Write to the child's stdin (and close it); False if the child is gone or stopped reading."""
         if self.proc is None or self.proc.stdin is None:
             return False
         try:
             self.proc.stdin.write(data)
-            self.proc.stdin.close()
+            self.proc.stdin.flush()
+            if close:
+                self.proc.stdin.close()
             return True
         except (BrokenPipeError, OSError, ValueError):
             return False
