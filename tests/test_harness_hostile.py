@@ -173,7 +173,7 @@ def test_setsid_leftover_is_gone(task: KernelTask, tmp_path: Path, mode: str) ->
 def test_rewriting_the_store_changes_no_verdict(task: KernelTask, tmp_path: Path, mode: str) -> None:
     store = ResultsStore(tmp_path / "results.db")
     first = run(task, "rewrite_store.py", tmp_path, mode, store=store)
-    assert not first.accepted and first.error.stage == "correctness"
+    assert not first.accepted and first.error.stage not in ("infrastructure", "sandbox")
     again = run(task, "rewrite_store.py", tmp_path, mode, store=store)
     assert again.cached and not again.accepted
 

@@ -85,7 +85,6 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     from jax import export
     from jax.experimental.pallas import tpu as pltpu
 
-    from maxkernel.tools import taskcode
     from maxkernel.tools.program_tree import to_tree
 
     ctx.guard()
@@ -97,7 +96,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
 
     ctx.stage("load")
     try:
-        module = taskcode.load_module(Path(payload["candidate_path"]), "maxkernel_candidate")
+        module = _load_candidate(run_dir / Path(payload["candidate_path"]).name)
     except SyntaxError as exc:
         return {"ok": False, "stage": "load", "message": f"syntax error line {exc.lineno}: {exc.msg}"}
     except Exception as exc:  # noqa: BLE001 - whatever the candidate raises is its failure
@@ -184,6 +183,19 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     (run_dir / OUTPUTS_FILE).write_bytes(pack_arrays(outputs))
     seconds["correctness"] = time.perf_counter() - t0
     return {"ok": True, "run_error": run_error, "seconds": seconds}
+
+
+def _load_candidate(path: Path) -> Any:
+    """Import the candidate from its file through a relative path (the working directory is the run dir;
+    after a drop to nobody its ancestors may not be searchable, so importlib's absolute paths would fail)."""
+    import types
+
+    source = path.read_bytes()
+    module = types.ModuleType("maxkernel_candidate")
+    module.__file__ = str(path)
+    sys.modules["maxkernel_candidate"] = module
+    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - this process exists for it
+    return module
 
 
 def _typed(a: np.ndarray, spec: ArraySpec) -> np.ndarray:

@@ -79,6 +79,13 @@ COMPILE_BUDGET_S = 20.0
 MAX_PROGRAM_BYTES = 64 << 20
 MAX_ARRAY_FILE_BYTES = 4 << 30
 POLL_S = 0.02
+CANDIDATE_PRELOAD = (
+    "numpy", "jax", "jax.numpy", "jax.export", "jax.experimental.pallas", "jax.experimental.pallas.tpu",
+    "ml_dtypes", "ctypes", "maxkernel.tools.candidate", "maxkernel.tools.program_tree",
+    "maxkernel.tools.taskcode", "maxkernel.tools.estimate",
+)
+"""Imported before the candidate's process may drop to nobody (fallback, root agent): after the drop the
+interpreter's own files can be out of reach."""
 
 
 class EvalOptions(BaseModel):
@@ -218,6 +225,7 @@ def _run(
             allow_unsandboxed=options.allow_unsandboxed,
         ),
         stdin=True,
+        preload=CANDIDATE_PRELOAD,
     )
     result = EvalResult(task_id=task.task_id, source_hash=source_hash)
     judge.start()

@@ -3,8 +3,8 @@
 It exists because a process group is not a cage: a child that calls `setsid()` (or double-forks) leaves its
 group, and `killpg` then misses it. The reaper makes itself a *child subreaper* (prctl), so every orphaned
 descendant is re-parented to it however it detached, starts CMD in a new session with rlimits (address
-space, file size, core dumps, open files) and, where the agent runs as root without bubblewrap, as the
-unprivileged `nobody` (no /etc/shadow, no signals to the agent, no writes to the results store). When CMD
+space, file size, core dumps, open files). (Dropping to `nobody` happens in the worker itself, after its
+modules are loaded: see `worker._drop_to_nobody`.) When CMD
 exits, times out, or the reaper is told to stop (SIGTERM, or its own parent dying), it kills every
 descendant it can still see until none is left, then exits with CMD's status (124 on timeout).
 
@@ -24,7 +24,6 @@ import time
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-NOBODY = 65534
 EXIT_TIMEOUT = 124
 
 _stop = False
@@ -85,7 +84,7 @@ def kill_descendants() -> int:
     return killed
 
 
-def _preexec(memory_mb: int, fsize_mb: int, drop: bool) -> None:
+def _preexec(memory_mb: int, fsize_mb: int) -> None:
     os.setsid()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if memory_mb > 0:
@@ -93,10 +92,6 @@ def _preexec(memory_mb: int, fsize_mb: int, drop: bool) -> None:
     if fsize_mb > 0:
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_mb << 20, fsize_mb << 20))
     resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
-    if drop:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
 
 
 def _on_term(_sig: int, _frame: object) -> None:
@@ -109,7 +104,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--memory-mb", type=int, default=0)
     parser.add_argument("--fsize-mb", type=int, default=0)
-    parser.add_argument("--drop-to-nobody", action="store_true")
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -120,7 +114,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # never ours: only the child is capped
     proc = subprocess.Popen(
         cmd,
-        preexec_fn=lambda: _preexec(args.memory_mb, args.fsize_mb, args.drop_to_nobody),
+        preexec_fn=lambda: _preexec(args.memory_mb, args.fsize_mb),
         pass_fds=tuple(int(fd) for fd in os.environ.get("MAXKERNEL_PASS_FDS", "").split(",") if fd),
         restore_signals=True,
     )

@@ -307,7 +307,6 @@ class SandboxedChild:
         env["MAXKERNEL_KEY_FD"] = str(key_r)
         python_cmd = [sys.executable, "-m", "maxkernel.tools.worker", str(run_dir)]
         bwrap = bubblewrap_path()
-        drop = False
         as_nobody = os.geteuid() == 0
         if bwrap and _bwrap_usable(bwrap):
             pkg = _package_root() / "maxkernel"
@@ -330,13 +329,14 @@ class SandboxedChild:
                 )
                 _warned_no_bwrap = True
             inner = python_cmd
-            drop = as_nobody = os.geteuid() == 0 and limits.fallback_as_nobody
+            as_nobody = os.geteuid() == 0 and limits.fallback_as_nobody
+            if as_nobody:
+                env["MAXKERNEL_DROP_TO_NOBODY"] = "1"  # the worker drops once its modules are loaded
             self.isolation = "fallback"
         if as_nobody:
             _give_to_nobody(run_dir)
         reaper = [sys.executable, "-m", "maxkernel.tools.reaper", "--timeout", f"{limits.timeout_s:g}"]
         reaper += ["--memory-mb", str(limits.memory_mb), "--fsize-mb", str(limits.file_mb)]
-        reaper += ["--drop-to-nobody"] if drop else []
         reaper_env = dict(env, MAXKERNEL_PASS_FDS=str(key_r))
         self._t0 = time.monotonic()
         try:

@@ -55,6 +55,8 @@ class WorkerContext:
 
     def __init__(self, run_dir: Path, secret: bytes = b"") -> None:
         self.run_dir = run_dir
+        """Where job files are read and written; `.` once dropped to nobody (see `_drop_to_nobody`)."""
+        self.guard_root = run_dir
         self.secret = secret
         """Per-run secret from the parent (trusted entries derive their private random draws from it)."""
         self.current_stage: str | None = None
@@ -86,7 +88,7 @@ class WorkerContext:
             p = os.path.realpath(os.fsdecode(path))
         except (TypeError, ValueError):
             return False
-        roots = (str(self.run_dir), "/dev/null")
+        roots = (str(self.guard_root), "/dev/null")
         return any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
 
     def _violation(self, what: str) -> None:
@@ -132,6 +134,17 @@ def _read_key() -> bytes:
         return f.read()
 
 
+def _drop_to_nobody() -> None:
+    """Fallback mode under a root agent: become `nobody` once the interpreter and the job's modules are
+    loaded (as root, because the interpreter may live where nobody cannot read, e.g. /root/.pyenv) and
+    before any job code runs. The working directory (the run dir, owned by nobody) stays usable through
+    relative paths even where its ancestors are not searchable. From here on: no /etc/shadow, no signals to root processes, no writes to
+    root-owned files such as the results store."""
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+
+
 def sign(key: bytes, body: str) -> str:
     return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
@@ -146,6 +159,11 @@ def main(run_dir_arg: str) -> int:
         for name in job.get("preload", []):
             importlib.import_module(name)
         func = _resolve(job["entry"])
+        if os.environ.pop("MAXKERNEL_DROP_TO_NOBODY", None) == "1":
+            _drop_to_nobody()
+            # The run dir's ancestors may not be searchable by nobody (a 0700 temp dir): from here on every
+            # path is relative to it (it is the working directory).
+            run_dir = ctx.run_dir = Path(".")
     except Exception as exc:  # noqa: BLE001 - the environment, not the job, is broken
         result: dict[str, Any] = {"ok": False, "infrastructure": True, "error": f"{type(exc).__name__}: {exc}"}
         _write_result(run_dir, key, result)
