@@ -47,6 +47,15 @@ StoreOpt = Annotated[
     Path, typer.Option("--store", help="results store (SQLite); evaluations found there are not re-run")
 ]
 WorkOpt = Annotated[Path, typer.Option("--work-dir", help="where sandbox run directories go")]
+TimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--timeout",
+        help="seconds before loading the task, or one evaluation, is killed (default: derived from the "
+        "task's reference time plus a compile budget, 60-600 s; task loading: 300 s)",
+    ),
+]
+TASK_LOAD_TIMEOUT_S = 300.0
 
 
 def fail_usage(message: str) -> typer.Exit:
@@ -62,9 +71,14 @@ def parse_tpus(text: str) -> list[str]:
 
 
 def read_source(path: Path) -> str:
+    """The candidate's text. A file that is not UTF-8 text is a failed candidate (exit 1), said plainly."""
     if not path.is_file():
         raise fail_usage(f"kernel file not found: {path}")
-    return path.read_text()
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        console.print(f"[bold red]rejected:[/] {path} is not UTF-8 text (byte {exc.start}): not a Python module")
+        raise typer.Exit(1) from exc
 
 
 @app.callback()
@@ -82,9 +96,15 @@ def eval_cmd(
     tpu: TpuOpt = DEFAULT_TPU_TEXT,
     scale: ScaleOpt = None,
     input_sets: Annotated[int, typer.Option("--input-sets", min=1, help="input sets per configuration")] = 3,
-    timeout: Annotated[
-        float, typer.Option("--timeout", help="seconds before the evaluation is killed")
-    ] = 600.0,
+    timeout: TimeoutOpt = None,
+    allow_unsandboxed: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unsandboxed",
+            help="run the kernel even where bubblewrap is missing (rlimits, scrubbed env, nobody when root; "
+            "no file-system or network isolation)",
+        ),
+    ] = False,
     store: StoreOpt = Path(".maxkernel/results.db"),
     work_dir: WorkOpt = Path(".maxkernel"),
 ) -> None:
@@ -93,10 +113,10 @@ def eval_cmd(
     source = read_source(kernel)
     try:
         with console.status(f"loading task {task} ..."):
-            kt = load_task(task, scale=scale, work_dir=work_dir)
+            kt = load_task(task, scale=scale, work_dir=work_dir, timeout_s=timeout or TASK_LOAD_TIMEOUT_S)
     except TaskError as exc:
         raise fail_usage(str(exc)) from exc
-    options = EvalOptions(tpu=gens, input_sets=input_sets, timeout_s=timeout)
+    options = EvalOptions(tpu=gens, input_sets=input_sets, timeout_s=timeout, allow_unsandboxed=allow_unsandboxed)
     with console.status(f"evaluating {kernel.name} on {kt.task_id} ..."):
         result = evaluate(kt, source, options, store=ResultsStore(store), work_dir=work_dir)
     if result.error and result.error.stage == "task":
@@ -125,9 +145,7 @@ def synthesize_cmd(
     repairs: Annotated[
         int, typer.Option("--repairs", min=0, help="repair attempts after a rejection (default: one shot)")
     ] = 0,
-    timeout: Annotated[
-        float, typer.Option("--timeout", help="seconds before the evaluation is killed")
-    ] = 600.0,
+    timeout: TimeoutOpt = None,
     store: StoreOpt = Path(".maxkernel/results.db"),
     work_dir: WorkOpt = Path(".maxkernel"),
 ) -> None:
@@ -138,7 +156,7 @@ def synthesize_cmd(
     gens = parse_tpus(tpu)
     try:
         with console.status(f"loading task {task} ..."):
-            kt = load_task(task, scale=scale, work_dir=work_dir)
+            kt = load_task(task, scale=scale, work_dir=work_dir, timeout_s=timeout or TASK_LOAD_TIMEOUT_S)
     except TaskError as exc:
         raise fail_usage(str(exc)) from exc
     author = OfflineAuthor()
@@ -161,11 +179,17 @@ def synthesize_cmd(
             console.print(f"wrote {dest / 'plan.md'}, {dest / 'result.json'}")
         raise typer.Exit(1)
     draft = author.implement(ctx, plan)
-    options = EvalOptions(tpu=gens, timeout_s=timeout)
+    # The offline author's own kernels may run in the fallback mode where bubblewrap is missing.
+    options = EvalOptions(tpu=gens, timeout_s=timeout, allow_unsandboxed=True)
     results_store = ResultsStore(store)
     history: list[Attempt] = []
     while True:
         (dest / "kernel.py").write_text(draft.source)
+        # Until the verdict is in, result.json says so: a killed synthesize never leaves a bare kernel.py.
+        pending = EvalResult(task_id=kt.task_id, source_hash="").summary_json()
+        pending["status"] = "evaluating: no verdict yet (if this stays, the run was interrupted)"
+        pending["family"] = plan.family
+        (dest / "result.json").write_text(json.dumps(pending, indent=2) + "\n")
         with console.status(f"evaluating the {plan.family} kernel for {kt.task_id} ..."):
             result = evaluate(kt, draft.source, options, store=results_store, work_dir=work_dir)
         if result.accepted or result.error is None or result.error.stage == "task" or len(history) >= repairs:
@@ -187,6 +211,7 @@ def synthesize_cmd(
             plan = draft.plan_update
             (dest / "plan.md").write_text(plan.text)
     summary = result.summary_json()
+    summary["status"] = "finished"
     summary["family"] = plan.family
     summary["kernels"] = [k["family"] for k in plan.data.get("program", {}).get("kernels", [])]
     summary["config"] = draft.config.as_dict() if draft.config else None

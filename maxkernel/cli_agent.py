@@ -30,6 +30,39 @@ CheckpointOpt = Annotated[
 StoreOpt = Annotated[Path, typer.Option("--store", help="results store (SQLite)")]
 
 
+_LEASES: dict[str, Any] = {}
+
+
+def _take_lease(store: Path, thread_id: str) -> None:
+    """One process per thread at a time: an exclusive lock on `<store dir>/leases/<thread>.lock`, held
+    until this process exits (the kernel drops it even after `kill -9`). A second `resume` of a running
+    thread refuses with the holder's pid instead of running every evaluation twice."""
+    import fcntl
+    import os
+
+    from maxkernel.tools.tasks import safe_task_id
+
+    if thread_id in _LEASES:
+        return  # this process holds it already (optimize, then resume in one process: tests, notebooks)
+    path = Path(store).resolve().parent / "leases" / f"{safe_task_id(thread_id)}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a+")  # noqa: SIM115 - held for the life of the process
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise fail_usage(
+            f"thread {thread_id} is being run by {holder} right now; wait for it to finish or stop it"
+        ) from exc
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()}")
+    fh.flush()
+    _LEASES[thread_id] = fh
+
+
 def _graph(checkpoint_db: str, kind: str = "agent") -> Any:
     from maxkernel.graph.agent import checkpointer_for, compile_graph
     from maxkernel.graph.search import compile_search
@@ -235,6 +268,7 @@ def _start_run(
 ) -> tuple[Any, dict[str, Any]]:
     """Record a new thread and the settings `resume` needs to rebuild its context in another process."""
     gens = parse_tpus(tpu)
+    _take_lease(store, thread_id)
     settings = {
         "graph": kind,
         "model": model or default_model(),
@@ -317,7 +351,10 @@ def _resume_value(
 def _read(path: Path) -> str:
     if not path.is_file():
         raise fail_usage(f"file not found: {path}")
-    return path.read_text()
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail_usage(f"{path} is not UTF-8 text") from exc
 
 
 @app.command("resume")
@@ -346,6 +383,7 @@ def resume_cmd(
     run = st.get_run(thread_id)
     if run is None:
         raise fail_usage(f"no run with thread id {thread_id!r} in {store}")
+    _take_lease(store, thread_id)
     settings = json.loads(run["settings"])
     graph = _graph(checkpoint_db or settings["checkpoint_db"], settings.get("graph", "agent"))
     config = {"configurable": {"thread_id": thread_id}}

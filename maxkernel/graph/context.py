@@ -35,7 +35,9 @@ class Context:
     )
     work_dir: str = field(default=".maxkernel", metadata={"description": "sandbox run directories"})
     input_sets: int = field(default=3, metadata={"description": "input sets per configuration"})
-    eval_timeout_s: float = field(default=600.0, metadata={"description": "limit for one evaluation"})
+    eval_timeout_s: float | None = field(
+        default=None, metadata={"description": "limit for one evaluation; None: derived from the task"}
+    )
     baseline: bool = field(
         default=True,
         metadata={

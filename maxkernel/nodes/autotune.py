@@ -23,6 +23,7 @@ from maxkernel.nodes.common import (
     store_at,
     to_attempt,
 )
+from maxkernel.nodes.finalize import write_best_so_far
 from maxkernel.strategies import get_strategy, pick_config
 
 
@@ -116,6 +117,7 @@ def autotune(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         if best is None or a.score() > best.score():
             update["best"], update["improved"] = a, True
             record_tuning(state, ctx, a, score_kind)
+            write_best_so_far(state, a)
     return update
 
 

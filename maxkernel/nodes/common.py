@@ -101,7 +101,13 @@ def save_source(state: AgentState, source: str) -> tuple[str, str]:
 def run_eval(state: AgentState, ctx: Context, source: str) -> EvalResult:
     """Evaluate through the results store: a node re-run after a resume finds the earlier result."""
     assert state.task is not None
-    options = EvalOptions(tpu=list(ctx.tpu), input_sets=ctx.input_sets, timeout_s=ctx.eval_timeout_s)
+    # The offline author's own kernels may run without bubblewrap (fallback); a model's never do.
+    options = EvalOptions(
+        tpu=list(ctx.tpu),
+        input_sets=ctx.input_sets,
+        timeout_s=ctx.eval_timeout_s,
+        allow_unsandboxed=ctx.model == "offline",
+    )
     return evaluate(state.task, source, options, store=store_at(ctx.store_path), work_dir=Path(ctx.work_dir))
 
 

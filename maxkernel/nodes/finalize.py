@@ -9,10 +9,40 @@ from typing import Any
 from langgraph.runtime import Runtime
 
 from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState
+from maxkernel.graph.state import AgentState, Attempt
 from maxkernel.nodes.common import run_eval, thread_id
 from maxkernel.nodes.profile import render_estimate
 from maxkernel.tools.results import EvalResult
+
+BEST_SO_FAR_STATUS = "in progress: best accepted kernel so far (if the run was interrupted, its best)"
+
+
+def output_dir(state: AgentState) -> Path:
+    task_id = state.task.task_id if state.task else Path(state.task_path).stem
+    return Path(state.out_dir or Path("out") / task_id)
+
+
+def write_best_so_far(state: AgentState, best: Attempt) -> None:
+    """Keep the best accepted kernel on disk as it improves, so a killed run still leaves it, with a
+    result.json that says what it is. `finalize` overwrites both when the run ends."""
+    if not best.accepted or not best.source_path or state.task is None:
+        return
+    out = output_dir(state)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernel.py.part").write_text(Path(best.source_path).read_text())
+    (out / "kernel.py.part").replace(out / "kernel.py")
+    result = {
+        "task_id": state.task.task_id,
+        "status": BEST_SO_FAR_STATUS,
+        "accepted": True,
+        "correct": best.correct,
+        "kernel_path": str(out / "kernel.py"),
+        "thread_id": thread_id(),
+        "iterations": state.iteration,
+        "best_attempt": best.model_dump(mode="json"),
+    }
+    (out / "result.json.part").write_text(json.dumps(result, indent=2))
+    (out / "result.json.part").replace(out / "result.json")
 
 
 def finalize(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:

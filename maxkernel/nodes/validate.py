@@ -15,6 +15,7 @@ from langgraph.runtime import Runtime
 from maxkernel.graph.context import Context
 from maxkernel.graph.state import AgentState
 from maxkernel.nodes.common import better, budget_exhausted, run_eval, to_attempt
+from maxkernel.nodes.finalize import write_best_so_far
 from maxkernel.tools.results import COMPILE_STAGES
 
 
@@ -27,6 +28,7 @@ def validate(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     if better(attempt, state.best):
         update["best"] = attempt
         update["improved"] = True
+        write_best_so_far(state, attempt)
     return update
 
 
