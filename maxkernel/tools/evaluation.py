@@ -213,16 +213,27 @@ def build_input_sets(
     return out
 
 
-def run_reference(ref: taskcode.Reference, cfg: InputConfig, inputs: list[np.ndarray]) -> list[np.ndarray]:
+def run_reference(
+    ref: taskcode.Reference, cfg: InputConfig, inputs: list[np.ndarray], fn: Any = None
+) -> list[np.ndarray]:
+    """The reference's outputs for one input set. Pass `fn` (from `reference_fn`) to compile it once per
+    configuration rather than once per set."""
     import jax
 
     try:
-        out = jax.jit(_bind_static(ref.computation, cfg.static))(*[jax.numpy.asarray(a) for a in inputs])
+        fn = fn or reference_fn(ref, cfg)
+        out = fn(*[jax.numpy.asarray(a) for a in inputs])
         return [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
     except Exception as exc:
         raise taskcode.TaskCodeError(
             f"the reference failed on shapes {cfg.describe()}: {type(exc).__name__}: {_first_lines(str(exc), 4)}"
         ) from exc
+
+
+def reference_fn(ref: taskcode.Reference, cfg: InputConfig) -> Any:
+    import jax
+
+    return jax.jit(_bind_static(ref.computation, cfg.static))
 
 
 def compare(

@@ -49,7 +49,6 @@ from maxkernel.tools.readback import MAX_JSON_BYTES, ReadBackError, load_arrays,
 from maxkernel.tools.results import (
     CANDIDATE_STAGES,
     STAGE_INFO,
-    STAGES,
     TPU_GENERATIONS,
     ArraySpec,
     CompileOutcome,
@@ -260,17 +259,19 @@ def _orchestrate(
         if not judge_ready and not judge.running():
             break
         cand_ready = cand.reached(STAGE_AWAIT_INPUTS)
-        if judge_ready and (cand_ready or not cand.running()):
+        if not cand_ready and not cand.running():
+            break  # the candidate failed before it had a program: no need to wait for the reference
+        if judge_ready and cand_ready:
             break
         time.sleep(POLL_S)
     judge_ready = judge.reached(STAGE_INPUTS_READY)
     result.isolation = cand.isolation or judge.isolation
+    if not cand.reached(STAGE_AWAIT_INPUTS) and (judge_ready or not cand.running()):
+        judge.kill()
+        return _candidate_failure(result, cand.wait(deadline), timeout=cand.limits.timeout_s)
     if not judge_ready:
         cand.kill()
         return _judge_failure(result, judge.wait(deadline))
-    if not cand.reached(STAGE_AWAIT_INPUTS):
-        judge.send(b"")
-        return _candidate_failure(result, cand.wait(deadline), timeout=cand.limits.timeout_s)
 
     # Phase 2: the candidate's programs are fixed now; read them before it gets any input.
     try:
@@ -339,7 +340,7 @@ def _candidate_failure(result: EvalResult, outcome: SandboxOutcome, *, timeout: 
         return _fail(result, "infrastructure", outcome.error or "the candidate's process could not start")
     stage = _candidate_stage(outcome)
     value = outcome.value or {}
-    if outcome.ok and value.get("stage") in STAGES:
+    if outcome.ok and value.get("stage") in ("load", "trace"):  # the only stages it may name itself
         return _fail(result, str(value["stage"]), str(value.get("message", ""))[:4000])
     if outcome.timed_out:
         return _fail(result, stage, f"{stage} stage {outcome.error}")

@@ -56,7 +56,7 @@ def _first_lines(text: str, n: int = 12) -> str:
 
 def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     """Reference outputs on secret inputs, then inspect and compile the candidate's TPU programs."""
-    from maxkernel.tools.evaluation import build_input_sets, run_reference
+    from maxkernel.tools.evaluation import build_input_sets, reference_fn, run_reference
 
     ctx.guard()
     task = payload["task"]
@@ -75,10 +75,10 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         val = [InputConfig.model_validate(c) for c in task["validation_configs"]]
         seed = secret_seed(ctx.secret) if ctx.secret else int(payload.get("seed", 0))
         input_sets = build_input_sets(ref, task, val, int(payload["input_sets"]), seed)
-        expected = [
-            [run_reference(ref, cfg, inputs) for inputs, _origin in sets]
-            for cfg, sets in zip(val, input_sets, strict=True)
-        ]
+        expected = []
+        for cfg, sets in zip(val, input_sets, strict=True):
+            fn = reference_fn(ref, cfg)  # compiled once per configuration
+            expected.append([run_reference(ref, cfg, inputs, fn) for inputs, _origin in sets])
     except taskcode.TaskCodeError as exc:
         return {"ok": False, "stage": "task", "message": str(exc)}
     if ctx.violations:
