@@ -17,7 +17,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from maxkernel.cli import DEFAULT_TPU_TEXT, app, console, fail_usage, out, parse_tpus
+from maxkernel.cli import DEFAULT_TPU_TEXT, TPU_HELP, app, console, fail_usage, out, parse_tpus
 from maxkernel.graph.context import Context, default_model
 
 DEFAULT_CHECKPOINTS = "checkpoints/maxkernel.sqlite"
@@ -172,7 +172,7 @@ def optimize_cmd(
     ] = None,
     mode: Annotated[str, typer.Option("--mode", help="auto (never interrupts) or hitl")] = "auto",
     iterations: Annotated[int, typer.Option("--iterations", min=1, help="rounds at most")] = 3,
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     out_dir: Annotated[Path | None, typer.Option("--out", help="output dir (default out/TASK_ID)")] = None,
     scale: Annotated[
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
@@ -416,7 +416,7 @@ def runs_cmd(
 def profile_cmd(
     task: Annotated[Path, typer.Argument(help="task: a problem dir, a reference.py, or a JAXBench module")],
     kernel: Annotated[Path, typer.Argument(help="kernel module exporting `computation`")],
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations to estimate for")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=f"{TPU_HELP}: estimated for")] = DEFAULT_TPU_TEXT,
     scale: Annotated[
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
     ] = None,
@@ -466,7 +466,7 @@ def search_cmd(
         int, typer.Option("--max-concurrency", min=1, help="branches running at once")
     ] = 2,
     model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     out_dir: Annotated[Path | None, typer.Option("--out", help="output dir (default out/TASK_ID)")] = None,
     scale: Annotated[
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
@@ -526,7 +526,7 @@ def bench_cmd(
         str | None, typer.Option("--algorithm", help="run a parallel|beam search per task")
     ] = None,
     iterations: Annotated[int, typer.Option("--iterations", min=1, help="agent rounds per task")] = 1,
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     task_timeout: Annotated[float, typer.Option("--task-timeout", help="seconds per task")] = 1800.0,
 ) -> None:
     """Run the agent over a suite; resumable; writes results.db, results.csv, report.md and plots."""

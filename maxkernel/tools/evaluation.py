@@ -30,6 +30,7 @@ from maxkernel.tools.results import (
     StageError,
     np_dtype,
 )
+from maxkernel.tools.tpu_specs import allow_concurrent_compile_only_libtpu, first_generation
 from maxkernel.tools.worker import WorkerContext
 
 # --- describe ---------------------------------------------------------------------------------------------
@@ -271,7 +272,7 @@ def _evaluate(
     for ci, cfg in enumerate(val):
         correctness.shapes_used.append(cfg.describe())
         clock.start("trace")
-        fn = _bind_static(candidate, cfg.static)
+        fn = bind_static(candidate, cfg.static)
         example = [jax.numpy.asarray(a) for a in input_sets[ci][0][0]]
         try:
             with pltpu.force_tpu_interpret_mode(interpret):
@@ -339,8 +340,8 @@ def _evaluate(
 
     if opts.get("estimate", True):
         clock.start("estimate")
-        gen = gens[0] if gens else "v5e"
-        result.estimate = _estimate(ref, candidate, own, gen, opts.get("reference_estimated_seconds"))
+        gen = first_generation(gens)
+        result.estimate = estimate_summary(ref, candidate, own, gen, opts.get("reference_estimated_seconds"))
 
     if opts.get("timing", True):
         clock.start("timing")
@@ -351,7 +352,9 @@ def _evaluate(
             raise _Rejected("timing", "outputs after the timed runs no longer match the reference")
 
 
-def _bind_static(fn: Any, static: list[Any]) -> Any:
+def bind_static(fn: Any, static: list[Any]) -> Any:
+    """`fn` with the config's static arguments appended: what tracing and estimating take (public: the
+    profiler's worker job binds the same way)."""
     def bound(*dynamic: Any) -> Any:
         return fn(*dynamic, *static)
 
@@ -443,7 +446,7 @@ def _run_reference(ref: taskcode.Reference, cfg: InputConfig, inputs: list[np.nd
     import jax
 
     try:
-        out = jax.jit(_bind_static(ref.computation, cfg.static))(*[jax.numpy.asarray(a) for a in inputs])
+        out = jax.jit(bind_static(ref.computation, cfg.static))(*[jax.numpy.asarray(a) for a in inputs])
         return [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
     except Exception as exc:
         raise taskcode.TaskCodeError(
@@ -511,6 +514,7 @@ def _aot_compile(candidate: Any, configs: list[InputConfig], gen: str) -> Compil
         topology = get_spec(gen).topology
     except ValueError as exc:
         return CompileOutcome(ok=False, error=str(exc))
+    allow_concurrent_compile_only_libtpu()
     try:
         device = topologies.get_topology_desc(topology, "tpu").devices[0]
     except Exception as exc:
@@ -521,7 +525,7 @@ def _aot_compile(candidate: Any, configs: list[InputConfig], gen: str) -> Compil
     for cfg in configs:
         specs = [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype), sharding=sharding) for a in cfg.dynamic]
         try:
-            jax.jit(_bind_static(candidate, cfg.static)).trace(*specs).lower().compile()
+            jax.jit(bind_static(candidate, cfg.static)).trace(*specs).lower().compile()
         except Exception as exc:
             return CompileOutcome(
                 ok=False, error=f"{type(exc).__name__}: {exc}", seconds=round(time.perf_counter() - t0, 3)
@@ -529,22 +533,22 @@ def _aot_compile(candidate: Any, configs: list[InputConfig], gen: str) -> Compil
     return CompileOutcome(ok=True, seconds=round(time.perf_counter() - t0, 3))
 
 
-def _estimate(
+def estimate_summary(
     ref: taskcode.Reference, candidate: Any, own: list[InputConfig], gen: str, cached_reference: float | None
 ) -> EstimateSummary:
     """TPU time estimates at the task's own shapes: the candidate's pallas_calls through the block model,
     the reference through the TPU compiler's cost model (cached by the caller per task and generation).
-    Estimates only: nothing here ran on a TPU."""
+    Estimates only: nothing here ran on a TPU. Public: the profiler's worker job reports the same summary."""
     import jax
 
-    from maxkernel.tools.estimate import estimate_pallas, estimate_xla
+    from maxkernel.tools.estimate import estimate_pallas, estimate_xla, estimated_speedup
 
     cfg = own[0]
     specs = [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype)) for a in cfg.dynamic]
     summary = EstimateSummary(generation=gen, method="")
     notes = []
     try:
-        cand = estimate_pallas(jax.make_jaxpr(_bind_static(candidate, cfg.static))(*specs), gen)
+        cand = estimate_pallas(jax.make_jaxpr(bind_static(candidate, cfg.static))(*specs), gen)
         summary.estimated_seconds = cand.estimated_seconds
         summary.bound = cand.bound
         summary.method = cand.method
@@ -555,16 +559,17 @@ def _estimate(
     if reference_s is None:
         try:
             reference_s = estimate_xla(
-                _bind_static(ref.computation, cfg.static), specs, gen
+                bind_static(ref.computation, cfg.static), specs, gen
             ).estimated_seconds
         except Exception as exc:  # noqa: BLE001
             notes.append(f"reference cost model failed: {type(exc).__name__}: {exc}")
     summary.reference_estimated_seconds = reference_s
     summary.method += "; reference: TPU compiler cost model (optimal_seconds)"
-    if summary.estimated_seconds and summary.estimated_seconds > 0 and reference_s and reference_s > 0:
-        summary.estimated_speedup = reference_s / summary.estimated_seconds
-    elif reference_s is not None and reference_s <= 0:
-        notes.append(f"the compiler's estimate for the reference is not a time ({reference_s:g} s): no speedup")
+    if summary.estimated_seconds is not None and reference_s is not None:
+        try:
+            summary.estimated_speedup = estimated_speedup(reference_s, summary.estimated_seconds)
+        except ValueError as exc:  # a non-positive estimate is not a time: no speedup, say why
+            notes.append(f"no estimated speedup: {exc}")
     summary.note = "; ".join(notes) or None
     return summary
 
@@ -586,8 +591,8 @@ def _measure(
     warmups, runs = int(opts.get("warmups", 3)), max(int(opts.get("runs", 20)), 20)
     cfg, (inputs, _) = val[0], input_sets[0][0]
     args = [jax.device_put(a, device) for a in inputs]
-    cand = jax.jit(_bind_static(candidate, cfg.static))
-    refn = jax.jit(_bind_static(ref.computation, cfg.static))
+    cand = jax.jit(bind_static(candidate, cfg.static))
+    refn = jax.jit(bind_static(ref.computation, cfg.static))
 
     def timed(fn: Any) -> tuple[list[float], Any]:
         out = None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from maxkernel.tools.results import STAGES, TPU_GENERATIONS, EvalResult, StageError
+from maxkernel.tools.results import STAGES, EvalResult, StageError
 from maxkernel.tools.sandbox import (
     SandboxLimits,
     SandboxOutcome,
@@ -24,15 +24,14 @@ from maxkernel.tools.sandbox import (
 )
 from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text, toolchain_versions
 from maxkernel.tools.tasks import KernelTask
-
-DEFAULT_TPUS: tuple[str, ...] = ("v5e", "v6e")
+from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, first_generation
 
 
 class EvalOptions(BaseModel):
     """Everything that changes an evaluation's outcome is here, and so in its key."""
 
     tpu: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_TPUS), description="TPU generations to AOT-compile for"
+        default_factory=lambda: list(DEFAULT_GENERATIONS), description="TPU generations to AOT-compile for"
     )
     input_sets: int = Field(3, ge=1, description="input sets per configuration: the task's own + fresh draws")
     seed: int = 0
@@ -45,20 +44,6 @@ class EvalOptions(BaseModel):
         # Limits do not change a finished result's content, only whether it finished; keep them in the key
         # anyway so a timeout under a short limit is not served to a caller with a longer one.
         return self.model_dump(mode="json")
-
-
-def normalise_generations(names: list[str]) -> list[str]:
-    """Canonical generation names (v4, v5e, v5p, v6e, 7x) from any spelling the spec table accepts."""
-    from maxkernel.tools.tpu_specs import get_spec
-
-    out = []
-    for raw in names:
-        name = get_spec(raw).name
-        if name not in TPU_GENERATIONS:
-            raise ValueError(f"unknown TPU generation {raw!r}; choose from {', '.join(TPU_GENERATIONS)}")
-        if name not in out:
-            out.append(name)
-    return out
 
 
 def evaluate(
@@ -85,7 +70,7 @@ def evaluate(
     ref_cache = reference_cache_path(task, options, work_dir)
     if ref_cache.exists():
         worker_opts["reference_cache"] = str(ref_cache)
-    gen = options.tpu[0] if options.tpu else "v5e"
+    gen = first_generation(options.tpu)
     if store is not None and options.estimate:
         worker_opts["reference_estimated_seconds"] = store.get_reference_estimate(task.fingerprint, gen)
     payload = {

@@ -11,13 +11,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from maxkernel.tools.tpu_specs import GENERATIONS
+
 Stage = Literal["task", "sandbox", "load", "trace", "pallas", "correctness", "compile", "timing"]
 """Stages of one evaluation, in the order they run. `sandbox` is a policy violation or a process death
 that cannot be attributed to a later stage."""
 
 STAGES: tuple[str, ...] = ("load", "trace", "pallas", "correctness", "compile", "timing")
 
-TPU_GENERATIONS: tuple[str, ...] = ("v4", "v5e", "v5p", "v6e", "7x")
+TPU_GENERATIONS: tuple[str, ...] = GENERATIONS  # the one table is tools/tpu_specs.py
 
 
 def np_dtype(name: str) -> Any:
