@@ -350,7 +350,7 @@ def estimate_xla(fn: Callable[..., Any], arg_specs: Sequence[ArgSpec], gen: str)
 
 
 # --------------------------------------------------------------------------------------------------------
-# Jaxpr walking shared with maxkernel.tools.trace
+# Jaxpr walking shared with maxkernel.tools.profile_trace
 # --------------------------------------------------------------------------------------------------------
 
 

@@ -14,11 +14,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from maxkernel.tools.profile_trace import TraceSummary
 from maxkernel.tools.results import EstimateSummary
 from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
 from maxkernel.tools.tasks import KernelTask
 from maxkernel.tools.tpu_specs import first_generation
-from maxkernel.tools.trace import TraceSummary
 
 
 class ProfileReport(BaseModel):
@@ -106,8 +106,8 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
     from maxkernel.tools import taskcode
     from maxkernel.tools.evaluation import bind_static, estimate_summary
+    from maxkernel.tools.profile_trace import capture_trace, summarize_trace
     from maxkernel.tools.results import InputConfig
-    from maxkernel.tools.trace import capture_trace, summarize_trace
 
     ctx.guard()
     task = payload["task"]
