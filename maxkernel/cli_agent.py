@@ -17,10 +17,11 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from maxkernel.checkpointing import DEFAULT_CHECKPOINTS
 from maxkernel.cli import DEFAULT_TPU_TEXT, TPU_HELP, app, console, fail_usage, out, parse_tpus
-from maxkernel.graph.context import Context, default_model
+from maxkernel.context import Context, default_model
+from maxkernel.tools.results import SCORE_RANKS
 
-DEFAULT_CHECKPOINTS = "checkpoints/maxkernel.sqlite"
 DEFAULT_STORE = ".maxkernel/results.db"
 EXIT_PAUSED = 3
 
@@ -31,7 +32,8 @@ StoreOpt = Annotated[Path, typer.Option("--store", help="results store (SQLite)"
 
 
 def _graph(checkpoint_db: str, kind: str = "agent") -> Any:
-    from maxkernel.graph.agent import checkpointer_for, compile_graph
+    from maxkernel.checkpointing import checkpointer_for
+    from maxkernel.graph.agent import compile_graph
     from maxkernel.graph.search import compile_search
 
     try:
@@ -66,10 +68,8 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
     if update.get("best") is not None:
         b = update["best"]
         seen["best"] = b
-        score = b.score()
-        perf = {2: f"measured {score[1]:.2f}x", 1: f"estimated {score[1]:.2f}x", 0: "no perf figure"}[
-            score[0]
-        ]
+        kind, value = b.score_kind(), b.score()[1]
+        perf = "no perf figure" if kind == "none" else f"{kind} {value:.2f}x"
         bits.append(f"new best [{b.source_hash[:10]}] ({perf})")
     if update.get("stop_reason"):
         bits.append(f"stop: {update['stop_reason']}")
@@ -118,7 +118,7 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
             best=json.dumps(
                 {
                     "source_hash": best.source_hash,
-                    "score": [{"measured": 2, "estimated": 1}.get(best.score_kind, 0), best.score or 0.0],
+                    "score": [SCORE_RANKS[best.score_kind], best.score or 0.0],
                 }
             )
             if best

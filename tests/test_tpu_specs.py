@@ -98,7 +98,7 @@ def test_generation_names_have_one_source() -> None:
 
 def test_context_normalises_and_checks_generations() -> None:
     """Studio and Python callers build `Context` directly: they get the CLI's checks."""
-    from maxkernel.graph.context import Context
+    from maxkernel.context import Context
     from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, normalise_generations
 
     assert Context(model="offline").tpu == list(DEFAULT_GENERATIONS)

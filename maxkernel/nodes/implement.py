@@ -9,8 +9,7 @@ from langgraph.types import Command, interrupt
 from pydantic import BaseModel
 
 from maxkernel.authors.base import AuthorError
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState, HumanFeedback
+from maxkernel.context import Context
 from maxkernel.nodes.common import (
     author_context,
     author_for,
@@ -20,6 +19,7 @@ from maxkernel.nodes.common import (
     usage_update,
 )
 from maxkernel.nodes.plan import validated
+from maxkernel.state import AgentState, HumanFeedback
 
 
 class CodeReview(BaseModel):
@@ -32,7 +32,7 @@ def implement(
     state: AgentState, runtime: Runtime[Context]
 ) -> Command[Literal["validate", "implement", "reflect"]]:
     ctx = runtime.context
-    author = author_for(ctx)
+    author = author_for(ctx, state.label)
     before = usage_of(author)
     plan = current_plan(state)
     try:

@@ -7,8 +7,8 @@ from typing import Literal
 from langgraph.types import Command, interrupt
 from pydantic import BaseModel
 
-from maxkernel.graph.state import AgentState, HumanFeedback
 from maxkernel.nodes.plan import validated
+from maxkernel.state import AgentState, HumanFeedback
 
 
 class FailureReview(BaseModel):

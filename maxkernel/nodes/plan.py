@@ -9,9 +9,9 @@ from langgraph.types import Command, interrupt
 from pydantic import BaseModel, ValidationError
 
 from maxkernel.authors.base import AuthorError
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState, HumanFeedback
+from maxkernel.context import Context
 from maxkernel.nodes.common import author_context, author_for, usage_of, usage_update
+from maxkernel.state import AgentState, HumanFeedback
 
 
 class PlanReview(BaseModel):
@@ -31,7 +31,7 @@ def validated(value: Any, schema: type[BaseModel]) -> BaseModel:
 
 def plan(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["implement", "plan", "finalize"]]:
     ctx = runtime.context
-    author = author_for(ctx)
+    author = author_for(ctx, state.label)
     before = usage_of(author)
     iteration = state.iteration + 1
     try:

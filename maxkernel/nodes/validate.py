@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from langgraph.runtime import Runtime
 
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState
+from maxkernel.context import Context
 from maxkernel.nodes.common import better, budget_exhausted, run_eval, to_attempt
+from maxkernel.state import AgentState
 
 COMPILE_STAGES = ("load", "trace", "pallas", "compile", "sandbox", "task")
 

@@ -21,6 +21,12 @@ STAGES: tuple[str, ...] = ("load", "trace", "pallas", "correctness", "compile", 
 
 TPU_GENERATIONS: tuple[str, ...] = GENERATIONS  # the one table is tools/tpu_specs.py
 
+ScoreKind = Literal["measured", "estimated", "none"]
+SCORE_KINDS: dict[int, ScoreKind] = {2: "measured", 1: "estimated", 0: "none"}
+"""How a candidate ranks (the agent's `Attempt.score()`, search nodes, tuning rows) ↔ the kind of figure
+it ranks by: a measured figure outranks any estimate, an estimate outranks none. The one mapping."""
+SCORE_RANKS: dict[str, int] = {kind: rank for rank, kind in SCORE_KINDS.items()}
+
 
 def np_dtype(name: str) -> Any:
     """numpy dtype from its name, including the ml_dtypes ones (bfloat16, float8_*) numpy lacks."""

@@ -56,9 +56,6 @@ class KernelTask(BaseModel):
     def validation_bytes(self) -> int:
         return sum(c.input_bytes() + c.output_bytes() for c in self.validation_configs)
 
-    def own_bytes(self) -> int:
-        return sum(c.input_bytes() + c.output_bytes() for c in self.configs)
-
 
 def _locate(path: Path) -> tuple[TaskFormat, Path, dict[str, Any]]:
     if not path.exists():

@@ -127,7 +127,7 @@ class OfflineAuthor:
             text=plan_text(program, config, ctx.tpu, len(space), hints),
             default_config=config,
             hints=hints,
-            data={"program": program.model_dump(mode="json"), "level": level, "tpu": list(ctx.tpu)},
+            data={"program": program.model_dump(mode="json"), "level": level},
         )
 
     def implement(self, ctx: AuthorContext, plan: Plan) -> Draft:

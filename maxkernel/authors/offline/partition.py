@@ -464,9 +464,6 @@ class Partition:
         self.commit(combined, i, ax, pulls)
         return True
 
-    def _output_classes_of(self, region: Region, d: int) -> set[Node]:
-        return region.axes.footprint(self.g.eqns[d].outvars[0])
-
     def _start(self, i: int, kind: str) -> Region:
         r = self._new(kind)
         e = self.g.eqns[i]
