@@ -226,13 +226,7 @@ def _evaluate(
 
     clock.start("reference")
     try:
-        ref = taskcode.Reference(
-            {
-                "format": task["format"],
-                "reference_path": task["reference_path"],
-                "input_gen_code": task.get("input_gen_code"),
-            }
-        )
+        ref = taskcode.Reference.of_task(task)
         own = [InputConfig.model_validate(c) for c in task["configs"]]
         val = [InputConfig.model_validate(c) for c in task["validation_configs"]]
         cached = opts.get("reference_cache")

@@ -112,13 +112,7 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     ctx.guard()
     task = payload["task"]
     ctx.stage("task")
-    ref = taskcode.Reference(
-        {
-            "format": task["format"],
-            "reference_path": task["reference_path"],
-            "input_gen_code": task.get("input_gen_code"),
-        }
-    )
+    ref = taskcode.Reference.of_task(task)
     own = [InputConfig.model_validate(c) for c in task["configs"]]
     val = InputConfig.model_validate(task["validation_configs"][0])
     mode = task["validation_mode"]

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from maxkernel.tools.results import InputConfig
 from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
+from maxkernel.tools.taskcode import task_source
 
 TaskFormat = Literal["maxkernel", "reference", "jaxbench"]
 
@@ -47,11 +48,7 @@ class KernelTask(BaseModel):
     validation_note: str = ""
 
     def source_payload(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
-            "reference_path": self.reference_path,
-            "input_gen_code": self.input_gen_code,
-        }
+        return task_source(self.model_dump(mode="json"))
 
     def validation_bytes(self) -> int:
         return sum(c.input_bytes() + c.output_bytes() for c in self.validation_configs)
@@ -122,11 +119,7 @@ def load_task(
     work_dir = Path(work_dir or Path.cwd() / ".maxkernel").resolve()
     tolerances = {k: meta[k] for k in ("atol", "rtol") if k in meta}
     payload = {
-        "source": {
-            "format": fmt,
-            "reference_path": str(ref_path),
-            "input_gen_code": meta.get("input_gen_code"),
-        },
+        "source": task_source({**meta, "format": fmt, "reference_path": str(ref_path)}),
         "scale": scale,
         "tolerances": tolerances,
     }
