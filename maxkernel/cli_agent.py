@@ -287,31 +287,19 @@ def _context(settings: dict[str, Any]) -> Context:
 def _resume_value(
     kind: str, approve: bool, plan_file: Path | None, code_file: Path | None, feedback: str | None, stop: bool
 ) -> dict[str, Any]:
-    given = [x for x in (approve, plan_file, code_file, feedback, stop) if x]
-    if len(given) != 1:
+    from maxkernel.nodes.review import answer
+
+    given = {"approve": approve, "plan_file": plan_file, "code_file": code_file, "feedback": feedback, "stop": stop}
+    chosen = [option for option, x in given.items() if x]
+    if len(chosen) != 1:
         raise fail_usage("give exactly one of --approve, --plan-file, --code-file, --feedback, --stop")
-    if kind == "plan_review":
-        if approve:
-            return {"action": "approve"}
-        if plan_file:
-            return {"action": "replace", "plan": _read(plan_file)}
-        if feedback:
-            return {"action": "reject", "feedback": feedback}
-    elif kind == "code_review":
-        if approve:
-            return {"action": "approve"}
-        if code_file:
-            return {"action": "edit", "code": _read(code_file)}
-        if feedback:
-            return {"action": "feedback", "feedback": feedback}
-    elif kind == "failure":
-        if approve:
-            return {"action": "retry"}
-        if feedback:
-            return {"action": "feedback", "feedback": feedback}
-        if stop:
-            return {"action": "stop"}
-    raise fail_usage(f"that option does not answer a {kind} review")
+    option = chosen[0]
+    raw = given[option]
+    text = _read(raw) if isinstance(raw, Path) else (raw if isinstance(raw, str) else None)
+    try:
+        return answer(kind, option, text)
+    except KeyError:
+        raise fail_usage(f"that option does not answer a {kind} review") from None
 
 
 def _read(path: Path) -> str:
