@@ -34,9 +34,7 @@ app = typer.Typer(
 console = Console(stderr=True)
 out = Console()
 
-TpuOpt = Annotated[
-    str, typer.Option("--tpu", help=f"{TPU_HELP}: compiled for")
-]
+TpuOpt = Annotated[str, typer.Option("--tpu", help=f"{TPU_HELP}: compiled for")]
 ScaleOpt = Annotated[
     str | None,
     typer.Option(

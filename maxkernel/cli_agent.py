@@ -289,7 +289,13 @@ def _resume_value(
 ) -> dict[str, Any]:
     from maxkernel.nodes.review import answer
 
-    given = {"approve": approve, "plan_file": plan_file, "code_file": code_file, "feedback": feedback, "stop": stop}
+    given = {
+        "approve": approve,
+        "plan_file": plan_file,
+        "code_file": code_file,
+        "feedback": feedback,
+        "stop": stop,
+    }
     chosen = [option for option, x in given.items() if x]
     if len(chosen) != 1:
         raise fail_usage("give exactly one of --approve, --plan-file, --code-file, --feedback, --stop")

@@ -17,7 +17,9 @@ from maxkernel.cli import app, fail_usage, out
 from maxkernel.tools.store import ResultsStore
 from maxkernel.tools.tuning_table import TuningTable
 
-tuning_app = typer.Typer(help="Tuned configs recorded by the autotuner: export, import, show.", no_args_is_help=True)
+tuning_app = typer.Typer(
+    help="Tuned configs recorded by the autotuner: export, import, show.", no_args_is_help=True
+)
 app.add_typer(tuning_app, name="tuning")
 
 StoreOpt = Annotated[Path, typer.Option("--store", help="results store (SQLite) holding the tuning table")]

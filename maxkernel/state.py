@@ -21,7 +21,6 @@ from maxkernel.tools.tasks import KernelTask
 Mode = Literal["auto", "hitl"]
 
 
-
 class AgentInput(BaseModel):
     """What a caller gives the graph (`graph.invoke(AgentInput(...).model_dump())`)."""
 
@@ -140,7 +139,6 @@ class AgentState(AgentInput):
 # --- search ------------------------------------------------------------------------------------------------
 
 Algorithm = Literal["parallel", "beam"]
-
 
 
 class SearchInput(BaseModel):

@@ -96,8 +96,18 @@ def test_state_types_cover_what_was_listed_by_hand_before() -> None:
         ("maxkernel.tools.tasks", "KernelTask"),
         *(
             ("maxkernel.tools.results", n)
-            for n in ("InputConfig", "ArraySpec", "EvalResult", "StageError", "PallasCheck", "CorrectnessResult",
-                      "SetCheck", "CompileOutcome", "MeasuredTiming", "EstimateSummary")
+            for n in (
+                "InputConfig",
+                "ArraySpec",
+                "EvalResult",
+                "StageError",
+                "PallasCheck",
+                "CorrectnessResult",
+                "SetCheck",
+                "CompileOutcome",
+                "MeasuredTiming",
+                "EstimateSummary",
+            )
         ),  # fmt: skip
         ("maxkernel.authors.base", "Plan"),
         ("maxkernel.authors.base", "TileConfig"),

@@ -82,7 +82,9 @@ def test_a_run_starts_from_the_config_recorded_for_its_family_and_shapes(tmp_pat
     seed = next(c for c in reversed(space) if c not in _order(space, None, 2))
     key = TuningKey(family=plan.family, device_kind=device_kind(["v5e"]), arg_spec=arg_spec(task.configs))
     store = ResultsStore(tmp_path / "results.db")
-    TuningTable(store).put(TunedConfig(**key.model_dump(), config=seed.as_dict(), score_kind="measured", score=1.0))
+    TuningTable(store).put(
+        TunedConfig(**key.model_dump(), config=seed.as_dict(), score_kind="measured", score=1.0)
+    )
 
     graph = compile_graph(sqlite_checkpointer(tmp_path / "checkpoints.sqlite"))
     ctx = Context(model="offline", tpu=["v5e"], store_path=str(store.path), work_dir=str(work))

@@ -55,7 +55,11 @@ REVIEWS: dict[str, ReviewPoint] = {
             "replace": {"action": "replace", "plan": "<new plan text>"},
             "reject": {"action": "reject", "feedback": "<what to change>"},
         },
-        cli={"approve": ("approve", None), "plan_file": ("replace", "plan"), "feedback": ("reject", "feedback")},
+        cli={
+            "approve": ("approve", None),
+            "plan_file": ("replace", "plan"),
+            "feedback": ("reject", "feedback"),
+        },
     ),
     "code_review": ReviewPoint(
         schema=CodeReview,
@@ -64,7 +68,11 @@ REVIEWS: dict[str, ReviewPoint] = {
             "edit": {"action": "edit", "code": "<the whole module>"},
             "feedback": {"action": "feedback", "feedback": "<what to change>"},
         },
-        cli={"approve": ("approve", None), "code_file": ("edit", "code"), "feedback": ("feedback", "feedback")},
+        cli={
+            "approve": ("approve", None),
+            "code_file": ("edit", "code"),
+            "feedback": ("feedback", "feedback"),
+        },
     ),
     "failure": ReviewPoint(
         schema=FailureReview,

@@ -349,6 +349,7 @@ def _evaluate(
 def bind_static(fn: Any, static: list[Any]) -> Any:
     """`fn` with the config's static arguments appended: what tracing and estimating take (public: the
     profiler's worker job binds the same way)."""
+
     def bound(*dynamic: Any) -> Any:
         return fn(*dynamic, *static)
 
@@ -552,9 +553,7 @@ def estimate_summary(
     reference_s = cached_reference
     if reference_s is None:
         try:
-            reference_s = estimate_xla(
-                bind_static(ref.computation, cfg.static), specs, gen
-            ).estimated_seconds
+            reference_s = estimate_xla(bind_static(ref.computation, cfg.static), specs, gen).estimated_seconds
         except Exception as exc:  # noqa: BLE001
             notes.append(f"reference cost model failed: {type(exc).__name__}: {exc}")
     summary.reference_estimated_seconds = reference_s

@@ -253,7 +253,9 @@ FALLBACK_GENERATION: str = DEFAULT_GENERATIONS[0]
 """The generation a one-generation step (estimate, profile) uses when given an empty list."""
 
 if set(get_args(TpuGeneration)) != set(GENERATIONS):  # pragma: no cover - a table edit without the literal
-    raise RuntimeError(f"TpuGeneration {get_args(TpuGeneration)} does not match the TPU_SPECS rows {GENERATIONS}")
+    raise RuntimeError(
+        f"TpuGeneration {get_args(TpuGeneration)} does not match the TPU_SPECS rows {GENERATIONS}"
+    )
 
 _ALIASES: dict[str, str] = {
     "v4": "v4",

@@ -39,7 +39,8 @@ def arg_spec(configs: Iterable[InputConfig]) -> str:
     """The bucketed dtypes and shapes of a task's dynamic arguments, one group per input configuration:
     `bfloat16[256,512],bfloat16[512,512]` (configurations joined by `;`)."""
     return ";".join(
-        ",".join(f"{a.dtype}[{','.join(str(bucket(d)) for d in a.shape)}]" for a in c.dynamic) for c in configs
+        ",".join(f"{a.dtype}[{','.join(str(bucket(d)) for d in a.shape)}]" for a in c.dynamic)
+        for c in configs
     )
 
 
