@@ -17,7 +17,7 @@ from langgraph.types import Command, Send
 
 from maxkernel.context import Context
 from maxkernel.search_report import render_tree_png, search_report
-from maxkernel.state import BranchTask, SearchInput, SearchNode, SearchState
+from maxkernel.state import AgentInput, BranchTask, SearchInput, SearchNode, SearchState
 
 
 def _settings(state: SearchState) -> SearchInput:
@@ -79,20 +79,18 @@ def branch(task: BranchTask, runtime: Runtime[Context]) -> dict[str, Any]:
     task = BranchTask.model_validate(task)
     s = task.search
     out = Path(s.out_dir or Path("out") / Path(s.task_path).stem) / "branches" / task.node_id
-    final = agent_subgraph().invoke(
-        {
-            "task_path": s.task_path,
-            "mode": "auto",
-            "max_iterations": s.iterations,
-            "scale": s.scale,
-            "out_dir": str(out),
-            "strategy": task.strategy,
-            "tune_max_configs": s.tune_max_configs,
-            "start_source_path": task.start_source_path,
-            "label": task.node_id,
-        },
-        context=runtime.context,
+    branch_input = AgentInput(
+        task_path=s.task_path,
+        mode="auto",
+        max_iterations=s.iterations,
+        scale=s.scale,
+        out_dir=str(out),
+        strategy=task.strategy,
+        tune_max_configs=s.tune_max_configs,
+        start_source_path=task.start_source_path,
+        label=task.node_id,
     )
+    final = agent_subgraph().invoke(branch_input.model_dump(), context=runtime.context)
     best = final.get("best")
     node = SearchNode(
         id=task.node_id,
