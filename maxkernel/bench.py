@@ -26,6 +26,8 @@ import sqlite_utils
 import yaml
 from pydantic import BaseModel, Field
 
+from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS
+
 TERMINAL = ("succeeded", "failed", "stopped", "error")
 
 
@@ -36,7 +38,7 @@ class BenchSettings(BaseModel):
     tasks: str | None = Field(None, description="glob over task ids")
     scale: str = "cpu"
     jobs: int = 1
-    tpu: list[str] = Field(default_factory=lambda: ["v5e", "v6e"])
+    tpu: list[str] = Field(default_factory=lambda: list(DEFAULT_GENERATIONS))
     iterations: int = 1
     algorithm: str | None = Field(None, description="None: optimize; parallel/beam: a search per task")
     branches: int = 2

@@ -16,12 +16,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from maxkernel.tools.harness import DEFAULT_TPUS, EvalOptions, evaluate, normalise_generations
+from maxkernel.tools.harness import EvalOptions, evaluate
 from maxkernel.tools.results import EvalResult
 from maxkernel.tools.store import ResultsStore
 from maxkernel.tools.tasks import TaskError, load_task
+from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, GENERATIONS, normalise_generations
 
-DEFAULT_TPU_TEXT = ",".join(DEFAULT_TPUS)
+DEFAULT_TPU_TEXT = ",".join(DEFAULT_GENERATIONS)
+TPU_HELP = f"TPU generations, comma separated ({','.join(GENERATIONS)}; aliases such as trillium accepted)"
 
 app = typer.Typer(
     add_completion=False,
@@ -32,9 +34,7 @@ app = typer.Typer(
 console = Console(stderr=True)
 out = Console()
 
-TpuOpt = Annotated[
-    str, typer.Option("--tpu", help="TPU generations to compile for, comma separated (v4,v5e,v5p,v6e,7x)")
-]
+TpuOpt = Annotated[str, typer.Option("--tpu", help=f"{TPU_HELP}: compiled for")]
 ScaleOpt = Annotated[
     str | None,
     typer.Option(
@@ -65,7 +65,7 @@ def fail_usage(message: str) -> typer.Exit:
 
 def parse_tpus(text: str) -> list[str]:
     try:
-        return normalise_generations([t for t in text.split(",") if t.strip()])
+        return normalise_generations(text)
     except ValueError as exc:
         raise fail_usage(str(exc)) from exc
 
@@ -272,6 +272,7 @@ def render_eval(r: EvalResult) -> None:
 
 def _register_agent_commands() -> None:
     import maxkernel.cli_agent  # noqa: F401 - registers optimize / resume / runs on `app`
+    import maxkernel.cli_tuning  # noqa: F401 - registers `tuning export|import|show`
 
 
 def main() -> None:

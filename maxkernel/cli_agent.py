@@ -17,10 +17,11 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from maxkernel.cli import DEFAULT_TPU_TEXT, app, console, fail_usage, out, parse_tpus
-from maxkernel.graph.context import Context, default_model
+from maxkernel.checkpointing import DEFAULT_CHECKPOINTS
+from maxkernel.cli import DEFAULT_TPU_TEXT, TPU_HELP, app, console, fail_usage, out, parse_tpus
+from maxkernel.context import Context, default_model
+from maxkernel.tools.results import SCORE_RANKS
 
-DEFAULT_CHECKPOINTS = "checkpoints/maxkernel.sqlite"
 DEFAULT_STORE = ".maxkernel/results.db"
 EXIT_PAUSED = 3
 
@@ -64,7 +65,8 @@ def _take_lease(store: Path, thread_id: str) -> None:
 
 
 def _graph(checkpoint_db: str, kind: str = "agent") -> Any:
-    from maxkernel.graph.agent import checkpointer_for, compile_graph
+    from maxkernel.checkpointing import checkpointer_for
+    from maxkernel.graph.agent import compile_graph
     from maxkernel.graph.search import compile_search
 
     try:
@@ -99,10 +101,8 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
     if update.get("best") is not None:
         b = update["best"]
         seen["best"] = b
-        score = b.score()
-        perf = {2: f"measured {score[1]:.2f}x", 1: f"estimated {score[1]:.2f}x", 0: "no perf figure"}[
-            score[0]
-        ]
+        kind, value = b.score_kind(), b.score()[1]
+        perf = "no perf figure" if kind == "none" else f"{kind} {value:.2f}x"
         bits.append(f"new best [{b.source_hash[:10]}] ({perf})")
     if update.get("stop_reason"):
         bits.append(f"stop: {update['stop_reason']}")
@@ -151,7 +151,7 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
             best=json.dumps(
                 {
                     "source_hash": best.source_hash,
-                    "score": [{"measured": 2, "estimated": 1}.get(best.score_kind, 0), best.score or 0.0],
+                    "score": [SCORE_RANKS[best.score_kind], best.score or 0.0],
                 }
             )
             if best
@@ -205,7 +205,7 @@ def optimize_cmd(
     ] = None,
     mode: Annotated[str, typer.Option("--mode", help="auto (never interrupts) or hitl")] = "auto",
     iterations: Annotated[int, typer.Option("--iterations", min=1, help="rounds at most")] = 3,
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     out_dir: Annotated[Path | None, typer.Option("--out", help="output dir (default out/TASK_ID)")] = None,
     scale: Annotated[
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
@@ -321,31 +321,25 @@ def _context(settings: dict[str, Any]) -> Context:
 def _resume_value(
     kind: str, approve: bool, plan_file: Path | None, code_file: Path | None, feedback: str | None, stop: bool
 ) -> dict[str, Any]:
-    given = [x for x in (approve, plan_file, code_file, feedback, stop) if x]
-    if len(given) != 1:
+    from maxkernel.nodes.review import answer
+
+    given = {
+        "approve": approve,
+        "plan_file": plan_file,
+        "code_file": code_file,
+        "feedback": feedback,
+        "stop": stop,
+    }
+    chosen = [option for option, x in given.items() if x]
+    if len(chosen) != 1:
         raise fail_usage("give exactly one of --approve, --plan-file, --code-file, --feedback, --stop")
-    if kind == "plan_review":
-        if approve:
-            return {"action": "approve"}
-        if plan_file:
-            return {"action": "replace", "plan": _read(plan_file)}
-        if feedback:
-            return {"action": "reject", "feedback": feedback}
-    elif kind == "code_review":
-        if approve:
-            return {"action": "approve"}
-        if code_file:
-            return {"action": "edit", "code": _read(code_file)}
-        if feedback:
-            return {"action": "feedback", "feedback": feedback}
-    elif kind == "failure":
-        if approve:
-            return {"action": "retry"}
-        if feedback:
-            return {"action": "feedback", "feedback": feedback}
-        if stop:
-            return {"action": "stop"}
-    raise fail_usage(f"that option does not answer a {kind} review")
+    option = chosen[0]
+    raw = given[option]
+    text = _read(raw) if isinstance(raw, Path) else (raw if isinstance(raw, str) else None)
+    try:
+        return answer(kind, option, text)
+    except KeyError:
+        raise fail_usage(f"that option does not answer a {kind} review") from None
 
 
 def _read(path: Path) -> str:
@@ -454,7 +448,7 @@ def runs_cmd(
 def profile_cmd(
     task: Annotated[Path, typer.Argument(help="task: a problem dir, a reference.py, or a JAXBench module")],
     kernel: Annotated[Path, typer.Argument(help="kernel module exporting `computation`")],
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations to estimate for")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=f"{TPU_HELP}: estimated for")] = DEFAULT_TPU_TEXT,
     scale: Annotated[
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
     ] = None,
@@ -504,7 +498,7 @@ def search_cmd(
         int, typer.Option("--max-concurrency", min=1, help="branches running at once")
     ] = 2,
     model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     out_dir: Annotated[Path | None, typer.Option("--out", help="output dir (default out/TASK_ID)")] = None,
     scale: Annotated[
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
@@ -564,7 +558,7 @@ def bench_cmd(
         str | None, typer.Option("--algorithm", help="run a parallel|beam search per task")
     ] = None,
     iterations: Annotated[int, typer.Option("--iterations", min=1, help="agent rounds per task")] = 1,
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     task_timeout: Annotated[float, typer.Option("--task-timeout", help="seconds per task")] = 1800.0,
 ) -> None:
     """Run the agent over a suite; resumable; writes results.db, results.csv, report.md and plots."""

@@ -15,8 +15,8 @@ from langgraph.config import get_config
 
 from maxkernel.authors.base import Attempt as AuthorAttempt
 from maxkernel.authors.base import Author, AuthorContext, Plan
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState, Attempt
+from maxkernel.context import Context
+from maxkernel.state import AgentState, Attempt
 from maxkernel.tools.harness import EvalOptions, evaluate
 from maxkernel.tools.results import EvalResult
 from maxkernel.tools.store import ResultsStore
@@ -30,9 +30,12 @@ def store_at(path: str) -> ResultsStore:
 _AUTHORS: dict[tuple[Any, ...], Author] = {}
 
 
-def author_for(ctx: Context) -> Author:
-    """The run's author, built once per (model, store): the offline author when `model` is 'offline'."""
-    key = (ctx.model, id(ctx.chat_model), ctx.store_path)
+def author_for(ctx: Context, label: str | None = None) -> Author:
+    """The run's author, built once per (model, store, branch label): the offline author when `model` is
+    'offline'. Search branches run concurrently and the nodes charge usage as the difference of the author's
+    counters around a call, so each branch gets its own author (and counters) or one branch's tokens would
+    be charged to another."""
+    key = (ctx.model, id(ctx.chat_model), ctx.store_path, label)
     if key not in _AUTHORS:
         if ctx.chat_model is not None:
             from maxkernel.authors.llm import LLMAuthor

@@ -8,10 +8,10 @@ from typing import Any
 
 from langgraph.runtime import Runtime
 
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState, Attempt
+from maxkernel.context import Context
 from maxkernel.nodes.common import run_eval, thread_id
 from maxkernel.nodes.profile import render_estimate
+from maxkernel.state import AgentState, Attempt
 from maxkernel.tools.results import EvalResult
 
 BEST_SO_FAR_STATUS = "in progress: best accepted kernel so far (if the run was interrupted, its best)"

@@ -4,37 +4,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from langgraph.types import Command, interrupt
-from pydantic import BaseModel
+from langgraph.types import Command
 
-from maxkernel.graph.state import AgentState, HumanFeedback
-from maxkernel.nodes.plan import validated
-
-
-class FailureReview(BaseModel):
-    action: Literal["retry", "feedback", "stop"]
-    feedback: str | None = None
+from maxkernel.nodes.review import FailureReview, ask
+from maxkernel.state import AgentState, HumanFeedback
 
 
 def on_failure(state: AgentState) -> Command[Literal["repair", "finalize"]]:
     r = state.eval_result
     assert r is not None and r.error is not None
-    review = validated(
-        interrupt(
-            {
-                "kind": "failure",
-                "iteration": state.iteration,
-                "stage": r.error.stage,
-                "message": r.error.message,
-                "repairs_so_far": state.repairs,
-                "actions": {
-                    "retry": {"action": "retry"},
-                    "feedback": {"action": "feedback", "feedback": "<hint for the repair>"},
-                    "stop": {"action": "stop"},
-                },
-            }
-        ),
-        FailureReview,
+    review = ask(
+        "failure",
+        iteration=state.iteration,
+        stage=r.error.stage,
+        message=r.error.message,
+        repairs_so_far=state.repairs,
     )
     assert isinstance(review, FailureReview)
     record = HumanFeedback(at="failure", action=review.action, text=review.feedback)

@@ -5,33 +5,18 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from langgraph.runtime import Runtime
-from langgraph.types import Command, interrupt
-from pydantic import BaseModel, ValidationError
+from langgraph.types import Command
 
 from maxkernel.authors.base import AuthorError
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState, HumanFeedback
+from maxkernel.context import Context
 from maxkernel.nodes.common import author_context, author_for, usage_of, usage_update
-
-
-class PlanReview(BaseModel):
-    """Resume value for a plan review."""
-
-    action: Literal["approve", "replace", "reject"]
-    plan: str | None = None
-    feedback: str | None = None
-
-
-def validated(value: Any, schema: type[BaseModel]) -> BaseModel:
-    try:
-        return schema.model_validate(value)
-    except ValidationError as exc:
-        raise ValueError(f"invalid resume value for {schema.__name__}: {exc}") from exc
+from maxkernel.nodes.review import PlanReview, ask
+from maxkernel.state import AgentState, HumanFeedback
 
 
 def plan(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["implement", "plan", "finalize"]]:
     ctx = runtime.context
-    author = author_for(ctx)
+    author = author_for(ctx, state.label)
     before = usage_of(author)
     iteration = state.iteration + 1
     try:
@@ -53,21 +38,11 @@ def plan(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["imple
             update={**update, "plan": proposal, "stop_reason": f"unsupported: {reason}", "errors": [reason]},
         )
     if state.mode == "hitl":
-        review = validated(
-            interrupt(
-                {
-                    "kind": "plan_review",
-                    "iteration": iteration,
-                    "task_id": state.task.task_id if state.task else None,
-                    "plan": proposal.text,
-                    "actions": {
-                        "approve": {"action": "approve"},
-                        "replace": {"action": "replace", "plan": "<new plan text>"},
-                        "reject": {"action": "reject", "feedback": "<what to change>"},
-                    },
-                }
-            ),
-            PlanReview,
+        review = ask(
+            "plan_review",
+            iteration=iteration,
+            task_id=state.task.task_id if state.task else None,
+            plan=proposal.text,
         )
         assert isinstance(review, PlanReview)
         record = HumanFeedback(at="plan_review", action=review.action, text=review.plan or review.feedback)

@@ -12,20 +12,20 @@ from langgraph.runtime import Runtime
 
 from maxkernel.authors.base import Attempt as AuthorAttempt
 from maxkernel.authors.base import AuthorError
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState
+from maxkernel.context import Context
 from maxkernel.nodes.common import author_context, author_for, budget_exhausted, usage_of, usage_update
+from maxkernel.state import AgentState
 
 
 def reflect(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     ctx = runtime.context
-    author = author_for(ctx)
+    author = author_for(ctx, state.label)
     before = usage_of(author)
     no_gain = 0 if state.improved else state.rounds_without_gain + 1
     update: dict[str, Any] = {"rounds_without_gain": no_gain, "improved": False}
     stop = None
-    if state.iteration >= state.budgets.max_iterations:
-        stop = f"iteration budget spent ({state.iteration}/{state.budgets.max_iterations})"
+    if state.iteration >= state.max_iterations:
+        stop = f"iteration budget spent ({state.iteration}/{state.max_iterations})"
     elif no_gain >= state.budgets.patience:
         stop = f"no improvement for {no_gain} round(s)"
     elif (spent := budget_exhausted(state)) is not None:

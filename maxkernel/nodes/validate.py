@@ -12,10 +12,10 @@ from typing import Any, Literal
 
 from langgraph.runtime import Runtime
 
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState
+from maxkernel.context import Context
 from maxkernel.nodes.common import better, budget_exhausted, run_eval, to_attempt
 from maxkernel.nodes.finalize import write_best_so_far
+from maxkernel.state import AgentState
 from maxkernel.tools.results import COMPILE_STAGES
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from maxkernel.tools.evaluation import bind_static
 from maxkernel.tools.readback import pack_arrays
 from maxkernel.tools.results import ArraySpec, InputConfig, np_dtype
 from maxkernel.tools.worker import WorkerContext
@@ -52,13 +53,6 @@ def input_name(config: int, input_set: int, arg: int) -> str:
 
 def output_name(config: int, input_set: int, leaf: int) -> str:
     return f"c{config}s{input_set}o{leaf}"
-
-
-def _bind_static(fn: Any, static: list[Any]) -> Any:
-    def bound(*dynamic: Any) -> Any:
-        return fn(*dynamic, *static)
-
-    return bound
 
 
 def _first_lines(text: str, n: int = 12) -> str:
@@ -116,14 +110,14 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
             # Two separate traces of the same shapes: interpret mode (what runs here) and plain (what a TPU
             # gets). Fresh jit wrappers each time, so neither trace is served from the other's cache.
             with pltpu.force_tpu_interpret_mode(interpret):
-                traced = jax.jit(_bind_static(candidate, cfg.static)).trace(*_specs(cfg))
+                traced = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
                 executables.append(traced.lower().compile())
-            plain = jax.jit(_bind_static(candidate, cfg.static)).trace(*_specs(cfg))
+            plain = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
             programs["validation"].append(
                 {"interpret": to_tree(traced.jaxpr), "plain": to_tree(plain.jaxpr), "out": _out_specs(traced)}
             )
         for cfg in own:
-            plain = jax.jit(_bind_static(candidate, cfg.static)).trace(*_specs(cfg))
+            plain = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
             programs["production"].append({"plain": to_tree(plain.jaxpr), "out": _out_specs(plain)})
     except Exception as exc:  # noqa: BLE001
         _reset_interpret()
@@ -136,7 +130,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     export_errors: list[str | None] = []
     for ci, cfg in enumerate(own):
         try:
-            exported = export.export(jax.jit(_bind_static(candidate, cfg.static)), platforms=("tpu",))(
+            exported = export.export(jax.jit(bind_static(candidate, cfg.static)), platforms=("tpu",))(
                 *_specs(cfg)
             )
             (run_dir / tpu_program_file(ci)).write_bytes(exported.serialize())
@@ -219,7 +213,7 @@ def _estimate_candidate(candidate: Any, cfg: InputConfig, gen: str) -> dict[str,
     from maxkernel.tools.estimate import estimate_pallas
 
     try:
-        est = estimate_pallas(jax.make_jaxpr(_bind_static(candidate, cfg.static))(*_specs(cfg)), gen)
+        est = estimate_pallas(jax.make_jaxpr(bind_static(candidate, cfg.static))(*_specs(cfg)), gen)
         return {
             "estimated_seconds": est.estimated_seconds,
             "bound": est.bound,

@@ -36,7 +36,7 @@ import jax.extend.core as jex_core
 import numpy as np
 from pydantic import BaseModel, Field
 
-from maxkernel.tools.tpu_specs import TpuSpec, get_spec
+from maxkernel.tools.tpu_specs import TpuSpec, allow_concurrent_compile_only_libtpu, get_spec
 
 # --------------------------------------------------------------------------------------------------------
 # Documented model constants. Change them only together with benchmarks/calibrate_block_model.py.
@@ -284,6 +284,7 @@ def topology_device(gen: str | TpuSpec) -> jax.Device:
 def _topology_device(topology: str) -> jax.Device:
     from jax.experimental import topologies
 
+    allow_concurrent_compile_only_libtpu()
     return topologies.get_topology_desc(topology, "tpu").devices[0]
 
 
@@ -349,7 +350,7 @@ def estimate_xla(fn: Callable[..., Any], arg_specs: Sequence[ArgSpec], gen: str)
 
 
 # --------------------------------------------------------------------------------------------------------
-# Jaxpr walking shared with maxkernel.tools.trace
+# Jaxpr walking shared with maxkernel.tools.profile_trace
 # --------------------------------------------------------------------------------------------------------
 
 

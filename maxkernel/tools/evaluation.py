@@ -82,7 +82,7 @@ def _time_reference(ref: taskcode.Reference, configs: list[InputConfig]) -> floa
     for cfg in configs:
         args = [np.zeros(a.shape, np_dtype(a.dtype)) for a in cfg.dynamic]
         try:
-            jax.block_until_ready(jax.jit(_bind_static(ref.computation, cfg.static))(*args))
+            jax.block_until_ready(jax.jit(bind_static(ref.computation, cfg.static))(*args))
         except Exception as exc:
             raise taskcode.TaskCodeError(
                 f"the reference failed on shapes {cfg.describe()}: {type(exc).__name__}: {_first_lines(str(exc), 4)}"
@@ -135,7 +135,10 @@ def _tolerance(tolerances: dict[str, Any], index: int, outs: list[ArraySpec]) ->
     return (default if atol is None else atol), (default if rtol is None else rtol)
 
 
-def _bind_static(fn: Any, static: list[Any]) -> Any:
+def bind_static(fn: Any, static: list[Any]) -> Any:
+    """`fn` with the config's static arguments appended: what tracing and estimating take (public: the
+    candidate job and the profiler's worker job bind the same way)."""
+
     def bound(*dynamic: Any) -> Any:
         return fn(*dynamic, *static)
 
@@ -233,7 +236,7 @@ def run_reference(
 def reference_fn(ref: taskcode.Reference, cfg: InputConfig) -> Any:
     import jax
 
-    return jax.jit(_bind_static(ref.computation, cfg.static))
+    return jax.jit(bind_static(ref.computation, cfg.static))
 
 
 def compare(
@@ -283,22 +286,22 @@ def summarise(c: CorrectnessResult) -> None:
     c.max_rel_err = max(rels) if rels else None
 
 
-def _estimate(
+def estimate_summary(
     ref: taskcode.Reference, candidate: Any, own: list[InputConfig], gen: str, cached_reference: float | None
 ) -> EstimateSummary:
     """TPU time estimates at the task's own shapes: the candidate's pallas_calls through the block model,
     the reference through the TPU compiler's cost model (cached by the caller per task and generation).
-    Estimates only: nothing here ran on a TPU."""
+    Estimates only: nothing here ran on a TPU. Public: the profiler's worker job reports the same summary."""
     import jax
 
-    from maxkernel.tools.estimate import estimate_pallas, estimate_xla
+    from maxkernel.tools.estimate import estimate_pallas, estimate_xla, estimated_speedup
 
     cfg = own[0]
     specs = [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype)) for a in cfg.dynamic]
     summary = EstimateSummary(generation=gen, method="")
     notes = []
     try:
-        cand = estimate_pallas(jax.make_jaxpr(_bind_static(candidate, cfg.static))(*specs), gen)
+        cand = estimate_pallas(jax.make_jaxpr(bind_static(candidate, cfg.static))(*specs), gen)
         summary.estimated_seconds = cand.estimated_seconds
         summary.bound = cand.bound
         summary.method = cand.method
@@ -309,15 +312,16 @@ def _estimate(
     if reference_s is None:
         try:
             reference_s = estimate_xla(
-                _bind_static(ref.computation, cfg.static), specs, gen
+                bind_static(ref.computation, cfg.static), specs, gen
             ).estimated_seconds
         except Exception as exc:  # noqa: BLE001
             notes.append(f"reference cost model failed: {type(exc).__name__}: {exc}")
     summary.reference_estimated_seconds = reference_s
     summary.method += "; reference: TPU compiler cost model (optimal_seconds)"
-    if summary.estimated_seconds and summary.estimated_seconds > 0 and reference_s and reference_s > 0:
-        summary.estimated_speedup = reference_s / summary.estimated_seconds
-    elif reference_s is not None and reference_s <= 0:
-        notes.append(f"the compiler's estimate for the reference is not a time ({reference_s:g} s): no speedup")
+    if summary.estimated_seconds is not None and reference_s is not None:
+        try:
+            summary.estimated_speedup = estimated_speedup(reference_s, summary.estimated_seconds)
+        except ValueError as exc:  # a non-positive estimate is not a time: no speedup, say why
+            notes.append(f"no estimated speedup: {exc}")
     summary.note = "; ".join(notes) or None
     return summary

@@ -42,6 +42,7 @@ from maxkernel.tools.candidate import (
     tpu_program_file,
 )
 from maxkernel.tools.checks import check_pallas_does_work
+from maxkernel.tools.estimate import estimated_speedup
 from maxkernel.tools.evaluation import compare, summarise
 from maxkernel.tools.judge import EXPECTED_FILE, INPUTS_FILE, STAGE_INPUTS_READY
 from maxkernel.tools.program_tree import same_program, skeleton
@@ -49,7 +50,6 @@ from maxkernel.tools.readback import MAX_JSON_BYTES, ReadBackError, load_arrays,
 from maxkernel.tools.results import (
     CANDIDATE_STAGES,
     STAGE_INFO,
-    TPU_GENERATIONS,
     ArraySpec,
     CompileOutcome,
     CorrectnessResult,
@@ -69,8 +69,8 @@ from maxkernel.tools.sandbox import (
 )
 from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text
 from maxkernel.tools.tasks import KernelTask
+from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, first_generation
 
-DEFAULT_TPUS: tuple[str, ...] = ("v5e", "v6e")
 TIMEOUT_FLOOR_S = 60.0
 TIMEOUT_CEILING_S = 600.0
 COMPILE_BUDGET_S = 20.0
@@ -91,7 +91,7 @@ class EvalOptions(BaseModel):
     """Everything that changes an evaluation's outcome is here, and so in its key."""
 
     tpu: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_TPUS), description="TPU generations to AOT-compile for"
+        default_factory=lambda: list(DEFAULT_GENERATIONS), description="TPU generations to AOT-compile for"
     )
     input_sets: int = Field(3, ge=1, description="input sets per configuration: the task's own + fresh draws")
     seed: int = Field(
@@ -123,20 +123,6 @@ def default_timeout(task: KernelTask, options: EvalOptions) -> float:
     return float(min(TIMEOUT_CEILING_S, max(TIMEOUT_FLOOR_S, derived)))
 
 
-def normalise_generations(names: list[str]) -> list[str]:
-    """Canonical generation names (v4, v5e, v5p, v6e, 7x) from any spelling the spec table accepts."""
-    from maxkernel.tools.tpu_specs import get_spec
-
-    out = []
-    for raw in names:
-        name = get_spec(raw).name
-        if name not in TPU_GENERATIONS:
-            raise ValueError(f"unknown TPU generation {raw!r}; choose from {', '.join(TPU_GENERATIONS)}")
-        if name not in out:
-            out.append(name)
-    return out
-
-
 def evaluate(
     task: KernelTask,
     source: str,
@@ -158,7 +144,7 @@ def evaluate(
     timeout = options.timeout_s or default_timeout(task, options)
     eval_dir = fresh_run_dir(Path(work_dir or Path.cwd() / ".maxkernel") / "evals", key[:16])
     t0 = time.monotonic()
-    gen = options.tpu[0] if options.tpu else "v5e"
+    gen = first_generation(options.tpu)
     cached_ref_estimate = (
         store.get_reference_estimate(task.fingerprint, gen) if store is not None and options.estimate else None
     )
@@ -214,7 +200,7 @@ def _run(
             "configs": task_json["configs"],
             "validation_configs": task_json["validation_configs"],
             "input_sets": [options.input_sets] * len(task.validation_configs),
-            "estimate_generation": (options.tpu[0] if options.tpu else "v5e") if options.estimate else None,
+            "estimate_generation": (first_generation(options.tpu)) if options.estimate else None,
         },
         cand_dir,
         SandboxLimits(
@@ -286,7 +272,7 @@ def _orchestrate(
         return _fail(result, "sandbox", f"malformed read-back from the candidate's process: {exc}")
     checks = _check_trees(task, programs, result)
     expected_kernels = checks[0].pallas_calls if checks else None
-    gen = options.tpu[0] if options.tpu else "v5e"
+    gen = first_generation(options.tpu)
     request = {
         "programs": [base64.b64encode(b).decode() if b is not None else None for b in blobs],
         "tpu": options.tpu,
@@ -553,7 +539,7 @@ def _index(name: str) -> tuple[int, int]:
 def _estimate_summary(
     options: EvalOptions, cand_est: Any, judge: dict[str, Any], cached_ref: float | None
 ) -> EstimateSummary:
-    gen = options.tpu[0] if options.tpu else "v5e"
+    gen = first_generation(options.tpu)
     summary = EstimateSummary(generation=gen, method="")
     notes = []
     if isinstance(cand_est, dict) and "error" not in cand_est:
@@ -569,10 +555,11 @@ def _estimate_summary(
         notes.append("reference cost model failed")
     summary.reference_estimated_seconds = reference_s
     summary.method += "; reference: TPU compiler cost model (optimal_seconds)"
-    if summary.estimated_seconds and summary.estimated_seconds > 0 and reference_s and reference_s > 0:
-        summary.estimated_speedup = reference_s / summary.estimated_seconds
-    elif reference_s is not None and reference_s <= 0:
-        notes.append(f"the compiler's estimate for the reference is not a time ({reference_s:g} s): no speedup")
+    if summary.estimated_seconds is not None and reference_s is not None:
+        try:
+            summary.estimated_speedup = estimated_speedup(reference_s, summary.estimated_seconds)
+        except ValueError as exc:  # a non-positive estimate is not a time: no speedup, say why
+            notes.append(f"no estimated speedup: {exc}")
     summary.note = "; ".join(notes) or None
     return summary
 

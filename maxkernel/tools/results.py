@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from maxkernel.tools.tpu_specs import GENERATIONS
+
 
 class StageInfo(BaseModel, frozen=True):
     """One stage of an evaluation: the single entry that adding a check takes (see `STAGE_TABLE`)."""
@@ -51,7 +53,13 @@ STAGES: tuple[str, ...] = tuple(s.name for s in STAGE_TABLE)
 COMPILE_STAGES: tuple[str, ...] = tuple(s.name for s in STAGE_TABLE if s.compile_class)
 CANDIDATE_STAGES: tuple[str, ...] = tuple(s.name for s in STAGE_TABLE if s.in_progress)
 
-TPU_GENERATIONS: tuple[str, ...] = ("v4", "v5e", "v5p", "v6e", "7x")
+TPU_GENERATIONS: tuple[str, ...] = GENERATIONS  # the one table is tools/tpu_specs.py
+
+ScoreKind = Literal["measured", "estimated", "none"]
+SCORE_KINDS: dict[int, ScoreKind] = {2: "measured", 1: "estimated", 0: "none"}
+"""How a candidate ranks (the agent's `Attempt.score()`, search nodes, tuning rows) ↔ the kind of figure
+it ranks by: a measured figure outranks any estimate, an estimate outranks none. The one mapping."""
+SCORE_RANKS: dict[str, int] = {kind: rank for rank, kind in SCORE_KINDS.items()}
 
 
 def np_dtype(name: str) -> Any:

@@ -47,8 +47,21 @@ def load_module(path: Path, name: str) -> types.ModuleType:
     return module
 
 
+SOURCE_FIELDS: tuple[str, ...] = ("format", "reference_path", "input_gen_code")
+"""What `Reference` needs to load a task's code: the one definition of a task's "source"."""
+
+
+def task_source(task: dict[str, Any]) -> dict[str, Any]:
+    """The source fields of a task dict (a `KernelTask` dump, or the loader's own fields)."""
+    return {k: task.get(k) for k in SOURCE_FIELDS}
+
+
 class Reference:
     """The task's reference: how to make inputs, and the computation itself."""
+
+    @classmethod
+    def of_task(cls, task: dict[str, Any]) -> Reference:
+        return cls(task_source(task))
 
     def __init__(self, source: dict[str, Any]) -> None:
         self.format: str = source["format"]

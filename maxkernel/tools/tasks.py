@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from maxkernel.tools.readback import remove_tree
 from maxkernel.tools.results import InputConfig
 from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
+from maxkernel.tools.taskcode import task_source
 
 TaskFormat = Literal["maxkernel", "reference", "jaxbench"]
 
@@ -51,17 +52,10 @@ class KernelTask(BaseModel):
     )
 
     def source_payload(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
-            "reference_path": self.reference_path,
-            "input_gen_code": self.input_gen_code,
-        }
+        return task_source(self.model_dump(mode="json"))
 
     def validation_bytes(self) -> int:
         return sum(c.input_bytes() + c.output_bytes() for c in self.validation_configs)
-
-    def own_bytes(self) -> int:
-        return sum(c.input_bytes() + c.output_bytes() for c in self.configs)
 
 
 def _locate(path: Path) -> tuple[TaskFormat, Path, dict[str, Any]]:
@@ -143,11 +137,7 @@ def load_task(
     work_dir = Path(work_dir or Path.cwd() / ".maxkernel").resolve()
     tolerances = {k: meta[k] for k in ("atol", "rtol") if k in meta}
     payload = {
-        "source": {
-            "format": fmt,
-            "reference_path": str(ref_path),
-            "input_gen_code": meta.get("input_gen_code"),
-        },
+        "source": task_source({**meta, "format": fmt, "reference_path": str(ref_path)}),
         "scale": scale,
         "tolerances": tolerances,
         "memory_budget": memory_budget if memory_budget is not None else memory_budget_bytes(),

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from maxkernel.authors.offline.axes import Axes, Conflict
-from maxkernel.authors.offline.graph import is_literal, reduced_axes
+from maxkernel.authors.offline.dataflow import is_literal, reduced_axes
 from maxkernel.authors.offline.partition import AttentionInfo, Partition
 
 MAX_HEAD_DIM = 768

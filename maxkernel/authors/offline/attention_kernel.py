@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from maxkernel.authors.offline.dataflow import is_literal
 from maxkernel.authors.offline.emit import dtype_code, dtype_name, is_float
-from maxkernel.authors.offline.graph import is_literal
 from maxkernel.authors.offline.kernels import (
     Builder,
     Scope,

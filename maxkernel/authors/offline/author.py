@@ -78,7 +78,7 @@ class OfflineAuthor:
         # A run dir of its own: search branches analyse the same task concurrently.
         run_dir = fresh_run_dir(Path(ctx.work_dir) / "offline", f"{task.fingerprint[:16]}-{level}")
         outcome = run_sandboxed(
-            "maxkernel.authors.offline.worker:analyse_job",
+            "maxkernel.authors.offline.analysis_job:analyse_job",
             payload,
             run_dir,
             SandboxLimits(timeout_s=self.timeout_s),
@@ -127,7 +127,7 @@ class OfflineAuthor:
             text=plan_text(program, config, ctx.tpu, len(space), hints),
             default_config=config,
             hints=hints,
-            data={"program": program.model_dump(mode="json"), "level": level, "tpu": list(ctx.tpu)},
+            data={"program": program.model_dump(mode="json"), "level": level},
         )
 
     def implement(self, ctx: AuthorContext, plan: Plan) -> Draft:

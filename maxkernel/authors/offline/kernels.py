@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from maxkernel.authors.offline.axes import Node
+from maxkernel.authors.offline.dataflow import is_literal, reduced_axes
 from maxkernel.authors.offline.emit import (
     EmitError,
     dtype_code,
@@ -37,7 +38,6 @@ from maxkernel.authors.offline.emit import (
     literal_code,
     shape_comment,
 )
-from maxkernel.authors.offline.graph import is_literal, reduced_axes
 from maxkernel.authors.offline.partition import Region
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
 from maxkernel.authors.offline.trace import Atom

@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 from maxkernel.authors.offline.attention_kernel import AttentionBuilder
+from maxkernel.authors.offline.dataflow import Graph, is_literal
 from maxkernel.authors.offline.emit import (
     EmitError,
     dtype_code,
@@ -20,7 +21,6 @@ from maxkernel.authors.offline.emit import (
     literal_code,
     shape_comment,
 )
-from maxkernel.authors.offline.graph import Graph, is_literal
 from maxkernel.authors.offline.kernels import LowerError
 from maxkernel.authors.offline.map_kernel import MapBuilder
 from maxkernel.authors.offline.matmul_kernel import MatmulBuilder

@@ -6,8 +6,8 @@ import math
 from typing import Any
 
 from maxkernel.authors.offline.axes import Node
+from maxkernel.authors.offline.dataflow import is_literal, reduced_axes
 from maxkernel.authors.offline.emit import dtype_code, dtype_name
-from maxkernel.authors.offline.graph import is_literal, reduced_axes
 from maxkernel.authors.offline.kernels import (
     Builder,
     Scope,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maxkernel.authors.offline.axes import Axes, Conflict, Node
-from maxkernel.authors.offline.graph import Graph, is_literal, reduced_axes
+from maxkernel.authors.offline.dataflow import Graph, is_literal, reduced_axes
 
 STREAM_ELEMS = 64 * 1024
 """Reduced extents above this (at the task's own shapes) are walked in blocks instead of held whole."""
@@ -463,9 +463,6 @@ class Partition:
             self.owner[j] = a.id
         self.commit(combined, i, ax, pulls)
         return True
-
-    def _output_classes_of(self, region: Region, d: int) -> set[Node]:
-        return region.axes.footprint(self.g.eqns[d].outvars[0])
 
     def _start(self, i: int, kind: str) -> Region:
         r = self._new(kind)

@@ -1,6 +1,6 @@
 """Sandbox entry: trace the task's reference and analyse it into a `ProgramSpec`. Runs only in the child.
 
-`maxkernel.authors.offline.worker:analyse_job` is called through `maxkernel.tools.sandbox.run_sandboxed`,
+`maxkernel.authors.offline.analysis_job:analyse_job` is called through `maxkernel.tools.sandbox.run_sandboxed`,
 like the harness's own jobs: the reference is task code and never runs in the agent's process. Tracing
 uses abstract inputs (`jax.ShapeDtypeStruct`), so nothing is allocated; the whole job takes a few seconds.
 """
