@@ -98,8 +98,14 @@ class Scope:
         self.lines.append(self.indent + line)
 
 
-class Builder:
-    """Shared machinery; subclasses choose the space, the phases and the accumulation."""
+class KernelBuilder:
+    """The public base of every kernel family's builder (see `families.FAMILIES`).
+
+    A builder turns one region into a `KernelSpec` (index maps, kernel body and wrapper as code, plus the
+    figures the tuner needs) and the call expression `computation()` uses. Template families (a grouped
+    matmul, a scan) subclass this directly; families re-emitted from the region's equations on a space of
+    tile dims subclass `Builder`.
+    """
 
     family = "kernel"
 
@@ -108,12 +114,24 @@ class Builder:
         self.g = low.g
         self.part = low.part
         self.region = region
-        self.ax = region.axes
         self.index = index
         self.stem = f"_{self.family}_{index}" if n_kernels > 1 else f"_{self.family}"
         self.cprefix = f"K{index}_" if n_kernels > 1 else ""
         self.inputs: list[Any] = self.part.region_inputs(region)
         self.outputs: list[Any] = self.part.region_outputs(region)
+
+    def build(self) -> tuple[KernelSpec, str]:
+        """The kernel spec and the call expression for computation()."""
+        raise NotImplementedError
+
+
+class Builder(KernelBuilder):
+    """Kernels re-emitted from the region's equations; subclasses choose the space, the phases and the
+    accumulation."""
+
+    def __init__(self, low: Lowering, region: Region, index: int, n_kernels: int) -> None:
+        super().__init__(low, region, index, n_kernels)
+        self.ax = region.axes
         self.input_set = set(self.inputs)
         self.dims: list[SpaceDim] = []
         self.input_view: dict[Any, list[SpaceDim]] = {}
@@ -344,7 +362,7 @@ class Builder:
             ):
                 self.transcendentals += 1
             mat = frozenset(mats)
-            nm = self.fresh(_stem(name))
+            nm = self.fresh(stem_of(name))
             scope.add(f"{nm} = {expr}" + self.comment(dt, space, mat, scalar and not mats))
             return nm, mat
         if kind == "reduce" and name == "top_k":
@@ -445,7 +463,7 @@ class Builder:
         else:
             raise LowerError(f"no kernel code for {name}")
         newmat = frozenset(mat - need)
-        nm = self.fresh(_stem(name))
+        nm = self.fresh(stem_of(name))
         scope.add(f"{nm} = {expr}" + self.comment(dt, space, newmat))
         return nm, newmat
 
@@ -932,7 +950,7 @@ class Builder:
                     copies=2,
                     kind="input",
                     axes=axes,
-                    hbm_bytes=_nbytes(v),
+                    hbm_bytes=nbytes(v),
                 )
             )
         for v in self.outputs:
@@ -945,7 +963,7 @@ class Builder:
                     copies=2,
                     kind="output",
                     axes=axes,
-                    hbm_bytes=_nbytes(v),
+                    hbm_bytes=nbytes(v),
                 )
             )
         for name, _dt, dims in self.scratch():
@@ -974,7 +992,8 @@ class Builder:
         return refs
 
 
-def _nbytes(v: Any) -> int:
+def nbytes(v: Any) -> int:
+    """Bytes of a jaxpr var's whole array (a BufferSpec's HBM size, the block model's traffic)."""
     n = v.aval.dtype.itemsize
     for s in v.aval.shape:
         n *= int(s)
@@ -987,7 +1006,8 @@ def _tuple(items: list[str]) -> str:
     return f"({', '.join(items)})"
 
 
-def _stem(prim: str) -> str:
+def stem_of(prim: str) -> str:
+    """A readable variable stem for a primitive's result in generated code."""
     return {
         "reduce_sum": "sum",
         "reduce_max": "max",
@@ -1021,7 +1041,8 @@ def _constant_value(g: Any, var: Any, own: set[int]) -> float | None:
         var = e.invars[0]
 
 
-def _precision(e: Any) -> str:
+def precision_arg(e: Any) -> str:
+    """The `, precision=...` argument a kernel's dot needs to match an f32 reference dot's precision."""
     prec = e.params.get("precision")
     dt = dtype_name(e.invars[0].aval)
     if dt != "float32" or prec is None:
@@ -1033,11 +1054,13 @@ def _precision(e: Any) -> str:
     return ""
 
 
-def _nelems(v: Any) -> int:
+def nelems(v: Any) -> int:
+    """Elements of a jaxpr var's array (at the primary trace's shapes)."""
     return math.prod(int(s) for s in v.aval.shape)
 
 
-def _op_summary(g: Any, region: Region, *, skip_dots: bool = False, limit: int = 8) -> str:
+def op_summary(g: Any, region: Region, *, skip_dots: bool = False, limit: int = 8) -> str:
+    """A region's work as a short list of op names, for kernel titles and plans."""
     names: list[str] = []
     for i in sorted(region.owned):
         e = g.eqns[i]
@@ -1047,9 +1070,13 @@ def _op_summary(g: Any, region: Region, *, skip_dots: bool = False, limit: int =
             continue
         if skip_dots and k == "dot":
             continue
-        label = _stem(n)
+        label = stem_of(n)
         if not names or names[-1] != label:
             names.append(label)
     if len(names) > limit:
         names = names[:limit] + ["..."]
     return ", ".join(names)
+
+
+# Old private spellings, kept only while branches written before the family registry still import them.
+_nbytes, _precision, _nelems, _op_summary, _stem = nbytes, precision_arg, nelems, op_summary, stem_of

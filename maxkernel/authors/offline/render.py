@@ -7,6 +7,9 @@ wrapper, and finally `computation` with the reference's signature.
 
 from __future__ import annotations
 
+import inspect
+import textwrap
+
 from maxkernel.authors.base import TileConfig
 from maxkernel.authors.offline.spec import KernelSpec, ProgramSpec, block_for
 from maxkernel.authors.offline.tuning import (
@@ -21,22 +24,12 @@ from maxkernel.authors.offline.tuning import (
 )
 from maxkernel.tools.tpu_specs import get_spec
 
-HELPERS = '''
+_HELPERS_TEMPLATE = '''
 def _round_up(x, multiple):
     return -(-x // multiple) * multiple
 
 
-def _block(extent, target, align):
-    """Block size along one dim: the whole dim when it fits the target; else a divisor of the dim that is a
-    multiple of `align` and at least half the target; else the target (and the dim gets padded)."""
-    if extent <= target:
-        return extent
-    b = (target // align) * align
-    while b >= max(align, target // 2):
-        if extent % b == 0:
-            return b
-        b -= align
-    return target
+{BLOCK_RULE}
 
 
 def _pad_to(x, shape):
@@ -56,6 +49,20 @@ def _crop(x, shape):
 def _nbytes(*arrays):
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays)
 '''
+
+
+def _block_rule_source() -> str:
+    """`spec.block_for` as the generated module's `_block`: the tuner's figures and the kernel's own block
+    choice come from one function, so they cannot drift apart."""
+    src = textwrap.dedent(inspect.getsource(block_for))
+    head = "def block_for(extent: int, target: int, align: int) -> int:"
+    if head not in src:
+        raise AssertionError("spec.block_for's signature changed; update render._block_rule_source")
+    return src.replace(head, "def _block(extent, target, align):")
+
+
+HELPERS = _HELPERS_TEMPLATE.replace("{BLOCK_RULE}", _block_rule_source().strip("\n"))
+"""Helpers every generated module carries (padding, cropping, the block-size rule, byte counts)."""
 
 
 def _mib(n: float) -> str:
