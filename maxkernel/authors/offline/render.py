@@ -7,7 +7,9 @@ wrapper, and finally `computation` with the reference's signature.
 
 from __future__ import annotations
 
+import builtins
 import inspect
+import symtable
 import textwrap
 
 from maxkernel.authors.base import TileConfig
@@ -251,3 +253,27 @@ def _compress(ops: list[str]) -> list[str]:
         else:
             out.append(o)
     return out[:40] + (["..."] if len(out) > 40 else [])
+
+
+def undefined_names(source: str) -> list[str]:
+    """Names a module reads that nothing defines: not imported, assigned or defined at module level, not a
+    parameter or local of the function that reads them, and not a builtin. A generated module that uses
+    `np` without importing it fails only when that line runs (on a TPU, in a user's program); this finds it
+    from the text, with the standard library's own symbol tables."""
+    top = symtable.symtable(source, "<generated kernel module>", "exec")
+    defined = set(dir(builtins)) | {
+        s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()
+    }
+    missing: set[str] = set()
+
+    def walk(table: symtable.SymbolTable) -> None:
+        for s in table.get_symbols():
+            if not s.is_referenced() or s.get_name() in defined:
+                continue
+            if table.get_type() == "module" or s.is_global():
+                missing.add(s.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return sorted(missing)
