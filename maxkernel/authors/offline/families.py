@@ -41,11 +41,13 @@ class Family:
 
 
 # --- matchers ---------------------------------------------------------------------------------------------
-def _own_alone(part: Partition, i: int, kind: str) -> bool:
-    """A region holding exactly equation `i` (a template family)."""
+def _own_alone(part: Partition, i: int, kind: str, *, axes: bool = True) -> bool:
+    """A region holding exactly equation `i` (a template family); `axes`: record its dims' classes (a
+    scan's operands and results have no elementwise correspondence, so it records none)."""
     r = part.new_region(kind)
     r.owned.append(i)
-    r.axes.add(part.g.eqns[i])
+    if axes:
+        r.axes.add(part.g.eqns[i])
     part.owner[i] = r.id
     return True
 
@@ -55,7 +57,12 @@ def _match_grouped(part: Partition, i: int) -> bool:
 
 
 def _match_scan(part: Partition, i: int) -> bool:
-    return _own_alone(part, i, "scan")
+    # Light work feeding the scan's operands (a zeros init, a cast, an exp of a slice) runs as XLA glue:
+    # the template reads whole operands and re-emits only the scan body.
+    for v in part.g.eqns[i].invars:
+        for p in part.float_closure(v):
+            part.status[p] = "glue"
+    return _own_alone(part, i, "scan", axes=False)
 
 
 def _match_attention(part: Partition, i: int) -> bool:

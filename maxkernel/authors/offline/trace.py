@@ -106,6 +106,11 @@ def _thunk(eqn: Any, read: Callable[[Any], Any]) -> Callable[[], Any]:
 
 def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
     name = eqn.primitive.name
+    if name in CALL_PRIMITIVES and eqn.params.get("name") == "searchsorted":
+        side = _searchsorted_side(eqn)
+        if side is not None:
+            REWRITTEN.add("searchsorted")
+            return [_searchsorted_as_count(ins[0], ins[1], side, eqn.outvars[0].aval.dtype)]
     if name in CALL_PRIMITIVES:
         key = CALL_PRIMITIVES[name]
         sub = eqn.params.get(key)
@@ -120,8 +125,90 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
     if name == "conv_general_dilated":
         REWRITTEN.add(name)
         return [_conv_as_patches(ins[0], ins[1], eqn.params)]
+    if name in CUMULATIVE:
+        REWRITTEN.add(name)
+        return [
+            _cumulative_as_masked_reduce(ins[0], name, int(eqn.params["axis"]), bool(eqn.params["reverse"]))
+        ]
     out = eqn.primitive.bind(*ins, **eqn.params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+CUMULATIVE = {"cumsum": "sum", "cummax": "max", "cummin": "min"}
+"""Cumulative ops rewritten as a masked reduction over a square of the scanned axis (see below)."""
+
+CUMULATIVE_MAX_LEN = 4096
+"""Longest scanned axis for that rewrite: each output element reads the whole axis (n² work), which is
+cheap next to the rest of a kernel for chunk-sized axes and group counts, and wasteful beyond."""
+
+
+def _cumulative_as_masked_reduce(x: Any, name: str, axis: int, reverse: bool) -> Any:
+    """`cumsum(x, axis)[.., i, ..] = sum_j x[.., j, ..] * (j <= i)`: a broadcast, an iota mask and a
+    reduction, which the kernel families already fuse into the kernel that produces or consumes `x` (a
+    prefix sum has no TPU vector primitive; a masked reduction over a VMEM-resident axis does)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    n = x.shape[axis]
+    if n > CUMULATIVE_MAX_LEN:
+        raise Unsupported(
+            f"a cumulative {CUMULATIVE[name]} along an axis of {n} elements (at most {CUMULATIVE_MAX_LEN})"
+        )
+    rank = x.ndim
+    i = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    j = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    mask = (j >= i) if reverse else (j <= i)  # [i, j]: does x[j] count towards out[i]
+    shape = (*x.shape[:axis], n, n, *x.shape[axis + 1 :])
+    # lax, not jnp.where: the flattened jaxpr must not gain calls (jnp.where is a jitted function)
+    mask = lax.broadcast_in_dim(mask, shape, (axis, axis + 1))
+    xj = lax.broadcast_in_dim(
+        x, shape, tuple(d if d < axis else d + 1 for d in range(rank))
+    )  # [.., i, j, ..]
+    if name == "cumsum":
+        fill = jnp.zeros(shape, x.dtype)
+        return lax.reduce(lax.select(mask, xj, fill), np.zeros((), x.dtype), lax.add, (axis + 1,))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        value = -np.inf if name == "cummax" else np.inf
+    else:
+        info = jnp.iinfo(x.dtype)
+        value = info.min if name == "cummax" else info.max
+    fill = jnp.full(shape, value, x.dtype)
+    masked = lax.select(mask, xj, fill)
+    return lax.reduce_max(masked, (axis + 1,)) if name == "cummax" else lax.reduce_min(masked, (axis + 1,))
+
+
+def _searchsorted_side(eqn: Any) -> str | None:
+    """'left' or 'right' for `jnp.searchsorted`'s binary-search implementation (a scan whose body compares
+    the query with `le`/`lt`), None for another implementation (which is inlined as it is)."""
+    names: list[str] = []
+
+    def walk(j: Any) -> None:
+        inner, _ = _as_closed(j)
+        for e in inner.eqns:
+            names.append(e.primitive.name)
+            for v in e.params.values():
+                if hasattr(v, "eqns") or (hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns")):
+                    walk(v)
+
+    walk(eqn.params["jaxpr"])
+    if "scan" not in names and "while" not in names:
+        return None
+    cmp = [n for n in names if n in ("lt", "lt_to", "le", "le_to")]
+    if not cmp:
+        return None
+    return "right" if cmp[0].startswith("lt") else "left"
+
+
+def _searchsorted_as_count(sorted_arr: Any, query: Any, side: str, dtype: Any) -> Any:
+    """The insertion index of `query` in a sorted 1-D array is how many entries precede it: a comparison
+    against every entry and a sum, the same answer as the binary search for sorted input (NaN ordering
+    aside). The search's loop cannot run in a kernel; the count is a map and a reduction."""
+    import jax.numpy as jnp
+
+    a = sorted_arr.reshape((1,) * query.ndim + (sorted_arr.shape[0],))
+    q = jnp.expand_dims(query, query.ndim)
+    before = (a <= q) if side == "right" else (a < q)
+    return jnp.sum(before.astype(jnp.int32), axis=-1).astype(dtype)
 
 
 def _scan_as_vmap(eqn: Any, ins: list[Any]) -> list[Any]:
