@@ -519,13 +519,23 @@ class Partition:
                     self.status[q] = "glue"
                 continue
             placed = False
-            if current is not None:
+            if current is not None and self._acyclic_with(current, p):
                 placed = self._own_float(current, p)
             if not placed:
                 current = self.new_region("map")
                 if not self._own_float(current, p):
                     raise AssertionError("a float equation failed to start its own region")
             done[v] = current
+
+    def _acyclic_with(self, region: Region, p: int) -> bool:
+        """Can float equation `p` (with its float inputs) join `region` without the region needing, through
+        glue or other kernels, a value it computes itself (a returned value computed from a kernel's
+        output next to a value that kernel's input glue needs)?"""
+        chain = [q for q in self.float_closure(self.g.eqns[p].outvars[0]) if q != p]
+        trial = Region(id=-1, kind=region.kind, axes=region.axes)
+        trial.owned = [*region.owned, p]
+        trial.pulled = region.pulled | set(chain)
+        return not any(self._depends_on(v, trial, set()) for v in self.region_inputs(trial))
 
     def _own_float(self, region: Region, p: int) -> bool:
         """Make float equation `p` (and its float inputs) owned by a map region, so its result is stored."""
