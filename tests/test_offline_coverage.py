@@ -38,7 +38,7 @@ def _cfg(*arrays: tuple[tuple[int, ...], str]) -> Config:
 def _check(fn, kernel, args, atol: float = 1e-5) -> None:
     with pltpu.force_tpu_interpret_mode():
         got = kernel(*args)
-    want = fn(*args)
+    want = fn(*(jnp.asarray(a) for a in args))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), atol=atol, rtol=1e-5)
@@ -138,3 +138,41 @@ def test_searchsorted_and_integer_cumsum_become_counts(side: str) -> None:
     ]:
         _check(row_group, kernel, (sizes, rng.standard_normal(shape).astype(np.float32)))
     _compiles(kernel, [((4,), jnp.int32), ((64, 128), jnp.float32)])
+
+
+def scatter_rows(x, idx, u, c):
+    """Row scatters as references write them: a histogram (scatter-add) and rows put back by index."""
+    counts = jnp.zeros((x.shape[0],), jnp.int32).at[c].add(1)
+    placed = x.at[idx].set(u)
+    return placed * counts[:, None].astype(x.dtype), x.at[idx].add(u)
+
+
+def test_small_scatters_become_one_hot_reductions() -> None:
+    flat = flatten(
+        scatter_rows,
+        [
+            jax.ShapeDtypeStruct((16, 128), jnp.float32),
+            jax.ShapeDtypeStruct((5,), jnp.int32),
+            jax.ShapeDtypeStruct((5, 128), jnp.float32),
+            jax.ShapeDtypeStruct((6,), jnp.int32),
+        ],
+    )
+    assert not {e.primitive.name for e in flat.jaxpr.eqns} & {"scatter", "scatter-add"}
+    configs = [
+        _cfg(((16, 128), "float32"), ((5,), "int32"), ((5, 128), "float32"), ((6,), "int32")),
+        _cfg(((9, 7), "float32"), ((3,), "int32"), ((3, 7), "float32"), ((4,), "int32")),
+    ]
+    program, kernel = _module(scatter_rows, configs, ["x", "idx", "u", "c"])
+    rng = np.random.default_rng(4)
+    cases = [
+        ((16, 128), np.array([3, 1, 3, 15, 20], np.int32), np.array([1, 1, 5, 15, 40, 2], np.int32)),
+        ((9, 7), np.array([8, 0, 4], np.int32), np.array([0, 8, 8, 3], np.int32)),
+    ]
+    for shape, idx, c in cases:  # a repeated index (the last update wins) and out-of-range ones (dropped)
+        x = rng.standard_normal(shape).astype(np.float32)
+        u = rng.standard_normal((len(idx), shape[1])).astype(np.float32)
+        _check(scatter_rows, kernel, (x, idx, u, c))
+    _compiles(
+        kernel,
+        [((16, 128), jnp.float32), ((5,), jnp.int32), ((5, 128), jnp.float32), ((6,), jnp.int32)],
+    )

@@ -34,9 +34,10 @@ if TYPE_CHECKING:
     from maxkernel.authors.offline.lower import Lowering
     from maxkernel.authors.offline.partition import Region
 
-MAX_STEP_BYTES = 24 * 2**20
-"""VMEM for one step's operands, carries and outputs (double-buffered) must stay under this; a scan whose
-state does not fit is refused rather than compiled into a kernel that cannot run."""
+MAX_STEP_BYTES = 48 * 2**20
+"""VMEM for one step's operands, carries and outputs (double-buffered) must stay under this (the tuner's
+VMEM budget is half the smallest generation's 128 MiB; this leaves room for the body's temporaries); a
+scan whose state does not fit is refused rather than compiled into a kernel that cannot run."""
 
 _REDUCE_FN = {"reduce_sum": "jnp.sum", "reduce_max": "jnp.max", "reduce_min": "jnp.min"}
 

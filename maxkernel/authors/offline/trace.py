@@ -125,6 +125,9 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
     if name == "conv_general_dilated":
         REWRITTEN.add(name)
         return [_conv_as_patches(ins[0], ins[1], eqn.params)]
+    if name in ("scatter", "scatter-add", "scatter_add") and len(ins) == 3:
+        REWRITTEN.add(name)
+        return [_scatter_as_masked_reduce(*ins, eqn.params, add=name != "scatter")]
     if name in CUMULATIVE:
         REWRITTEN.add(name)
         return [
@@ -175,6 +178,68 @@ def _cumulative_as_masked_reduce(x: Any, name: str, axis: int, reverse: bool) ->
     fill = jnp.full(shape, value, x.dtype)
     masked = lax.select(mask, xj, fill)
     return lax.reduce_max(masked, (axis + 1,)) if name == "cummax" else lax.reduce_min(masked, (axis + 1,))
+
+
+SCATTER_MAX_ELEMS = 1 << 24
+"""Largest (rows of the operand) x (updates) x (window) product the scatter rewrite builds in a kernel."""
+
+
+def _scatter_as_masked_reduce(
+    operand: Any, indices: Any, updates: Any, params: dict[str, Any], *, add: bool
+) -> Any:
+    """A scatter of whole rows along one operand dim (`x.at[idx].set(u)` / `.add(u)`, bincount, the scatter
+    inside `jnp.repeat`) as a one-hot masked reduction: `out[i] = sum_j (idx[j] == i) * u[j]` (added to the
+    operand, or replacing it where some j hits i, the last such j winning). Out-of-range indices match no row,
+    which is FILL_OR_DROP's rule; CLIP clamps first. The work is rows x updates x window, so it is kept for
+    small scatters (group counts, sequence bounds); a data-dependent write has no Pallas TPU vector form."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    dn = params["dimension_numbers"]
+    if (
+        len(dn.scatter_dims_to_operand_dims) != 1
+        or tuple(dn.inserted_window_dims) != tuple(dn.scatter_dims_to_operand_dims)
+        or tuple(getattr(dn, "operand_batching_dims", ())) != ()
+    ):
+        raise Unsupported("a scatter other than whole rows along one dim")
+    d = int(dn.scatter_dims_to_operand_dims[0])
+    n_rows = operand.shape[d]
+    window = [operand.shape[k] for k in range(operand.ndim) if k != d]
+    idx = indices.reshape(-1)  # index_vector_dim has size 1: one index per update
+    n_upd = idx.shape[0]
+    upd_window = [updates.shape[k] for k in dn.update_window_dims]
+    if upd_window != window:
+        raise Unsupported("a scatter of partial rows")
+    scatter_dims = [k for k in range(updates.ndim) if k not in dn.update_window_dims]
+    # updates -> (n_upd, *window)
+    u = jnp.transpose(updates, (*scatter_dims, *dn.update_window_dims)).reshape(n_upd, *window)
+    if n_rows * n_upd * max(1, math.prod(window)) > SCATTER_MAX_ELEMS:
+        raise Unsupported(f"a scatter of {n_upd} rows into {n_rows} (too large for a one-hot reduction)")
+    mode = str(params.get("mode"))
+    if "CLIP" in mode:
+        idx = lax.clamp(jnp.zeros((), idx.dtype), idx, jnp.asarray(n_rows - 1, idx.dtype))
+    shape = (n_rows, n_upd, *window)
+    rank = len(shape)
+    row = lax.broadcasted_iota(idx.dtype, (n_rows, n_upd), 0)
+    hit = lax.eq(row, lax.broadcast_in_dim(idx, (n_rows, n_upd), (1,)))  # [i, j]
+    hit_b = lax.broadcast_in_dim(hit, shape, (0, 1))
+    zero = jnp.zeros(shape, operand.dtype)
+    u_b = lax.broadcast_in_dim(u.astype(operand.dtype), shape, tuple(range(1, rank)))
+    if add:
+        val = lax.reduce(lax.select(hit_b, u_b, zero), np.zeros((), operand.dtype), lax.add, (1,))
+        moved = jnp.moveaxis(operand, d, 0) if d else operand
+        out = lax.add(moved, val)
+    else:
+        col = lax.broadcasted_iota(jnp.int32, (n_rows, n_upd), 1)
+        none = jnp.full((n_rows, n_upd), -1, jnp.int32)
+        last = lax.reduce(lax.select(hit, col, none), np.iinfo(np.int32).min, lax.max, (1,))  # [i]
+        pick = lax.eq(col, lax.broadcast_in_dim(last, (n_rows, n_upd), (0,)))
+        pick_b = lax.broadcast_in_dim(pick, shape, (0, 1))
+        val = lax.reduce(lax.select(pick_b, u_b, zero), np.zeros((), operand.dtype), lax.add, (1,))
+        moved = jnp.moveaxis(operand, d, 0) if d else operand
+        found = lax.broadcast_in_dim(lax.ge(last, jnp.zeros((), jnp.int32)), moved.shape, (0,))
+        out = lax.select(found, val, moved)
+    return jnp.moveaxis(out, 0, d) if d else out
 
 
 def _searchsorted_side(eqn: Any) -> str | None:
