@@ -176,3 +176,43 @@ def test_small_scatters_become_one_hot_reductions() -> None:
         kernel,
         [((16, 128), jnp.float32), ((5,), jnp.int32), ((5, 128), jnp.float32), ((6,), jnp.int32)],
     )
+
+
+def conv2d_relu(x, w):
+    y = lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=lax.Precision.HIGHEST
+    )
+    return jax.nn.relu(y)
+
+
+def conv3d_valid_nchw(x, w):
+    return lax.conv_general_dilated(x, w, (1, 1, 1), "VALID", dimension_numbers=("NCDHW", "OIDHW", "NCDHW"))
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes", "dtype", "atol"),
+    [
+        (conv2d_relu, [((2, 16, 16, 8), (3, 3, 8, 128)), ((1, 9, 11, 3), (3, 3, 3, 5))], "float32", 1e-4),
+        (
+            conv3d_valid_nchw,
+            [((1, 4, 6, 8, 16), (8, 4, 3, 3, 3)), ((2, 3, 5, 6, 7), (5, 3, 3, 3, 3))],
+            "bfloat16",
+            0.1,
+        ),
+    ],
+)
+def test_stride_one_convolutions_are_direct_kernels_without_im2col(fn, shapes, dtype, atol) -> None:
+    configs = [_cfg((xs, dtype), (ws, dtype)) for xs, ws in shapes]
+    program = lower_program(trace_reference(fn, configs, ["x", "w"], direct_conv=True), "t")
+    assert program.kernels[0].family == "conv"
+    assert "concatenate" not in program.computation_code  # no patches array
+    src = render(program, default_config(program, TPU), TPU)
+    assert undefined_names(src) == []
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    rng = np.random.default_rng(5)
+    for xs, ws in shapes:
+        x = jnp.asarray(rng.standard_normal(xs), dtype)
+        w = jnp.asarray(0.2 * rng.standard_normal(ws), dtype)
+        _check(fn, ns["computation"], (x, w), atol=atol)
+    _compiles(ns["computation"], [(shapes[0][0], jnp.dtype(dtype)), (shapes[0][1], jnp.dtype(dtype))])

@@ -56,6 +56,10 @@ def _match_grouped(part: Partition, i: int) -> bool:
     return _own_alone(part, i, "grouped")
 
 
+def _match_conv(part: Partition, i: int) -> bool:
+    return _own_alone(part, i, "conv", axes=False)
+
+
 def _match_scan(part: Partition, i: int) -> bool:
     # Light work feeding the scan's operands (a zeros init, a cast, an exp of a slice) runs as XLA glue:
     # the template reads whole operands and re-emits only the scan body.
@@ -93,6 +97,15 @@ FAMILIES: tuple[Family, ...] = (
         primitives=frozenset({"ragged_dot_general"}),
         fixed_template=True,
         doc="lax.ragged_dot: group sizes by scalar prefetch, steps of empty groups skipped",
+    ),
+    Family(
+        kind="conv",
+        builder="maxkernel.authors.offline.conv_kernel:ConvBuilder",
+        starts=frozenset({"conv"}),
+        matcher=_match_conv,
+        primitives=frozenset({"conv_general_dilated"}),
+        fixed_template=True,
+        doc="stride-1 convolution: one matmul per kernel tap over a VMEM-resident sample (no im2col)",
     ),
     Family(
         kind="scan",

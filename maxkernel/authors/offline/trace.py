@@ -122,7 +122,9 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
         return _scan_as_vmap(eqn, ins)
     if name == "stop_gradient":
         return [ins[0]]
-    if name == "conv_general_dilated":
+    if name == "conv_general_dilated" and not (
+        DIRECT_CONV[0] and direct_conv_ok(eqn.params, tuple(ins[0].shape), np.dtype(ins[0].dtype).itemsize)
+    ):
         REWRITTEN.add(name)
         return [_conv_as_patches(ins[0], ins[1], eqn.params)]
     if name in ("scatter", "scatter-add", "scatter_add") and len(ins) == 3:
@@ -286,6 +288,33 @@ def _scan_as_vmap(eqn: Any, ins: list[Any]) -> list[Any]:
         return _eval(body, body_consts, [*consts, *x])
 
     return list(jax.vmap(one)(*xs))
+
+
+DIRECT_CONV_MAX_SAMPLE_BYTES = 16 * 2**20
+"""A padded input sample must fit one VMEM block (double-buffered) next to the weights and outputs."""
+
+
+def direct_conv_ok(params: dict[str, Any], x_shape: tuple[int, ...], itemsize: int) -> bool:
+    """Can this convolution run as shifted matmuls over a VMEM-resident sample?"""
+    nsp = len(x_shape) - 2
+    if nsp not in (2, 3):
+        return False
+    if any(s != 1 for s in params["window_strides"]):
+        return False
+    if any(d != 1 for d in (params.get("lhs_dilation") or ())) or any(
+        d != 1 for d in (params.get("rhs_dilation") or ())
+    ):
+        return False
+    if params.get("feature_group_count", 1) != 1 or params.get("batch_group_count", 1) != 1:
+        return False
+    dn = params["dimension_numbers"]
+    sample = math.prod(x_shape[d] for d in dn.lhs_spec[1:]) * itemsize
+    return sample <= DIRECT_CONV_MAX_SAMPLE_BYTES
+
+
+DIRECT_CONV = [False]
+"""Set by `trace_reference(direct_conv=True)`: convolutions `direct_conv_ok` accepts stay one primitive
+(the conv family's kernel) instead of becoming patches + a matmul."""
 
 
 def _conv_as_patches(x: Any, w: Any, params: dict[str, Any]) -> Any:
@@ -452,9 +481,13 @@ def structure(closed: Any) -> list[tuple[str, int, int]]:
     return [(e.primitive.name, len(e.invars), len(e.outvars)) for e in closed.jaxpr.eqns]
 
 
-def trace_reference(computation: Callable[..., Any], configs: list[Config], arg_names: list[str]) -> Traces:
-    """Flatten the reference at every configuration; raise `Unsupported` when the structures differ."""
+def trace_reference(
+    computation: Callable[..., Any], configs: list[Config], arg_names: list[str], *, direct_conv: bool = False
+) -> Traces:
+    """Flatten the reference at every configuration; raise `Unsupported` when the structures differ.
+    `direct_conv`: keep stride-1 convolutions whole for the conv family instead of im2col patches."""
     REWRITTEN.clear()
+    DIRECT_CONV[0] = direct_conv
     closed = []
     for cfg in configs:
         specs = [jax.ShapeDtypeStruct(s, np.dtype(_np_dtype(d))) for s, d in cfg.dynamic]
