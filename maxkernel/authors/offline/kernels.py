@@ -98,6 +98,20 @@ class Scope:
         self.lines.append(self.indent + line)
 
 
+@dataclass
+class Layout:
+    """What every emitter of one kernel shares: grid axes, operand/output views and tile params."""
+
+    grid_axes: list[int]
+    axis_dims: dict[int, SpaceDim]
+    index_args: str
+    in_vars: list[Any]
+    out_view: list[SpaceDim]
+    params: list[ParamSpec]
+    names_in: list[str]
+    out_names: list[str]
+
+
 class KernelBuilder:
     """The public base of every kernel family's builder (see `families.FAMILIES`).
 
@@ -644,7 +658,17 @@ class Builder(KernelBuilder):
         return self.family
 
     def assemble(self, body: list[str]) -> tuple[KernelSpec, str]:
-        low = self.low
+        """The kernel's code and spec around its body. Each piece has its own emitter on one shared
+        `Layout` (grid axes, operand views, tile params), so a family can override one of them."""
+        lay = self.layout()
+        maps, map_of = self.emit_index_maps(lay)
+        kernel = self.emit_kernel_function(lay, body)
+        wrapper = self.emit_wrapper(lay, map_of)
+        spec = self.kernel_spec(lay, "\n\n".join([*maps, kernel, wrapper]))
+        return spec, self.call_expression(lay)
+
+    def layout(self) -> Layout:
+        """Grid axes, operand and output views, and the tile params with their alignment."""
         grid_axes = sorted({d.axis for d in self.dims if d.axis is not None})
         axis_dims = {a: next(d for d in self.dims if d.axis == a) for a in grid_axes}
         index_args = ", ".join(f"{axis_dims[a].key}_index" for a in grid_axes)
@@ -687,10 +711,25 @@ class Builder(KernelBuilder):
                         doc=self.param_doc(d),
                     )
                 )
-        # index maps
-        code: list[str] = []
         names_in = [self.local(v) for v in in_vars]
         out_names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
+        return Layout(
+            grid_axes=grid_axes,
+            axis_dims=axis_dims,
+            index_args=index_args,
+            in_vars=in_vars,
+            out_view=out_view,
+            params=params,
+            names_in=names_in,
+            out_names=out_names,
+        )
+
+    def emit_index_maps(self, lay: Layout) -> tuple[list[str], dict[str, str]]:
+        """Named index maps, one per distinct operand view (identical maps are shared)."""
+        in_vars, out_view, names_in, out_names = lay.in_vars, lay.out_view, lay.names_in, lay.out_names
+        index_args = lay.index_args
+        # index maps
+        code: list[str] = []
 
         def index_map(view: list[SpaceDim], var: Any, fname: str) -> str:
             entries = []
@@ -721,6 +760,11 @@ class Builder(KernelBuilder):
                 seen_maps[text] = fname
                 map_of[nm] = fname
                 code.append(text.replace("FNAME", fname))
+        return code, map_of
+
+    def emit_kernel_function(self, lay: Layout, body: list[str]) -> str:
+        """The kernel: refs, then keyword sizes, the grid indices it reads, and the body."""
+        names_in, out_names = lay.names_in, lay.out_names
         # kernel function
         refs = (
             [f"{n}_ref" for n in names_in] + [f"{n}_ref" for n in out_names] + [s[0] for s in self.scratch()]
@@ -732,7 +776,13 @@ class Builder(KernelBuilder):
         for a in sorted(self.axis_used):
             kernel.append(f"    {self.axis_name(a)}_index = pl.program_id({a})")
         kernel += body
-        code.append("\n".join(kernel) + "\n")
+        return "\n".join(kernel) + "\n"
+
+    def emit_wrapper(self, lay: Layout, map_of: dict[str, str]) -> str:
+        """The wrapper: extents from the inputs, block sizes, views and padding, the pallas_call, crops."""
+        kw = sorted(self.kernel_kw)
+        grid_axes, axis_dims, in_vars = lay.grid_axes, lay.axis_dims, lay.in_vars
+        out_view, params, names_in, out_names = lay.out_view, lay.params, lay.names_in, lay.out_names
         # wrapper
         w: list[str] = []
         extent_lines = self.extent_lines(in_vars)
@@ -866,13 +916,18 @@ class Builder(KernelBuilder):
                 w.append("    " + line)
             results.append(cur)
         w.append(f"    return {', '.join(results)}")
-        code.append("\n".join(w) + "\n")
+        return "\n".join(w) + "\n"
+
+    def kernel_spec(self, lay: Layout, code: str) -> KernelSpec:
+        """The spec the tuner and the block model read."""
+        grid_axes, axis_dims, in_vars = lay.grid_axes, lay.axis_dims, lay.in_vars
+        out_view, params = lay.out_view, lay.params
         # spec
         spec = KernelSpec(
             name=self.stem,
             family=self.family,
             title=self.title(),
-            code="\n\n".join(code),
+            code=code,
             params=params,
             grid=[
                 GridAxis(
@@ -889,10 +944,17 @@ class Builder(KernelBuilder):
             notes=self.notes,
             structure=self.structure(),
         )
+        return spec
+
+    def call_expression(self, lay: Layout) -> str:
+        """How computation() calls the wrapper."""
+        low = self.low
+        in_vars = lay.in_vars
+        ckw = sorted(self.call_kw)
         call_args = ", ".join(low.name_of(v) for v in in_vars)
         call_kw = ", ".join(f"{k}={self.call_kw[k]}" for k in ckw)
         call = f"{self.stem}({call_args}{', ' if call_kw and call_args else ''}{call_kw})"
-        return spec, call
+        return call
 
     def flops_code(self) -> str:
         """Flops of the whole call as an expression of the wrapper's extents (for pl.CostEstimate)."""
