@@ -216,3 +216,25 @@ def test_stride_one_convolutions_are_direct_kernels_without_im2col(fn, shapes, d
         w = jnp.asarray(0.2 * rng.standard_normal(ws), dtype)
         _check(fn, ns["computation"], (x, w), atol=atol)
     _compiles(ns["computation"], [(shapes[0][0], jnp.dtype(dtype)), (shapes[0][1], jnp.dtype(dtype))])
+
+
+def test_strided_convolutions_keep_the_patches_path() -> None:
+    def patch_embed(x, w):
+        return lax.conv_general_dilated(x, w, (4, 4), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    configs = [_cfg(((2, 16, 16, 3), "float32"), ((4, 4, 3, 128), "float32"))]
+    program = lower_program(trace_reference(patch_embed, configs, ["x", "w"], direct_conv=True), "t")
+    assert [k.family for k in program.kernels] != ["conv"]
+    assert program.family.startswith("conv_")  # im2col patches (a reshape here: stride = window) + matmul
+
+
+def test_every_family_is_one_table_entry() -> None:
+    from maxkernel.authors.offline.families import EQUATION_KINDS, FAMILIES, builder_for
+    from maxkernel.authors.offline.kernels import KernelBuilder
+
+    kinds = [f.kind for f in FAMILIES]
+    assert len(kinds) == len(set(kinds))
+    for f in FAMILIES:
+        assert issubclass(builder_for(f.kind), KernelBuilder), f.kind
+        assert f.starts and f.doc
+    assert EQUATION_KINDS == {"ragged_dot_general": "ragged", "scan": "scan", "conv_general_dilated": "conv"}
