@@ -44,7 +44,9 @@ class ConvBuilder(KernelBuilder):
         dn = p["dimension_numbers"]
         lhs_spec, rhs_spec, out_spec = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
         nsp = len(lhs_spec) - 2
-        if not direct_conv_ok(p, tuple(int(s) for s in x.aval.shape), x.aval.dtype.itemsize):
+        if not direct_conv_ok(
+            p, tuple(int(s) for s in x.aval.shape), x.aval.dtype.itemsize, tuple(int(s) for s in w.aval.shape)
+        ):
             raise LowerError("a convolution the direct kernel does not cover")
         s, c = self.stem, self.cprefix
         xn, wn = self.low.name_of(x), self.low.name_of(w)

@@ -123,7 +123,10 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
     if name == "stop_gradient":
         return [ins[0]]
     if name == "conv_general_dilated" and not (
-        DIRECT_CONV[0] and direct_conv_ok(eqn.params, tuple(ins[0].shape), np.dtype(ins[0].dtype).itemsize)
+        DIRECT_CONV[0]
+        and direct_conv_ok(
+            eqn.params, tuple(ins[0].shape), np.dtype(ins[0].dtype).itemsize, tuple(ins[1].shape)
+        )
     ):
         REWRITTEN.add(name)
         return [_conv_as_patches(ins[0], ins[1], eqn.params)]
@@ -294,10 +297,15 @@ DIRECT_CONV_MAX_SAMPLE_BYTES = 16 * 2**20
 """A padded input sample must fit one VMEM block (double-buffered) next to the weights and outputs."""
 
 
-def direct_conv_ok(params: dict[str, Any], x_shape: tuple[int, ...], itemsize: int) -> bool:
-    """Can this convolution run as shifted matmuls over a VMEM-resident sample?"""
+def direct_conv_ok(
+    params: dict[str, Any], x_shape: tuple[int, ...], itemsize: int, w_shape: tuple[int, ...]
+) -> bool:
+    """Can this convolution run as shifted matmuls over a VMEM-resident sample? A 1x1 convolution is
+    left to the patches path: its "patches" are the input itself, and the matmul family fuses its epilogue."""
     nsp = len(x_shape) - 2
     if nsp not in (2, 3):
+        return False
+    if all(w_shape[d] == 1 for d in params["dimension_numbers"].rhs_spec[2:]):
         return False
     if any(s != 1 for s in params["window_strides"]):
         return False
