@@ -206,16 +206,19 @@ def test_stride_one_convolutions_are_direct_kernels_without_im2col(fn, shapes, d
     program = lower_program(trace_reference(fn, configs, ["x", "w"], direct_conv=True), "t")
     assert program.kernels[0].family == "conv"
     assert "concatenate" not in program.computation_code  # no patches array
-    src = render(program, default_config(program, TPU), TPU)
-    assert undefined_names(src) == []
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
+    default = default_config(program, TPU)
     rng = np.random.default_rng(5)
-    for xs, ws in shapes:
-        x = jnp.asarray(rng.standard_normal(xs), dtype)
-        w = jnp.asarray(0.2 * rng.standard_normal(ws), dtype)
-        _check(fn, ns["computation"], (x, w), atol=atol)
-    _compiles(ns["computation"], [(shapes[0][0], jnp.dtype(dtype)), (shapes[0][1], jnp.dtype(dtype))])
+    # the default blocks, and 2-row blocks: several halo'd input blocks that overlap, and a padded last one
+    for config in (default, default.replace(block_rows=2)):
+        src = render(program, config, TPU)
+        assert undefined_names(src) == [] and "pl.Element(" in src
+        ns: dict = {}
+        exec(compile(src, "generated", "exec"), ns)
+        for xs, ws in shapes:
+            x = jnp.asarray(rng.standard_normal(xs), dtype)
+            w = jnp.asarray(0.2 * rng.standard_normal(ws), dtype)
+            _check(fn, ns["computation"], (x, w), atol=atol)
+        _compiles(ns["computation"], [(shapes[0][0], jnp.dtype(dtype)), (shapes[0][1], jnp.dtype(dtype))])
 
 
 def test_strided_convolutions_keep_the_patches_path() -> None:

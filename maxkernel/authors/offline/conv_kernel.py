@@ -1,12 +1,14 @@
 """A stride-1 convolution (2-D or 3-D, any padding) as a sum of shifted matmuls inside one kernel.
 
-No im2col array: the padded input of one sample is a single VMEM block (its block index only changes with
-the batch index, so it is fetched once per sample), and for every kernel tap the kernel reads the shifted
-window `x[r0 + kr : r0 + kr + rows, kw : kw + W_out, :]` straight from that block, flattens it to
-`(rows * W_out, C_in)` and multiplies it by the tap's `(C_in, block_o)` weights on the MXU into an f32
-accumulator. Each step writes a block of output rows (`BLOCK_ROWS` along the first spatial dim) for a block
-of output channels (`BLOCK_O`). HBM traffic is the input once per sample (plus XLA's padded copy) and the
-output once, where im2col writes and reads `taps` copies of the input.
+No im2col array: each grid step fetches a halo'd block of the padded input, the `rows + k - 1` rows (planes,
+for 3-D) that its `rows` output rows read. Consecutive blocks overlap by the halo, which a blocked index map
+cannot say, so the input's BlockSpec uses element offsets (`pl.Element` on every dim; the index map returns
+`r_index * rows`). For every kernel tap the kernel reads the shifted window `x[kr : kr + rows, kw : kw +
+W_out, :]` of that block, flattens it to `(rows * W_out, C_in)` and multiplies it by the tap's
+`(C_in, block_o)` weights on the MXU into an f32 accumulator. Each step writes a block of output rows
+(`BLOCK_ROWS` along the first spatial dim) for a block of output channels (`BLOCK_O`). HBM traffic is the
+input once (plus (k-1)/rows for the halo, plus XLA's padded copy) and the output once, where im2col writes
+and reads `taps` copies of the input.
 
 The output width is padded to the sublane tile so the flattening is a free relayout; the extra columns
 read zero padding and are cropped. Strided, dilated and grouped convolutions keep the im2col path.
@@ -73,17 +75,43 @@ class ConvBuilder(KernelBuilder):
         for j, ax in enumerate(cl_axes):
             from_cl[ax] = j
         lead = sp[0]
-        taps_loops = "\n".join(f"{'    ' * (i + 1)}for k{sp[i]} in range(n_k{sp[i]}):" for i in range(nsp))
-        ind = "    " * (nsp + 1)
+        # 2-D: one matmul per tap over the whole block of rows. 3-D: a loop over the block's output planes,
+        # each plane an (H_out * W_out, C_in) matmul per tap, so vector sizes (and compile time) do not grow
+        # with the block.
+        per_plane = nsp == 3
+        depth = 2 if per_plane else 1
+        taps_loops = "\n".join(
+            f"{'    ' * (i + depth)}for k{sp[i]} in range(n_k{sp[i]}):" for i in range(nsp)
+        )
+        ind = "    " * (nsp + depth)
+        first = "pl.ds(plane + k{a}, 1)" if per_plane else "pl.ds(k{a}, rows)"
         win = ", ".join(
-            [f"pl.ds(row0 + k{lead}, rows)"]
+            ["0", first.format(a=lead)]
             + [f"pl.ds(k{a}, n_o{a}_p)" if a == sp[-1] else f"pl.ds(k{a}, n_o{a})" for a in sp[1:]]
             + [":"]
         )
-        flat = " * ".join(["rows"] + [f"n_o{a}" for a in sp[1:-1]] + [f"n_o{sp[-1]}_p"])
+        flat = " * ".join(["1" if per_plane else "rows"] + [f"n_o{a}" for a in sp[1:-1]] + [f"n_o{sp[-1]}_p"])
         tap_idx = ", ".join(f"k{a}" for a in sp)
-        code = f'''def {s}_x_index_map(n_index, r_index, o_index):
-    return (n_index, {", ".join(["0"] * (nsp + 1))})
+        pad = "    " * (depth - 1)
+        accumulate = (
+            f"{pad}    acc = jnp.zeros(({flat}, w_ref.shape[-1]), jnp.float32)  # f32[{flat}, bo]\n"
+            f"{taps_loops}\n"
+            f"{ind}window = x_ref[{win}]  # the tap's shifted window of the halo'd block\n"
+            f"{ind}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), w_ref[{tap_idx}], "
+            f"preferred_element_type=jnp.float32{prec_code})\n"
+        )
+        if per_plane:
+            body = (
+                "    def one_plane(plane, carry):\n"
+                + accumulate
+                + "        out_ref[pl.ds(plane, 1)] = acc.reshape(1, *out_ref.shape[1:]).astype(out_ref.dtype)\n"
+                "        return carry\n\n"
+                "    lax.fori_loop(0, rows, one_plane, 0)"
+            )
+        else:
+            body = accumulate + "    out_ref[...] = acc.reshape(out_ref.shape).astype(out_ref.dtype)"
+        code = f'''def {s}_x_index_map(n_index, r_index, o_index, *, rows):
+    return (n_index, r_index * rows, {", ".join(["0"] * nsp)})  # element offsets
 
 
 def {s}_w_index_map(n_index, r_index, o_index):
@@ -98,21 +126,13 @@ def {s}_kernel(x_ref, w_ref, out_ref, *, rows, {", ".join(f"n_k{a}" for a in sp)
             ", ".join(f"n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""
         }n_o{sp[-1]}_p):
     """Sum over kernel taps of (shifted input window) x (tap weights), all from VMEM."""
-    r_index = pl.program_id(1)
-    row0 = r_index * rows
-    acc = jnp.zeros(({flat}, w_ref.shape[-1]), jnp.float32)  # f32[{flat}, bo]
-{taps_loops}
-{ind}window = x_ref[{win}]  # the tap's shifted window, straight from the resident sample
-{ind}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), w_ref[{
-            tap_idx
-        }], preferred_element_type=jnp.float32{prec_code})
-    out_ref[...] = acc.reshape(out_ref.shape).astype(out_ref.dtype)
+{body}
 
 
 def {s}({xn}, {wn}):
-    """Direct convolution: the padded sample in VMEM, one MXU matmul per kernel tap into an f32 accumulator."""
-    x = jnp.transpose({xn}, {to_cl})  # channels last: (N, {", ".join(sp.upper())}, C)
-    wt = jnp.transpose({wn}, {w_perm})  # ({", ".join("K" + a for a in sp)}, C_in, C_out)
+    """Direct convolution: halo'd row blocks in VMEM, one MXU matmul per kernel tap into an f32 accumulator."""
+    x = {_transposed(xn, to_cl)}  # channels last: (N, {", ".join(sp.upper())}, C)
+    wt = {_transposed(wn, w_perm)}  # ({", ".join("K" + a for a in sp)}, C_in, C_out)
     n_b = x.shape[0]
     n_c, n_out = wt.shape[-2], wt.shape[-1]
 {chr(10).join(f"    n_k{a} = wt.shape[{i}]" for i, a in enumerate(sp))}
@@ -155,7 +175,10 @@ def {s}({xn}, {wn}):
         ),
         grid=(n_b, n_o{lead}_p // rows, n_out_p // bo),
         in_specs=[
-            pl.BlockSpec((None, *x.shape[1:]), {s}_x_index_map),
+            pl.BlockSpec(  # element offsets (every dim, as Pallas requires): blocks overlap by the halo
+                (pl.Element(1), pl.Element(rows + n_k{lead} - 1), *(pl.Element(d) for d in x.shape[2:])),
+                functools.partial({s}_x_index_map, rows=rows),
+            ),
             pl.BlockSpec((*wt.shape[:-1], bo), {s}_w_index_map),
         ],
         out_specs=pl.BlockSpec((None, rows, {
@@ -169,7 +192,7 @@ def {s}({xn}, {wn}):
         cost_estimate=cost,
     )(x, wt)
     out = _crop(out, (n_b, {", ".join(f"n_o{a}" for a in sp)}, n_out))
-    return jnp.transpose(out, {tuple(from_cl)})
+    return {_transposed("out", tuple(from_cl))}
 '''
         xs = tuple(int(v) for v in x.aval.shape)
         ws = tuple(int(v) for v in w.aval.shape)
@@ -204,11 +227,13 @@ def {s}({xn}, {wn}):
         mid = [DimRef(kind="full", extent=v) for v in out_sp[1:-1]]
         buffers = [
             BufferSpec(
-                what="padded input sample",
-                dims=[DimRef(kind="full", extent=v) for v in padded_sp] + [DimRef(kind="full", extent=c_in)],
+                what="halo'd input rows",
+                dims=[pr]
+                + [DimRef(kind="full", extent=v) for v in padded_sp[1:]]
+                + [DimRef(kind="full", extent=c_in)],
                 itemsize=x.aval.dtype.itemsize,
                 kind="input",
-                axes=[0],
+                axes=[0, 1],
                 hbm_bytes=nbytes(x),
             ),
             BufferSpec(
@@ -239,7 +264,7 @@ def {s}({xn}, {wn}):
         spec = KernelSpec(
             name=s,
             family=self.family,
-            title=f"{nsp}-D convolution as {taps} shifted matmuls over a VMEM-resident sample (no im2col)",
+            title=f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)",
             code=code,
             params=params,
             grid=[
@@ -250,10 +275,18 @@ def {s}({xn}, {wn}):
             buffers=buffers,
             flops=flops,
             structure=(
-                "grid (batch, output-row blocks, output-channel blocks), all parallel; the padded sample is one "
-                "VMEM block fetched once per batch element; each step sums one MXU matmul per kernel tap of "
-                "the tap's shifted window into an f32 accumulator and writes its rows once"
+                "grid (batch, output-row blocks, output-channel blocks), all parallel; each step fetches the "
+                "halo'd rows its output rows read (element-offset block), sums one MXU matmul per kernel tap "
+                "of the tap's shifted window into an f32 accumulator and writes its rows once"
             ),
-            notes=["no im2col array in HBM: the taps read shifted windows of the resident sample"],
+            notes=[
+                "no im2col array in HBM: the taps read shifted windows of a halo'd block in VMEM",
+                "the block model sizes the input block as `rows` rows; the k-1 halo rows are not counted",
+            ],
         )
         return spec, f"{s}({xn}, {wn})"
+
+
+def _transposed(name: str, perm: tuple[int, ...]) -> str:
+    """`jnp.transpose` code, or just the name when the permutation is the identity."""
+    return name if list(perm) == sorted(perm) else f"jnp.transpose({name}, {tuple(perm)})"

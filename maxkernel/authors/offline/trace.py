@@ -122,12 +122,7 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
         return _scan_as_vmap(eqn, ins)
     if name == "stop_gradient":
         return [ins[0]]
-    if name == "conv_general_dilated" and not (
-        DIRECT_CONV[0]
-        and direct_conv_ok(
-            eqn.params, tuple(ins[0].shape), np.dtype(ins[0].dtype).itemsize, tuple(ins[1].shape)
-        )
-    ):
+    if name == "conv_general_dilated" and not _direct_conv_decision(eqn, ins):
         REWRITTEN.add(name)
         return [_conv_as_patches(ins[0], ins[1], eqn.params)]
     if name in ("scatter", "scatter-add", "scatter_add") and len(ins) == 3:
@@ -293,14 +288,15 @@ def _scan_as_vmap(eqn: Any, ins: list[Any]) -> list[Any]:
     return list(jax.vmap(one)(*xs))
 
 
-DIRECT_CONV_MAX_SAMPLE_BYTES = 16 * 2**20
-"""A padded input sample must fit one VMEM block (double-buffered) next to the weights and outputs."""
+DIRECT_CONV_MAX_BLOCK_BYTES = 16 * 2**20
+"""The smallest halo'd input block of the conv family (one output row's window: `k` planes of the padded
+input) must fit this, double-buffered, next to the weights and outputs."""
 
 
 def direct_conv_ok(
     params: dict[str, Any], x_shape: tuple[int, ...], itemsize: int, w_shape: tuple[int, ...]
 ) -> bool:
-    """Can this convolution run as shifted matmuls over a VMEM-resident sample? A 1x1 convolution is
+    """Can this convolution run as shifted matmuls over halo'd blocks of rows in VMEM? A 1x1 convolution is
     left to the patches path: its "patches" are the input itself, and the matmul family fuses its epilogue."""
     nsp = len(x_shape) - 2
     if nsp not in (2, 3):
@@ -316,13 +312,42 @@ def direct_conv_ok(
     if params.get("feature_group_count", 1) != 1 or params.get("batch_group_count", 1) != 1:
         return False
     dn = params["dimension_numbers"]
-    sample = math.prod(x_shape[d] for d in dn.lhs_spec[1:]) * itemsize
-    return sample <= DIRECT_CONV_MAX_SAMPLE_BYTES
+    plane = math.prod(x_shape[d] for d in (dn.lhs_spec[1], *dn.lhs_spec[3:])) * itemsize
+    plane = plane * math.prod(
+        1 + (int(a) + int(b)) / max(1, x_shape[d])
+        for (a, b), d in zip(params["padding"][1:], dn.lhs_spec[3:], strict=True)
+    )
+    return w_shape[dn.rhs_spec[2]] * plane <= DIRECT_CONV_MAX_BLOCK_BYTES
 
 
-DIRECT_CONV = [False]
-"""Set by `trace_reference(direct_conv=True)`: convolutions `direct_conv_ok` accepts stay one primitive
-(the conv family's kernel) instead of becoming patches + a matmul."""
+@dataclass
+class _DirectConv:
+    """Set by `trace_reference(direct_conv=True)`: convolutions `direct_conv_ok` accepts stay one primitive
+    (the conv family's kernel) instead of becoming patches + a matmul. The first (TPU-scale) trace decides
+    for each convolution in order, and the other configurations replay those decisions, so every trace has
+    the same structure."""
+
+    enabled: bool = False
+    decisions: list[bool] = field(default_factory=list)
+    replay: bool = False
+    position: int = 0
+
+
+DIRECT_CONV = _DirectConv()
+
+
+def _direct_conv_decision(eqn: Any, ins: list[Any]) -> bool:
+    d = DIRECT_CONV
+    if not d.enabled:
+        return False
+    if d.replay:
+        if d.position >= len(d.decisions):
+            return False  # a convolution the primary trace did not have: the structures differ anyway
+        d.position += 1
+        return d.decisions[d.position - 1]
+    ok = direct_conv_ok(eqn.params, tuple(ins[0].shape), np.dtype(ins[0].dtype).itemsize, tuple(ins[1].shape))
+    d.decisions.append(ok)
+    return ok
 
 
 def _conv_as_patches(x: Any, w: Any, params: dict[str, Any]) -> Any:
@@ -495,7 +520,7 @@ def trace_reference(
     """Flatten the reference at every configuration; raise `Unsupported` when the structures differ.
     `direct_conv`: keep stride-1 convolutions whole for the conv family instead of im2col patches."""
     REWRITTEN.clear()
-    DIRECT_CONV[0] = direct_conv
+    DIRECT_CONV.enabled, DIRECT_CONV.decisions, DIRECT_CONV.replay = direct_conv, [], False
     closed = []
     for cfg in configs:
         specs = [jax.ShapeDtypeStruct(s, np.dtype(_np_dtype(d))) for s, d in cfg.dynamic]
@@ -504,6 +529,7 @@ def trace_reference(
         def fn(*dyn: Any, _statics: list[Any] = statics) -> Any:
             return computation(*dyn, *_statics)
 
+        DIRECT_CONV.replay, DIRECT_CONV.position = bool(closed), 0
         closed.append(flatten(fn, specs))
     first = structure(closed[0])
     keep = [closed[0]]
