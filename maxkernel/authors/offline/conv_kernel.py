@@ -79,11 +79,11 @@ class ConvBuilder(KernelBuilder):
         # each plane an (H_out * W_out, C_in) matmul per tap, so vector sizes (and compile time) do not grow
         # with the block.
         per_plane = nsp == 3
-        depth = 2 if per_plane else 1
-        taps_loops = "\n".join(
-            f"{'    ' * (i + depth)}for k{sp[i]} in range(n_k{sp[i]}):" for i in range(nsp)
-        )
-        ind = "    " * (nsp + depth)
+        pad = "    " * (2 if per_plane else 1)
+        # taps along every spatial dim but the last run in a fori_loop (dynamic offsets on leading dims are
+        # free); only the last dim's taps, which shift the sublane axis, are unrolled: the kernel's code
+        # (and the Mosaic compile time) stays that of n_kw matmuls, not of every tap.
+        outer = sp[:-1]
         first = "pl.ds(plane + k{a}, 1)" if per_plane else "pl.ds(k{a}, rows)"
         win = ", ".join(
             ["0", first.format(a=lead)]
@@ -92,14 +92,32 @@ class ConvBuilder(KernelBuilder):
         )
         flat = " * ".join(["1" if per_plane else "rows"] + [f"n_o{a}" for a in sp[1:-1]] + [f"n_o{sp[-1]}_p"])
         tap_idx = ", ".join(f"k{a}" for a in sp)
-        pad = "    " * (depth - 1)
-        accumulate = (
-            f"{pad}    acc = jnp.zeros(({flat}, w_ref.shape[-1]), jnp.float32)  # f32[{flat}, bo]\n"
-            f"{taps_loops}\n"
-            f"{ind}window = x_ref[{win}]  # the tap's shifted window of the halo'd block\n"
-            f"{ind}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), w_ref[{tap_idx}], "
-            f"preferred_element_type=jnp.float32{prec_code})\n"
+        last = sp[-1]
+        last = sp[-1]
+        # nested fori_loops over the outer tap offsets (no index arithmetic in the kernel), innermost the
+        # unrolled k{last} taps
+        lines = []
+        for k, a in enumerate(outer):
+            lines.append(f"{'    ' * k}def taps_{a}(k{a}, acc):")
+        depth_in = len(outer)
+        lines.append(f"{'    ' * depth_in}for k{last} in range(n_k{last}):")
+        lines.append(
+            f"{'    ' * (depth_in + 1)}window = x_ref[{win}]  # the tap's shifted window of the halo'd block"
         )
+        lines.append(
+            f"{'    ' * (depth_in + 1)}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), w_ref[{tap_idx}], "
+            f"preferred_element_type=jnp.float32{prec_code})"
+        )
+        lines.append(f"{'    ' * depth_in}return acc")
+        for k in range(len(outer) - 1, 0, -1):
+            lines.append("")
+            lines.append(f"{'    ' * k}return lax.fori_loop(0, n_k{outer[k]}, taps_{outer[k]}, acc)")
+        lines.append("")
+        lines.append(
+            f"acc = lax.fori_loop(0, n_k{outer[0]}, taps_{outer[0]}, "
+            f"jnp.zeros(({flat}, w_ref.shape[-1]), jnp.float32))  # f32[{flat}, bo]"
+        )
+        accumulate = "".join(f"{pad}{line}\n" if line else "\n" for line in lines)
         if per_plane:
             body = (
                 "    def one_plane(plane, carry):\n"
