@@ -143,7 +143,7 @@ def match_attention(part: Partition, d1: int) -> AttentionInfo | None:
             ax2.add(g.eqns[k])
     except Conflict:
         return None
-    region = part._new("attention")
+    region = part.new_region("attention")
     region.axes = ax2
     region.owned = sorted(chain_set)
     region.pulled = set(pulls)

@@ -98,8 +98,28 @@ class Scope:
         self.lines.append(self.indent + line)
 
 
-class Builder:
-    """Shared machinery; subclasses choose the space, the phases and the accumulation."""
+@dataclass
+class Layout:
+    """What every emitter of one kernel shares: grid axes, operand/output views and tile params."""
+
+    grid_axes: list[int]
+    axis_dims: dict[int, SpaceDim]
+    index_args: str
+    in_vars: list[Any]
+    out_view: list[SpaceDim]
+    params: list[ParamSpec]
+    names_in: list[str]
+    out_names: list[str]
+
+
+class KernelBuilder:
+    """The public base of every kernel family's builder (see `families.FAMILIES`).
+
+    A builder turns one region into a `KernelSpec` (index maps, kernel body and wrapper as code, plus the
+    figures the tuner needs) and the call expression `computation()` uses. Template families (a grouped
+    matmul, a scan) subclass this directly; families re-emitted from the region's equations on a space of
+    tile dims subclass `Builder`.
+    """
 
     family = "kernel"
 
@@ -108,12 +128,24 @@ class Builder:
         self.g = low.g
         self.part = low.part
         self.region = region
-        self.ax = region.axes
         self.index = index
         self.stem = f"_{self.family}_{index}" if n_kernels > 1 else f"_{self.family}"
         self.cprefix = f"K{index}_" if n_kernels > 1 else ""
         self.inputs: list[Any] = self.part.region_inputs(region)
         self.outputs: list[Any] = self.part.region_outputs(region)
+
+    def build(self) -> tuple[KernelSpec, str]:
+        """The kernel spec and the call expression for computation()."""
+        raise NotImplementedError
+
+
+class Builder(KernelBuilder):
+    """Kernels re-emitted from the region's equations; subclasses choose the space, the phases and the
+    accumulation."""
+
+    def __init__(self, low: Lowering, region: Region, index: int, n_kernels: int) -> None:
+        super().__init__(low, region, index, n_kernels)
+        self.ax = region.axes
         self.input_set = set(self.inputs)
         self.dims: list[SpaceDim] = []
         self.input_view: dict[Any, list[SpaceDim]] = {}
@@ -344,7 +376,7 @@ class Builder:
             ):
                 self.transcendentals += 1
             mat = frozenset(mats)
-            nm = self.fresh(_stem(name))
+            nm = self.fresh(stem_of(name))
             scope.add(f"{nm} = {expr}" + self.comment(dt, space, mat, scalar and not mats))
             return nm, mat
         if kind == "reduce" and name == "top_k":
@@ -445,7 +477,7 @@ class Builder:
         else:
             raise LowerError(f"no kernel code for {name}")
         newmat = frozenset(mat - need)
-        nm = self.fresh(_stem(name))
+        nm = self.fresh(stem_of(name))
         scope.add(f"{nm} = {expr}" + self.comment(dt, space, newmat))
         return nm, newmat
 
@@ -626,7 +658,17 @@ class Builder:
         return self.family
 
     def assemble(self, body: list[str]) -> tuple[KernelSpec, str]:
-        low = self.low
+        """The kernel's code and spec around its body. Each piece has its own emitter on one shared
+        `Layout` (grid axes, operand views, tile params), so a family can override one of them."""
+        lay = self.layout()
+        maps, map_of = self.emit_index_maps(lay)
+        kernel = self.emit_kernel_function(lay, body)
+        wrapper = self.emit_wrapper(lay, map_of)
+        spec = self.kernel_spec(lay, "\n\n".join([*maps, kernel, wrapper]))
+        return spec, self.call_expression(lay)
+
+    def layout(self) -> Layout:
+        """Grid axes, operand and output views, and the tile params with their alignment."""
         grid_axes = sorted({d.axis for d in self.dims if d.axis is not None})
         axis_dims = {a: next(d for d in self.dims if d.axis == a) for a in grid_axes}
         index_args = ", ".join(f"{axis_dims[a].key}_index" for a in grid_axes)
@@ -669,10 +711,25 @@ class Builder:
                         doc=self.param_doc(d),
                     )
                 )
-        # index maps
-        code: list[str] = []
         names_in = [self.local(v) for v in in_vars]
         out_names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
+        return Layout(
+            grid_axes=grid_axes,
+            axis_dims=axis_dims,
+            index_args=index_args,
+            in_vars=in_vars,
+            out_view=out_view,
+            params=params,
+            names_in=names_in,
+            out_names=out_names,
+        )
+
+    def emit_index_maps(self, lay: Layout) -> tuple[list[str], dict[str, str]]:
+        """Named index maps, one per distinct operand view (identical maps are shared)."""
+        in_vars, out_view, names_in, out_names = lay.in_vars, lay.out_view, lay.names_in, lay.out_names
+        index_args = lay.index_args
+        # index maps
+        code: list[str] = []
 
         def index_map(view: list[SpaceDim], var: Any, fname: str) -> str:
             entries = []
@@ -703,6 +760,11 @@ class Builder:
                 seen_maps[text] = fname
                 map_of[nm] = fname
                 code.append(text.replace("FNAME", fname))
+        return code, map_of
+
+    def emit_kernel_function(self, lay: Layout, body: list[str]) -> str:
+        """The kernel: refs, then keyword sizes, the grid indices it reads, and the body."""
+        names_in, out_names = lay.names_in, lay.out_names
         # kernel function
         refs = (
             [f"{n}_ref" for n in names_in] + [f"{n}_ref" for n in out_names] + [s[0] for s in self.scratch()]
@@ -714,7 +776,13 @@ class Builder:
         for a in sorted(self.axis_used):
             kernel.append(f"    {self.axis_name(a)}_index = pl.program_id({a})")
         kernel += body
-        code.append("\n".join(kernel) + "\n")
+        return "\n".join(kernel) + "\n"
+
+    def emit_wrapper(self, lay: Layout, map_of: dict[str, str]) -> str:
+        """The wrapper: extents from the inputs, block sizes, views and padding, the pallas_call, crops."""
+        kw = sorted(self.kernel_kw)
+        grid_axes, axis_dims, in_vars = lay.grid_axes, lay.axis_dims, lay.in_vars
+        out_view, params, names_in, out_names = lay.out_view, lay.params, lay.names_in, lay.out_names
         # wrapper
         w: list[str] = []
         extent_lines = self.extent_lines(in_vars)
@@ -848,13 +916,18 @@ class Builder:
                 w.append("    " + line)
             results.append(cur)
         w.append(f"    return {', '.join(results)}")
-        code.append("\n".join(w) + "\n")
+        return "\n".join(w) + "\n"
+
+    def kernel_spec(self, lay: Layout, code: str) -> KernelSpec:
+        """The spec the tuner and the block model read."""
+        grid_axes, axis_dims, in_vars = lay.grid_axes, lay.axis_dims, lay.in_vars
+        out_view, params = lay.out_view, lay.params
         # spec
         spec = KernelSpec(
             name=self.stem,
             family=self.family,
             title=self.title(),
-            code="\n\n".join(code),
+            code=code,
             params=params,
             grid=[
                 GridAxis(
@@ -871,10 +944,17 @@ class Builder:
             notes=self.notes,
             structure=self.structure(),
         )
+        return spec
+
+    def call_expression(self, lay: Layout) -> str:
+        """How computation() calls the wrapper."""
+        low = self.low
+        in_vars = lay.in_vars
+        ckw = sorted(self.call_kw)
         call_args = ", ".join(low.name_of(v) for v in in_vars)
         call_kw = ", ".join(f"{k}={self.call_kw[k]}" for k in ckw)
         call = f"{self.stem}({call_args}{', ' if call_kw and call_args else ''}{call_kw})"
-        return spec, call
+        return call
 
     def flops_code(self) -> str:
         """Flops of the whole call as an expression of the wrapper's extents (for pl.CostEstimate)."""
@@ -932,7 +1012,7 @@ class Builder:
                     copies=2,
                     kind="input",
                     axes=axes,
-                    hbm_bytes=_nbytes(v),
+                    hbm_bytes=nbytes(v),
                 )
             )
         for v in self.outputs:
@@ -945,7 +1025,7 @@ class Builder:
                     copies=2,
                     kind="output",
                     axes=axes,
-                    hbm_bytes=_nbytes(v),
+                    hbm_bytes=nbytes(v),
                 )
             )
         for name, _dt, dims in self.scratch():
@@ -974,7 +1054,8 @@ class Builder:
         return refs
 
 
-def _nbytes(v: Any) -> int:
+def nbytes(v: Any) -> int:
+    """Bytes of a jaxpr var's whole array (a BufferSpec's HBM size, the block model's traffic)."""
     n = v.aval.dtype.itemsize
     for s in v.aval.shape:
         n *= int(s)
@@ -987,7 +1068,8 @@ def _tuple(items: list[str]) -> str:
     return f"({', '.join(items)})"
 
 
-def _stem(prim: str) -> str:
+def stem_of(prim: str) -> str:
+    """A readable variable stem for a primitive's result in generated code."""
     return {
         "reduce_sum": "sum",
         "reduce_max": "max",
@@ -1021,7 +1103,8 @@ def _constant_value(g: Any, var: Any, own: set[int]) -> float | None:
         var = e.invars[0]
 
 
-def _precision(e: Any) -> str:
+def precision_arg(e: Any) -> str:
+    """The `, precision=...` argument a kernel's dot needs to match an f32 reference dot's precision."""
     prec = e.params.get("precision")
     dt = dtype_name(e.invars[0].aval)
     if dt != "float32" or prec is None:
@@ -1033,11 +1116,13 @@ def _precision(e: Any) -> str:
     return ""
 
 
-def _nelems(v: Any) -> int:
+def nelems(v: Any) -> int:
+    """Elements of a jaxpr var's array (at the primary trace's shapes)."""
     return math.prod(int(s) for s in v.aval.shape)
 
 
-def _op_summary(g: Any, region: Region, *, skip_dots: bool = False, limit: int = 8) -> str:
+def op_summary(g: Any, region: Region, *, skip_dots: bool = False, limit: int = 8) -> str:
+    """A region's work as a short list of op names, for kernel titles and plans."""
     names: list[str] = []
     for i in sorted(region.owned):
         e = g.eqns[i]
@@ -1047,9 +1132,13 @@ def _op_summary(g: Any, region: Region, *, skip_dots: bool = False, limit: int =
             continue
         if skip_dots and k == "dot":
             continue
-        label = _stem(n)
+        label = stem_of(n)
         if not names or names[-1] != label:
             names.append(label)
     if len(names) > limit:
         names = names[:limit] + ["..."]
     return ", ".join(names)
+
+
+# Old private spellings, kept only while branches written before the family registry still import them.
+_nbytes, _precision, _nelems, _op_summary, _stem = nbytes, precision_arg, nelems, op_summary, stem_of

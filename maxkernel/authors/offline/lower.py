@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from maxkernel.authors.offline.attention_kernel import AttentionBuilder
 from maxkernel.authors.offline.dataflow import Graph, is_literal
 from maxkernel.authors.offline.emit import (
     EmitError,
@@ -21,9 +20,8 @@ from maxkernel.authors.offline.emit import (
     literal_code,
     shape_comment,
 )
+from maxkernel.authors.offline.families import builder_for
 from maxkernel.authors.offline.kernels import LowerError
-from maxkernel.authors.offline.map_kernel import MapBuilder
-from maxkernel.authors.offline.matmul_kernel import MatmulBuilder
 from maxkernel.authors.offline.partition import FUSION_LEVELS, Options, Partition, Region
 from maxkernel.authors.offline.spec import KernelSpec, ProgramSpec
 from maxkernel.authors.offline.trace import Atom, Resolver, Traces, Unsupported, _close, search
@@ -377,7 +375,7 @@ class Lowering:
                 glue_desc.append(e.primitive.name)
                 continue
             region: Region = obj
-            builder = _builder(region)(self, region, counter, n_k)
+            builder = builder_for(region.kind)(self, region, counter, n_k)
             counter += 1
             spec, call = builder.build()
             kernels.append(spec)
@@ -441,17 +439,6 @@ class Lowering:
                 continue
             out.append(f"{e.primitive.name} -> {_aval(e.outvars[0])}")
         return out
-
-
-def _builder(region: Region) -> Any:
-    from maxkernel.authors.offline.grouped import GroupedMatmulBuilder
-
-    return {
-        "map": MapBuilder,
-        "matmul": MatmulBuilder,
-        "attention": AttentionBuilder,
-        "grouped": GroupedMatmulBuilder,
-    }[region.kind]
 
 
 def _aval(v: Any) -> str:
