@@ -36,15 +36,11 @@ import jax.extend.core as jex_core
 import numpy as np
 from pydantic import BaseModel, Field
 
-from maxkernel.tools.tpu_specs import TpuSpec, get_spec
+from maxkernel.tools.tpu_specs import PER_STEP_OVERHEAD_S, TpuSpec, get_spec
 
 # --------------------------------------------------------------------------------------------------------
 # Documented model constants. Change them only together with benchmarks/calibrate_block_model.py.
 # --------------------------------------------------------------------------------------------------------
-
-PER_STEP_OVERHEAD_S: float = 0.35e-6
-"""Fixed cost of one grid step of a pipelined pallas_call (~0.35 us, the figure the JAX Pallas TPU
-pipelining / matmul guides quote for per-iteration overhead). It is why 128x128 tiles are slow."""
 
 VALU_VREG_OPS_PER_CYCLE: int = 2
 """Assumption: the VPU retires two full (8 sublanes x 128 lanes) vreg operations per cycle. Elementwise work

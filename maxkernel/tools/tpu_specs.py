@@ -52,6 +52,11 @@ def allow_concurrent_compile_only_libtpu() -> bool:
 
 allow_concurrent_compile_only_libtpu()
 
+PER_STEP_OVERHEAD_S: float = 0.35e-6
+"""Fixed cost of one grid step of a pipelined pallas_call (~0.35 us, the figure the JAX Pallas TPU
+pipelining / matmul guides quote for per-iteration overhead). It is why 128x128 tiles are slow. Lives here
+(not in the estimator) because the offline author's config ranking uses it too and must not import JAX."""
+
 _CLOUD_DOCS = "Google Cloud TPU docs"
 _VMEM_SOURCE = (
     "VMEM: measured from libtpu 0.0.42.1 AOT compile errors; agrees with jax.experimental.pallas.tpu "
