@@ -252,3 +252,23 @@ def test_vmem_flag_agrees_with_mosaic(rows: int, fits: bool) -> None:
     else:
         with pytest.raises(Exception, match="(?i)vmem"):
             jax.jit(fn).trace(*specs).lower().compile()
+
+
+def test_reference_pays_for_the_precision_it_asks_for() -> None:
+    """The compiler's model prices f32 dots as one pass whatever the precision; estimate_xla adds the extra
+    passes of HIGHEST, so a kernel and its reference pay for the same precision."""
+
+    def mm(precision):
+        return lambda a, b: jnp.dot(a, b, precision=precision)
+
+    f32 = [((1024, 1024), jnp.float32)] * 2
+    default = estimate_xla(mm(None), f32, "v5e")
+    highest = estimate_xla(mm(jax.lax.Precision.HIGHEST), f32, "v5e")
+    bf16 = estimate_xla(mm(jax.lax.Precision.HIGHEST), [((1024, 1024), jnp.bfloat16)] * 2, "v5e")
+    assert default.est_compiler_seconds == pytest.approx(highest.est_compiler_seconds)  # blind to precision
+    assert default.est_precision_surcharge_seconds == 0.0 and bf16.est_precision_surcharge_seconds == 0.0
+    one_pass = 2 * 1024**3 / get_spec("v5e").device_peak_flops
+    assert highest.est_precision_surcharge_seconds > 3 * one_pass
+    assert highest.estimated_seconds == pytest.approx(
+        highest.est_compiler_seconds + highest.est_precision_surcharge_seconds
+    )
