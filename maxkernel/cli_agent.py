@@ -62,7 +62,9 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
             perf = f" (estimated {a.estimated_speedup:.2f}x)" if a.estimated_speedup is not None else ""
             if a.measured_speedup is not None:
                 perf = f" (measured {a.measured_speedup:.2f}x)"
-            bits.append(f"{a.kind}{cfg}: " + (f"accepted{perf}" if a.accepted else f"{a.stage} — {a.message[:140]}"))
+            bits.append(
+                f"{a.kind}{cfg}: " + (f"accepted{perf}" if a.accepted else f"{a.stage} — {a.message[:140]}")
+            )
     if update.get("best") is not None:
         b = update["best"]
         seen["best"] = b
@@ -126,6 +128,13 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
         )
         console.print(f"\n[bold]{values.get('status')}[/]: best {best.id if best else 'none'}")
         if values.get("result_path"):
+            try:
+                verdict = json.loads(Path(values["result_path"]).read_text()).get("verdict") or {}
+            except (OSError, ValueError):
+                verdict = {}
+            if verdict.get("line"):
+                style = "bold red" if verdict["line"].startswith("SLOWER") else "bold green"
+                console.print(f"[{style}]{escape(verdict['line'])}[/]")
             console.print(
                 f"wrote {Path(values['result_path']).parent}/kernel.py, result.json, report.md, search_tree.png"
             )
@@ -157,8 +166,15 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
         best=json.dumps({"source_hash": best.source_hash, "score": list(best.score())}) if best else None,
     )
     result_path = values.get("result_path")
-    console.print(f"\n[bold]{status}[/]: {values.get('stop_reason') or ''}")
+    console.print(f"\n[bold]{status}[/]: {escape(values.get('stop_reason') or '')}")
     if result_path:
+        try:
+            line = json.loads(Path(result_path).read_text()).get("verdict", {}).get("line")
+        except (OSError, ValueError):
+            line = None
+        if line:
+            style = "bold red" if line.startswith("SLOWER") else "bold green"
+            console.print(f"[{style}]{escape(line)}[/]")
         console.print(f"wrote {Path(result_path).parent}/kernel.py, result.json, report.md")
     raise typer.Exit(0 if best is not None else 1)
 

@@ -87,13 +87,21 @@ def _settings(state: SearchState) -> SearchInput:
     return SearchInput.model_validate(state.model_dump(include=set(SearchInput.model_fields)))
 
 
-def _strategy_pool(s: SearchInput) -> list[str]:
-    return list(s.strategies or strategy_names())
+def _strategy_pool(s: SearchInput, ctx: Context | None = None) -> list[str]:
+    """The strategies branches draw from: the user's list, else what the author can apply (the offline
+    author realises only some strategies; a branch with one it cannot apply would repeat the root)."""
+    if s.strategies:
+        return list(s.strategies)
+    if ctx is not None and ctx.chat_model is None and ctx.model == "offline":
+        from maxkernel.authors.offline.transforms import offline_strategies
+
+        return offline_strategies()
+    return strategy_names()
 
 
-def root(state: SearchState) -> Command[Literal["branch"]]:
+def root(state: SearchState, runtime: Runtime[Context]) -> Command[Literal["branch"]]:
     if state.algorithm == "parallel":
-        pool = _strategy_pool(state)
+        pool = _strategy_pool(state, runtime.context)
         sends = [
             Send(
                 "branch",
@@ -208,9 +216,9 @@ def route_after_select(state: SearchState) -> Literal["expand", "finish"]:
     return "finish"
 
 
-def expand(state: SearchState) -> Command[Literal["branch"]]:
+def expand(state: SearchState, runtime: Runtime[Context]) -> Command[Literal["branch"]]:
     nodes = {n.id: n for n in latest_nodes(state.nodes)}
-    pool = _strategy_pool(state)
+    pool = _strategy_pool(state, runtime.context)
     sends = []
     for p_index, pid in enumerate(state.frontier):
         parent = nodes[pid]
@@ -272,7 +280,14 @@ def finish(state: SearchState) -> dict[str, Any]:
         "accepted_nodes": len(accepted),
     }
     if best and best.result_path and Path(best.result_path).exists():
-        result["harness"] = json.loads(Path(best.result_path).read_text()).get("harness")
+        branch_result = json.loads(Path(best.result_path).read_text())
+        result["harness"] = branch_result.get("harness")
+        result["verdict"] = branch_result.get("verdict")  # the best branch's own faster/slower verdict
+    if not result.get("verdict"):
+        result["verdict"] = {
+            "outcome": "no result",
+            "line": "no accepted kernel: nothing to compare with XLA",
+        }
     (out / "result.json").write_text(json.dumps(result, indent=2))
     (out / "report.md").write_text(_report(state, nodes, best, picture))
     return {
@@ -289,7 +304,7 @@ def _report(
     if best:
         lines.append(
             f"Best: node `{best.id}` (strategy {best.strategy or 'none'}), {best.score_kind} speedup "
-            f"{best.score:.2f}x"
+            f"{best.score:.2f}x" + (" — **slower than XLA**" if best.score <= 1.0 else "")
             if best.score is not None
             else f"Best: node `{best.id}` (correct; no perf figure)"
         )
