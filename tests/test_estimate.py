@@ -272,3 +272,69 @@ def test_reference_pays_for_the_precision_it_asks_for() -> None:
     assert highest.estimated_seconds == pytest.approx(
         highest.est_compiler_seconds + highest.est_precision_surcharge_seconds
     )
+
+
+def _causal_scores(q, k, *, bq: int, clamp: bool, guard: bool):
+    """s[i] = sum over visible kv blocks j <= i of q_i @ k_j^T: the skeleton of causal attention."""
+    n_q, n_k = q.shape[0] // bq, k.shape[0] // bq
+
+    def kernel(q_ref, k_ref, o_ref):
+        qi, kj = pl.program_id(0), pl.program_id(1)
+
+        @pl.when(kj == 0)
+        def _init():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        def body():
+            o_ref[...] += jax.lax.dot_general(
+                q_ref[...], k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+
+        if guard:
+            pl.when(kj <= qi)(body)
+        else:
+            body()
+
+    def q_index_map(qi, kj):
+        return qi, 0
+
+    def k_index_map(qi, kj):
+        return (jnp.minimum(kj, qi) if clamp else kj), 0
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((q.shape[0], bq), jnp.float32),
+        grid=(n_q, n_k),
+        in_specs=[pl.BlockSpec((bq, q.shape[1]), q_index_map), pl.BlockSpec((bq, k.shape[1]), k_index_map)],
+        out_specs=pl.BlockSpec((bq, bq), q_index_map),
+    )(q, k)
+
+
+def test_masked_blocks_skip_compute_and_fetch() -> None:
+    """A pl.when guard on the grid position is charged only where it runs, and a K index map clamped to
+    the last visible block fetches nothing for the masked steps."""
+    spec = jax.ShapeDtypeStruct((1024, 128), jnp.bfloat16)
+    n = 1024 // 128
+
+    def est(**kw):
+        fn = functools.partial(_causal_scores, bq=128, **kw)
+        return estimate_pallas(jax.make_jaxpr(fn)(spec, spec), "v5e").pallas_calls[0]
+
+    full, guarded, clamped = (
+        est(clamp=False, guard=False),
+        est(clamp=False, guard=True),
+        est(clamp=True, guard=True),
+    )
+    visible = n * (n + 1) / 2
+    assert guarded.est_mxu_flops == pytest.approx(full.est_mxu_flops * visible / n**2)
+    assert any("fraction of grid steps" in note for note in guarded.notes)
+    k_full = next(o for o in full.operands if o.role == "input" and o.est_transfers == n * n)
+    k_clamped = [o for o in clamped.operands if o.role == "input"][1]
+    # clamped: within each q row the block index stops changing after the diagonal; the next row restarts at 0
+    assert k_clamped.est_transfers < k_full.est_transfers
+    assert k_clamped.est_transfers == 1 + sum(
+        1
+        for i in range(n)
+        for j in range(n)
+        if (i, j) != (0, 0) and (min(j, i) != (min(j - 1, i) if j else min(n - 1, i - 1)))
+    )

@@ -82,6 +82,8 @@ ASSUMPTIONS: dict[str, str] = {
     "pipeline": "block re-fetched only when its block index changes between consecutive grid steps; "
     "outputs written back when their index changes and after the last step; 2 buffers per block",
     "single_core": "one TensorCore per grid (no megacore split of 'parallel' axes)",
+    "masked_compute": "a kernel-body cond (pl.when) whose predicate depends only on the grid position is "
+    "charged per branch for the fraction of steps taking it; other conds: the dearest branch every step",
     "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled",
     "control_flow": "cond = most expensive branch; scan = body x length; while = body once (flagged)",
 }
@@ -574,17 +576,25 @@ def _dma_bytes(eqn: jex_core.JaxprEqn) -> float:
         return float(min((_nbytes(a) for a in refs), default=0))
 
 
-def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec) -> _Work:
-    """MXU / VPU / EUP / DMA work of one execution of a kernel body (one grid step)."""
+def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, fractions: dict[int, np.ndarray] | None = None) -> _Work:
+    """MXU / VPU / EUP / DMA work of one execution of a kernel body (one grid step, averaged over steps
+    for conds whose branch `fractions` per grid step are known)."""
     w = _Work()
-    for eqn in jaxpr.eqns:
+    for pos, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
         if name == "dot_general":
             w.add(_dot_work(eqn, spec))
         elif name == "cond":
             branches = [_body_work(_as_jaxpr(b)[0], spec) for b in eqn.params["branches"]]
-            w.add(max(branches, key=lambda b: b.cost_key(spec)))
-            w.notes.add("cond: most expensive branch charged every step (pl.when bodies included)")
+            frac = (fractions or {}).get(pos)
+            if frac is not None:
+                for b, f in zip(branches, frac, strict=True):
+                    if f:
+                        w.add(b, float(f))
+                w.notes.add("cond: each branch charged for the fraction of grid steps that take it")
+            else:
+                w.add(max(branches, key=lambda b: b.cost_key(spec)))
+                w.notes.add("cond: most expensive branch charged every step (pl.when bodies included)")
         elif name == "scan":
             w.add(_body_work(_as_jaxpr(eqn.params["jaxpr"])[0], spec), float(eqn.params["length"]))
         elif name == "while":
@@ -644,34 +654,84 @@ def _np_eval(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[np.nda
     for v, a in zip(jaxpr.invars, args, strict=True):
         env[v] = a
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        x = [read(v) for v in eqn.invars]
-        if name in _NP_BINOPS:
-            out = _NP_BINOPS[name](x[0], x[1])
-        elif name == "div":  # lax.div truncates toward zero
-            out = np.trunc(np.divide(x[0], x[1])).astype(np.int64)
-        elif name == "rem":
-            out = np.fmod(x[0], x[1])
-        elif name == "neg":
-            out = np.negative(x[0])
-        elif name == "not":
-            out = np.logical_not(x[0]) if x[0].dtype == bool else np.invert(x[0])
-        elif name == "select_n":
-            out = np.choose(x[0].astype(np.int64), x[1:])
-        elif name == "convert_element_type":
-            out = x[0].astype(np.int64) if eqn.params["new_dtype"] != np.bool_ else x[0].astype(bool)
-        elif name == "clamp":
-            out = np.clip(x[1], x[0], x[2])
-        elif name in ("pjit", "jit", "closed_call"):
-            sub, sub_consts = _as_jaxpr(eqn.params.get("jaxpr") or eqn.params["call_jaxpr"])
-            outs = _np_eval(sub, sub_consts, x)
-            for v, o in zip(eqn.outvars, outs, strict=True):
-                env[v] = o
-            continue
-        else:
-            raise KeyError(name)
-        env[eqn.outvars[0]] = out
+        outs = _np_prim(eqn, [read(v) for v in eqn.invars])
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+def _np_prim(eqn: jex_core.JaxprEqn, x: list[Any]) -> list[Any]:
+    """One integer/boolean primitive on numpy vectors (one entry per grid step); KeyError if unsupported."""
+    name = eqn.primitive.name
+    if name in _NP_BINOPS:
+        out = _NP_BINOPS[name](x[0], x[1])
+    elif name == "div":  # lax.div truncates toward zero
+        out = np.trunc(np.divide(x[0], x[1])).astype(np.int64)
+    elif name == "rem":
+        out = np.fmod(x[0], x[1])
+    elif name == "neg":
+        out = np.negative(x[0])
+    elif name == "not":
+        out = np.logical_not(x[0]) if np.asarray(x[0]).dtype == bool else np.invert(x[0])
+    elif name == "select_n":
+        out = np.choose(np.asarray(x[0]).astype(np.int64), x[1:])
+    elif name == "convert_element_type":
+        new = np.dtype(eqn.params["new_dtype"])
+        if new.kind not in "biu":
+            raise KeyError(name)  # float index arithmetic: not an index map
+        out = np.asarray(x[0]).astype(bool) if new == np.bool_ else np.asarray(x[0]).astype(np.int64)
+    elif name == "clamp":
+        out = np.clip(x[1], x[0], x[2])
+    elif name in ("pjit", "jit", "closed_call"):
+        sub, sub_consts = _as_jaxpr(eqn.params.get("jaxpr") or eqn.params["call_jaxpr"])
+        return _np_eval(sub, sub_consts, x)
+    else:
+        raise KeyError(name)
+    return [out]
+
+
+def _branch_fractions(
+    jaxpr: jex_core.Jaxpr, grid: tuple[int, ...], cap: int = 1 << 20
+) -> dict[int, np.ndarray]:
+    """For each top-level `cond` of a kernel body whose branch index depends only on the grid position
+    (program_id, num_programs and integer arithmetic - what `pl.when` guards such as causal or window
+    masks compile to): the fraction of grid steps that take each branch. Keyed by eqn position.
+
+    This is what lets the block model credit skipped compute: a key block a mask rules out runs the empty
+    branch of its `pl.when`. Grids beyond `cap` steps, or predicates that read data (refs, scalar
+    prefetch), are left out and their conds are charged the most expensive branch.
+    """
+    steps = math.prod(grid) if grid else 1
+    if steps > cap or not any(e.primitive.name == "cond" for e in jaxpr.eqns):
+        return {}
+    idx = np.unravel_index(np.arange(steps, dtype=np.int64), grid) if grid else ()
+    known: dict[Any, Any] = {}
+
+    def value(v: Any) -> Any:
+        if isinstance(v, jex_core.Literal):
+            return np.asarray(v.val)
+        return known[v]
+
+    out: dict[int, np.ndarray] = {}
+    for pos, eqn in enumerate(jaxpr.eqns):
+        name = eqn.primitive.name
+        try:
+            if name == "program_id":
+                known[eqn.outvars[0]] = np.asarray(idx[int(eqn.params["axis"])])
+            elif name == "num_programs":
+                known[eqn.outvars[0]] = np.asarray(grid[int(eqn.params["axis"])])
+            elif name == "cond":
+                branch = np.broadcast_to(np.asarray(value(eqn.invars[0]), np.int64), (steps,))
+                n = len(eqn.params["branches"])
+                out[pos] = np.bincount(np.clip(branch, 0, n - 1), minlength=n) / steps
+            elif all(isinstance(v, jex_core.Literal) or v in known for v in eqn.invars):
+                if any(getattr(getattr(v, "aval", None), "shape", ()) for v in eqn.outvars):
+                    continue  # a vector op of the body, not scalar index arithmetic
+                for v, o in zip(eqn.outvars, _np_prim(eqn, [value(v) for v in eqn.invars]), strict=True):
+                    known[v] = o
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
 
 
 def _block_indices(closed: Any, grid_idx: Sequence[np.ndarray], n: int) -> np.ndarray:
@@ -787,7 +847,7 @@ def _estimate_call(eqn: jex_core.JaxprEqn, spec: TpuSpec, multiplicity: float) -
             vmem += _nbytes(aval)
 
     body, _ = _as_jaxpr(params["jaxpr"])
-    work = _body_work(body, spec)
+    work = _body_work(body, spec, _branch_fractions(body, grid))
     notes |= work.notes
     manual_dma = work.dma_bytes * steps
     if manual_dma:
