@@ -338,3 +338,41 @@ def test_masked_blocks_skip_compute_and_fetch() -> None:
         for j in range(n)
         if (i, j) != (0, 0) and (min(j, i) != (min(j - 1, i) if j else min(n - 1, i - 1)))
     )
+
+
+def _scaled_tanh(x, *, semantics: tuple[str, ...] | None):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.tanh(x_ref[...]) * 2.0
+
+    def index_map(i, j):
+        return i, j
+
+    params = pltpu.CompilerParams(dimension_semantics=semantics) if semantics else None
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(x.shape[0] // 256, x.shape[1] // 512),
+        in_specs=[pl.BlockSpec((256, 512), index_map)],
+        out_specs=pl.BlockSpec((256, 512), index_map),
+        compiler_params=params,
+    )(x)
+
+
+def test_megacore_splits_only_parallel_dimensions() -> None:
+    """v5p exposes two TensorCores as one device: 'parallel' grid steps are shared, others run on one core."""
+    shape = (4096, 4096)
+
+    def call(gen, semantics):
+        fn = functools.partial(_scaled_tanh, semantics=semantics)
+        return _estimate(fn, shape, gen=gen, dtype=jnp.float32).pallas_calls[0]
+
+    split = call("v5p", ("parallel", "parallel"))
+    alone = call("v5p", ("arbitrary", "arbitrary"))
+    assert alone.est_eup_seconds == pytest.approx(2 * split.est_eup_seconds)
+    assert alone.est_overhead_seconds == pytest.approx(2 * split.est_overhead_seconds)
+    assert alone.est_memory_seconds == pytest.approx(split.est_memory_seconds)  # HBM is shared
+    assert any("one of the 2 TensorCores" in n for n in alone.notes)
+    # single-core devices are unaffected by the semantics
+    assert call("v5e", ("parallel", "parallel")).est_eup_seconds == pytest.approx(
+        call("v5e", ("arbitrary", "arbitrary")).est_eup_seconds
+    )

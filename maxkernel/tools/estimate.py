@@ -81,7 +81,8 @@ ASSUMPTIONS: dict[str, str] = {
     "overhead",
     "pipeline": "block re-fetched only when its block index changes between consecutive grid steps; "
     "outputs written back when their index changes and after the last step; 2 buffers per block",
-    "single_core": "one TensorCore per grid (no megacore split of 'parallel' axes)",
+    "megacore": "on devices with several TensorCores (v5p) only 'parallel' grid dimensions are split across "
+    "them (busiest core's share); no parallel dimension = one core at its share of the device peak",
     "masked_compute": "a kernel-body cond (pl.when) whose predicate depends only on the grid position is "
     "charged per branch for the fraction of steps taking it; other conds: the dearest branch every step",
     "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled",
@@ -860,11 +861,14 @@ def _estimate_call(eqn: jex_core.JaxprEqn, spec: TpuSpec, multiplicity: float) -
         limit = (cp.get("mosaic") or {}).get("vmem_limit_bytes")
     vmem_limit = int(limit) if limit else spec.default_scoped_vmem_bytes
 
+    compute_factor, step_factor, split_note = _core_split(spec, grid, cp)
+    if split_note:
+        notes.add(split_note)
     t_mem = hbm / spec.device_hbm_bytes_per_s
-    t_mxu = work.mxu_seconds * steps
-    t_vpu = work.vpu_ops * steps / _vpu_rate(spec)
-    t_eup = work.transcendentals * steps / spec.compiler_transcendentals_per_s
-    t_ovh = steps * PER_STEP_OVERHEAD_S
+    t_mxu = work.mxu_seconds * steps * compute_factor
+    t_vpu = work.vpu_ops * steps / _vpu_rate(spec) * compute_factor
+    t_eup = work.transcendentals * steps / spec.compiler_transcendentals_per_s * compute_factor
+    t_ovh = steps * PER_STEP_OVERHEAD_S * step_factor
     t_exposed = exposed_bytes / spec.device_hbm_bytes_per_s
     t_compute = max(t_mxu, t_vpu, t_eup)
     est = max(t_mem, t_compute + t_exposed) + t_ovh
@@ -907,6 +911,34 @@ def _estimate_call(eqn: jex_core.JaxprEqn, spec: TpuSpec, multiplicity: float) -
         bound=bound,
         notes=sorted(notes),
     )
+
+
+def _core_split(spec: TpuSpec, grid: tuple[int, ...], cp: Any) -> tuple[float, float, str | None]:
+    """(compute factor, step factor, note) for devices with several TensorCores (v5p megacore).
+
+    The per-device peaks in tpu_specs count every TensorCore of the device. Mosaic splits only the grid
+    dimensions marked 'parallel' across them: with P parallel steps on C cores the busiest core runs
+    ceil(P/C)/P of the work at 1/C of the device peak (factor C*ceil(P/C)/P, 1.0 when P divides evenly);
+    with no parallel dimension one core does everything (factor C). HBM bandwidth is shared: unchanged.
+    """
+    cores = spec.tensorcores_per_device
+    if cores <= 1:
+        return 1.0, 1.0, None
+    sem = getattr(cp, "dimension_semantics", None) if cp is not None else None
+    if isinstance(cp, dict):
+        sem = (cp.get("mosaic") or {}).get("dimension_semantics")
+    sem = list(sem or [])
+    parallel = math.prod(
+        g for g, d in zip(grid, sem, strict=False) if "parallel" in str(d).lower() and "arbitrary" not in str(d)
+    ) if sem else 1  # fmt: skip
+    if parallel < 2:
+        return (
+            float(cores),
+            1.0,
+            f"no 'parallel' grid dimension: one of the {cores} TensorCores of {spec.name} works",
+        )
+    share = math.ceil(parallel / cores) / parallel
+    return cores * share, share, f"'parallel' grid steps split over {cores} TensorCores ({spec.name})"
 
 
 @dataclass
