@@ -376,3 +376,38 @@ def test_megacore_splits_only_parallel_dimensions() -> None:
     assert call("v5e", ("parallel", "parallel")).est_eup_seconds == pytest.approx(
         call("v5e", ("arbitrary", "arbitrary")).est_eup_seconds
     )
+
+
+def _gather_rows(idx, x, w):
+    """out[i] = x[idx[i]] @ w: a scalar-prefetched row-block gather; w's index map ignores the table."""
+
+    def kernel(idx_ref, x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32).astype(o_ref.dtype)
+
+    def x_index_map(i, idx_ref):
+        return idx_ref[i], 0
+
+    def w_index_map(i, idx_ref):
+        return 0, 0
+
+    def o_index_map(i, idx_ref):
+        return i, 0
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((idx.shape[0] * 128, w.shape[1]), x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(idx.shape[0],),
+            in_specs=[pl.BlockSpec((128, 256), x_index_map), pl.BlockSpec((256, 256), w_index_map)],
+            out_specs=pl.BlockSpec((128, 256), o_index_map),
+        ),
+    )(idx, x, w)
+
+
+def test_scalar_prefetch_maps_that_ignore_the_table_are_exact() -> None:
+    jaxpr = jax.make_jaxpr(_gather_rows)(_sds((16,), jnp.int32), _sds((4096, 256)), _sds((256, 256)))
+    call = estimate_pallas(jaxpr, "v5e").pallas_calls[0]
+    x_op, w_op = [o for o in call.operands if o.role == "input"][-2:]
+    assert not x_op.index_map_exact and x_op.est_transfers == 16  # data-dependent: upper bound
+    assert w_op.index_map_exact and w_op.est_transfers == 1  # constant map: fetched once

@@ -750,6 +750,26 @@ def _block_indices(closed: Any, grid_idx: Sequence[np.ndarray], n: int) -> np.nd
     return np.stack(cols, axis=1) if cols else np.zeros((n, 0), np.int64)
 
 
+def _reads_prefetch(closed: Any, n_grid: int) -> bool:
+    """Whether an index map uses any argument beyond the grid indices (the scalar-prefetch refs)."""
+    jaxpr, _ = _as_jaxpr(closed)
+    extra = set(jaxpr.invars[n_grid:])
+    if not extra:
+        return False
+    used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jex_core.Literal)}
+    used |= {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    return bool(extra & used)
+
+
+def _grid_only(closed: Any, n_grid: int) -> Any:
+    """The index map with unused trailing (scalar-prefetch) parameters dropped."""
+    jaxpr, consts = _as_jaxpr(closed)
+    if len(jaxpr.invars) == n_grid:
+        return closed
+    trimmed = jaxpr.replace(invars=list(jaxpr.invars[:n_grid]))
+    return jex_core.ClosedJaxpr(trimmed, list(consts))
+
+
 def _count_transfers(closed: Any, grid: tuple[int, ...], cap: int) -> tuple[float, bool]:
     """1 + number of block-index changes between consecutive steps (last grid axis fastest).
 
@@ -810,13 +830,16 @@ def _estimate_call(eqn: jex_core.JaxprEqn, spec: TpuSpec, multiplicity: float) -
         exact = True
         if space in ("any", "hbm", "semaphore", "semaphore_mem"):
             transfers = 0.0  # not pipelined: the kernel moves it by hand (counted via dma_start)
-        elif n_index_ops:
+        elif n_index_ops and _reads_prefetch(bm.index_map_jaxpr, len(grid)):
             transfers, exact = float(steps), False
             notes.add(
                 "scalar-prefetch index maps depend on data: every step counted as a re-fetch (upper bound)"
             )
         else:
-            transfers, sampled = _count_transfers(bm.index_map_jaxpr, grid, MAX_EXACT_STEPS)
+            # Index maps that ignore the scalar-prefetch refs are replayed exactly like any other.
+            transfers, sampled = _count_transfers(
+                _grid_only(bm.index_map_jaxpr, len(grid)), grid, MAX_EXACT_STEPS
+            )
             if sampled:
                 notes.add(f"grid of {steps} steps: re-fetches extrapolated from the first {MAX_EXACT_STEPS}")
         if space in ("default", "vmem"):
