@@ -85,6 +85,8 @@ ASSUMPTIONS: dict[str, str] = {
     "them (busiest core's share); no parallel dimension = one core at its share of the device peak",
     "masked_compute": "a kernel-body cond (pl.when) whose predicate depends only on the grid position is "
     "charged per branch for the fraction of steps taking it; other conds: the dearest branch every step",
+    "reference": "XLA reference = the compiler's optimal_seconds; when that is bytes alone, re-priced with each "
+    "top-level op's operands and result once (as kernels are); plus extra passes of HIGH/HIGHEST f32 dots",
     "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled",
     "control_flow": "cond = most expensive branch; scan = body x length; while = body once (flagged)",
 }
