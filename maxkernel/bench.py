@@ -42,6 +42,11 @@ class BenchSettings(BaseModel):
     branches: int = 2
     tune_configs: int = 2
     task_timeout_s: float = 1800.0
+    search_tune_configs: int = Field(
+        1,
+        description="autotune configs per search-branch round: the branch's transform already picks a config, "
+        "and evaluations shared with the single round are store hits, so one more config per branch suffices",
+    )
     search_below: float = Field(
         1.25,
         description="with an algorithm: every task first gets a single round; the search runs only where that "
@@ -196,6 +201,7 @@ class Bench:
     def _command(self, task: Path, thread: str, out: Path) -> list[str]:
         common = self._common(thread, out, self.s.iterations)
         if self.s.algorithm:
+            common[common.index("--tune-configs") + 1] = str(self.s.search_tune_configs)
             return [sys.executable, "-m", "maxkernel.cli", "search", str(task), "--algorithm", self.s.algorithm,
                     "--branches", str(self.s.branches), *common]  # fmt: skip
         return [sys.executable, "-m", "maxkernel.cli", "optimize", str(task), *common]

@@ -548,6 +548,9 @@ def bench_cmd(
     tune_configs: Annotated[
         int, typer.Option("--tune-configs", min=0, help="autotune configs per round")
     ] = 2,
+    search_tune_configs: Annotated[
+        int, typer.Option("--search-tune-configs", min=0, help="autotune configs per search-branch round")
+    ] = 1,
     search_below: Annotated[
         float,
         typer.Option(
@@ -580,6 +583,7 @@ def bench_cmd(
         branches=branches,
         tune_configs=tune_configs,
         search_below=search_below,
+        search_tune_configs=search_tune_configs,
     )
     try:
         bench = Bench(settings, on_progress=console.print)
