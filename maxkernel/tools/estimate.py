@@ -462,6 +462,8 @@ def _hlo_once_bytes(hlo: str) -> float | None:
         out_bytes = _hlo_array_bytes(type_text)
         sizes[m.group(1)] = out_bytes
         opcode = op.group(1)
+        if opcode in ("while", "conditional", "call", "custom-call"):
+            return None  # a loop body's traffic repeats per trip: counting its operands once would under-price
         if opcode in _HLO_NO_TRAFFIC:
             continue
         operands = re.findall(r"%([\w.\-]+)", op.group(2))
