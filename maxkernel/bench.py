@@ -44,11 +44,41 @@ class BenchSettings(BaseModel):
     branches: int = 2
     tune_configs: int = 2
     task_timeout_s: float = 1800.0
+    search_tune_configs: int = Field(
+        1,
+        description="autotune configs per search-branch round: the branch's transform already picks a config, "
+        "and evaluations shared with the single round are store hits, so one more config per branch suffices",
+    )
+    search_below: float = Field(
+        1.25,
+        description="with an algorithm: every task first gets a single round; the search runs only where that "
+        "round is correct and its estimated speedup is below this (where the estimate leaves headroom)",
+    )
+
+
+FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("attention", "retention", "mla")),
+    ("convolutions", ("conv", "patch_embed", "resnet")),
+    ("matmul chains", ("matmul", "bmm", "gemm", "gemv", "mlp", "linear", "ragged_dot", "moe")),
+    ("norms", ("norm", "softmax", "logsumexp", "cross_entropy")),
+    ("elementwise", ("rotary", "elementwise", "gelu", "relu")),
+)
+"""Report families, matched in order on the task id (the first match wins, so a matmul + layernorm chain is
+a matmul chain). Tasks matching none are 'other'."""
+
+
+def family_of(task_id: str) -> str:
+    name = task_id.lower()
+    for family, needles in FAMILIES:
+        if any(n in name for n in needles):
+            return family
+    return "other"
 
 
 class TaskRow(BaseModel):
     task_id: str
     category: str = ""
+    family: str = ""
     status: str = "pending"
     compiled: bool = False
     correct: bool = False
@@ -61,6 +91,12 @@ class TaskRow(BaseModel):
     error: str | None = None
     kernel_path: str | None = None
     thread_id: str = ""
+    single_estimated_speedup: float | None = Field(
+        None, description="estimated speedup after the single round (before any search)"
+    )
+    searched: bool = False
+    search_estimated_speedup: float | None = None
+    verdict: str | None = None
 
 
 def discover(suite: Path, pattern: str | None) -> list[Path]:
@@ -117,6 +153,7 @@ class Bench:
                     TaskRow(
                         task_id=t.name,
                         category=_category(t),
+                        family=family_of(t.name),
                         thread_id=thread_for(self.out, t.name),
                         status="running",
                     )
@@ -149,23 +186,58 @@ class Bench:
             if r["task_id"] in ids
         ]
 
-    def _command(self, task: Path, thread: str, out: Path) -> list[str]:
-        common = [
+    def _optimize_command(self, task: Path, thread: str, out: Path) -> list[str]:
+        """A plain optimize run (the single round of a search bench: one round, whatever --iterations)."""
+        iterations = 1 if self.s.algorithm else self.s.iterations
+        return [sys.executable, "-m", "maxkernel.cli", "optimize", str(task), *self._common(thread, out, iterations)]
+
+    def _common(self, thread: str, out: Path, iterations: int) -> list[str]:
+        return [
             "--model", self.s.model, "--tpu", ",".join(self.s.tpu), "--scale", self.s.scale,
             "--out", str(out), "--thread-id", thread,
             "--checkpoint-db", str(out / "checkpoints.sqlite"),
             "--store", str(self.out / "store.db"), "--work-dir", str(self.out / "work"),
-            "--iterations", str(self.s.iterations), "--tune-configs", str(self.s.tune_configs),
+            "--iterations", str(iterations), "--tune-configs", str(self.s.tune_configs),
         ]  # fmt: skip
+
+    def _command(self, task: Path, thread: str, out: Path) -> list[str]:
+        common = self._common(thread, out, self.s.iterations)
         if self.s.algorithm:
+            common[common.index("--tune-configs") + 1] = str(self.s.search_tune_configs)
             return [sys.executable, "-m", "maxkernel.cli", "search", str(task), "--algorithm", self.s.algorithm,
                     "--branches", str(self.s.branches), *common]  # fmt: skip
         return [sys.executable, "-m", "maxkernel.cli", "optimize", str(task), *common]
 
     def _run_one(self, task: Path) -> TaskRow:
-        thread = thread_for(self.out, task.name)
-        out = self.out / "tasks" / task.name
-        row = TaskRow(task_id=task.name, category=_category(task), thread_id=thread, status="running")
+        """Without an algorithm: one optimize run. With one: a single round first (its figure is the
+        'single round' column), then the search only where that round left headroom; the task's result is
+        the better of the two, so the final kernel is never slower (estimated) than the first accepted."""
+        if not self.s.algorithm:
+            return self._run_phase(task, self.out / "tasks" / task.name, task.name, search=False)
+        base = self.out / "tasks" / task.name
+        single = self._run_phase(task, base / "single", task.name, search=False)
+        single.single_estimated_speedup = single.estimated_speedup
+        if not single.correct or (single.estimated_speedup or 0.0) >= self.s.search_below:
+            return single
+        found = self._run_phase(task, base / "search", task.name + "#search", search=True)
+        found.single_estimated_speedup = single.estimated_speedup
+        found.searched = True
+        found.search_estimated_speedup = found.estimated_speedup
+        found.seconds = round((single.seconds or 0) + (found.seconds or 0), 1)
+        if not found.correct or (found.estimated_speedup or 0.0) < (single.estimated_speedup or 0.0):
+            keep = single.model_copy(
+                update={"searched": True, "search_estimated_speedup": found.estimated_speedup,
+                        "seconds": found.seconds}
+            )  # fmt: skip
+            return keep
+        return found
+
+    def _run_phase(self, task: Path, out: Path, key: str, *, search: bool) -> TaskRow:
+        thread = thread_for(self.out, key)
+        row = TaskRow(
+            task_id=task.name, category=_category(task), family=family_of(task.name), thread_id=thread,
+            status="running",
+        )  # fmt: skip
         store = self.out / "store.db"
         resuming = False
         if store.exists():
@@ -175,8 +247,10 @@ class Bench:
             )
         if resuming:
             cmd = [sys.executable, "-m", "maxkernel.cli", "resume", thread, "--store", str(store)]
-        else:
+        elif search:
             cmd = self._command(task, thread, out)
+        else:
+            cmd = self._optimize_command(task, thread, out)
         t0 = time.monotonic()
         log = out / "bench.log"
         out.mkdir(parents=True, exist_ok=True)
@@ -229,6 +303,7 @@ def _read_result(row: TaskRow, out: Path, rc: int, log: Path) -> TaskRow:
     row.measured_speedup = timing.get("measured_speedup")
     row.iterations = res.get("iterations")
     row.kernel_path = res.get("kernel_path")
+    row.verdict = (res.get("verdict") or {}).get("line")
     if not row.correct:
         row.error = res.get("stop_reason") or (harness.get("error") or {}).get("message")
     return row
@@ -253,6 +328,35 @@ def geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
 
+CLEAR_SPEEDUP = 1.25
+"""Estimated speedups above this are outside the block model's error band (benchmarks/calibration_*.md)."""
+
+
+def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
+    """Per family: the single round and the final (after search) side by side - estimates only."""
+    out = []
+    for family in [f for f, _ in FAMILIES] + ["other"]:
+        fam = [r for r in rows if (r.family or family_of(r.task_id)) == family]
+        if not fam:
+            continue
+        single = [r.single_estimated_speedup for r in fam if r.correct and r.single_estimated_speedup]
+        final = [r.estimated_speedup for r in fam if r.correct and r.estimated_speedup]
+        out.append(
+            {
+                "family": family,
+                "tasks": len(fam),
+                "correct": sum(r.correct for r in fam),
+                "searched": sum(r.searched for r in fam),
+                "single_geomean": geomean(single),
+                "final_geomean": geomean(final),
+                "single_fast1": sum(1 for v in single if v > 1.0),
+                "final_fast1": sum(1 for v in final if v > 1.0),
+                "final_clear": sum(1 for v in final if v > CLEAR_SPEEDUP),
+            }
+        )
+    return out
+
+
 def summary(rows: list[TaskRow]) -> dict[str, Any]:
     correct = [r for r in rows if r.correct]
     est = [r.estimated_speedup for r in correct if r.estimated_speedup is not None and r.estimated_speedup > 0]
@@ -261,6 +365,7 @@ def summary(rows: list[TaskRow]) -> dict[str, Any]:
         "tasks": len(rows),
         "correct": len(correct),
         "fast1_estimated": sum(1 for v in est if v > 1.0),
+        "clear_estimated": sum(1 for v in est if v > CLEAR_SPEEDUP),
         "fast1_measured": sum(1 for v in meas if v > 1.0),
         "geomean_estimated_speedup": geomean(est),
         "geomean_measured_speedup": geomean(meas),
@@ -285,11 +390,34 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
         "| --- | --- |",
         f"| correct / total | {m['correct']} / {m['tasks']} |",
         f"| fast₁ (correct and faster), estimated | {m['fast1_estimated']} / {m['tasks']} (over {m['estimated_n']} with an estimate) |",
+        f"| clearly faster (estimated > {CLEAR_SPEEDUP}x, outside the model's error band) | {m['clear_estimated']} / {m['tasks']} |",
         f"| fast₁ (correct and faster), measured | {m['fast1_measured']} / {m['tasks']} (over {m['measured_n']} measured) |",
         f"| geomean speedup, estimated (TPU model, not measured) | {fmt(m['geomean_estimated_speedup'])} |",
         f"| geomean speedup, measured on a device | {fmt(m['geomean_measured_speedup'])} |",
         "",
     ]
+    if s.algorithm:
+        single = [r.single_estimated_speedup for r in rows if r.correct and r.single_estimated_speedup]
+        lines += [
+            f"Single round (no search): geomean estimated {fmt(geomean(single))}, fast₁ "
+            f"{sum(1 for v in single if v > 1.0)} / {m['tasks']}. Search ({s.algorithm}, {s.branches} branches) ran "
+            f"on {sum(r.searched for r in rows)} task(s): those correct after one round with an estimate below "
+            f"{s.search_below}x; each task keeps the better of the two.",
+            "",
+        ]
+    lines += [
+        "## By family (estimated speedups: TPU time model, not measured)",
+        "",
+        "| family | tasks | correct | searched | single round geomean | final geomean | fast₁ single | "
+        f"fast₁ final | final > {CLEAR_SPEEDUP}x |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for f in family_table(rows):
+        lines.append(
+            f"| {f['family']} | {f['tasks']} | {f['correct']} | {f['searched']} | {fmt(f['single_geomean'])} | "
+            f"{fmt(f['final_geomean'])} | {f['single_fast1']} | {f['final_fast1']} | {f['final_clear']} |"
+        )
+    lines.append("")
     for p in plots:
         lines.append(f"![{p.stem}]({p.name})")
     gens = sorted({g for r in rows for g in r.tpu_compile})
@@ -299,18 +427,19 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
         "",
         "| task | category | status | compiled | correct | Pallas does the work | "
         + " | ".join(f"TPU {g}" for g in gens)
-        + " | estimated speedup | measured speedup | time | note |",
+        + " | single round (est.) | estimated speedup | measured speedup | time | note |",
         "| --- | --- | --- | --- | --- | --- | "
         + " | ".join("---" for _ in gens)
-        + " | --- | --- | --- | --- |",
+        + " | --- | --- | --- | --- | --- |",
     ]
     yes = lambda b: "✓" if b else "✗"  # noqa: E731
     for r in sorted(rows, key=lambda r: (r.category, r.task_id)):
         comp = " | ".join(yes(r.tpu_compile.get(g, False)) if g in r.tpu_compile else "—" for g in gens)
-        note = (r.error or "").replace("|", "\\|").replace("\n", " ")[:140]
+        note = (r.error or r.verdict or "").replace("|", "\\|").replace("\n", " ")[:140]
         lines.append(
             f"| {r.task_id} | {r.category} | {r.status} | {yes(r.compiled)} | {yes(r.correct)} | {yes(r.uses_pallas)} | "
-            f"{comp} | {fmt(r.estimated_speedup)} | {fmt(r.measured_speedup)} | {r.seconds or 0:.0f} s | {note} |"
+            f"{comp} | {fmt(r.single_estimated_speedup)} | {fmt(r.estimated_speedup)} | {fmt(r.measured_speedup)} | "
+            f"{r.seconds or 0:.0f} s | {note} |"
         )
     return "\n".join(lines) + "\n"
 

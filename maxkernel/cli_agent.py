@@ -97,7 +97,9 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
             perf = f" (estimated {a.estimated_speedup:.2f}x)" if a.estimated_speedup is not None else ""
             if a.measured_speedup is not None:
                 perf = f" (measured {a.measured_speedup:.2f}x)"
-            bits.append(f"{a.kind}{cfg}: " + (f"accepted{perf}" if a.accepted else f"{a.stage} — {a.message[:140]}"))
+            bits.append(
+                f"{a.kind}{cfg}: " + (f"accepted{perf}" if a.accepted else f"{a.stage} — {a.message[:140]}")
+            )
     if update.get("best") is not None:
         b = update["best"]
         seen["best"] = b
@@ -159,6 +161,13 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
         )
         console.print(f"\n[bold]{values.get('status')}[/]: best {best.id if best else 'none'}")
         if values.get("result_path"):
+            try:
+                verdict = json.loads(Path(values["result_path"]).read_text()).get("verdict") or {}
+            except (OSError, ValueError):
+                verdict = {}
+            if verdict.get("line"):
+                style = "bold red" if verdict["line"].startswith("SLOWER") else "bold green"
+                console.print(f"[{style}]{escape(verdict['line'])}[/]")
             console.print(
                 f"wrote {Path(values['result_path']).parent}/kernel.py, result.json, report.md, search_tree.png"
             )
@@ -190,8 +199,15 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
         best=json.dumps({"source_hash": best.source_hash, "score": list(best.score())}) if best else None,
     )
     result_path = values.get("result_path")
-    console.print(f"\n[bold]{status}[/]: {values.get('stop_reason') or ''}")
+    console.print(f"\n[bold]{status}[/]: {escape(values.get('stop_reason') or '')}")
     if result_path:
+        try:
+            line = json.loads(Path(result_path).read_text()).get("verdict", {}).get("line")
+        except (OSError, ValueError):
+            line = None
+        if line:
+            style = "bold red" if line.startswith("SLOWER") else "bold green"
+            console.print(f"[{style}]{escape(line)}[/]")
         console.print(f"wrote {Path(result_path).parent}/kernel.py, result.json, report.md")
     raise typer.Exit(0 if best is not None else 1)
 
@@ -560,8 +576,25 @@ def bench_cmd(
     iterations: Annotated[int, typer.Option("--iterations", min=1, help="agent rounds per task")] = 1,
     tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     task_timeout: Annotated[float, typer.Option("--task-timeout", help="seconds per task")] = 1800.0,
+    branches: Annotated[int, typer.Option("--branches", min=1, help="search branches per task")] = 2,
+    tune_configs: Annotated[
+        int, typer.Option("--tune-configs", min=0, help="autotune configs per round")
+    ] = 2,
+    search_tune_configs: Annotated[
+        int, typer.Option("--search-tune-configs", min=0, help="autotune configs per search-branch round")
+    ] = 1,
+    search_below: Annotated[
+        float,
+        typer.Option(
+            "--search-below",
+            help="with --algorithm: search only tasks whose single round is correct and estimated below this",
+        ),
+    ] = 1.25,
 ) -> None:
-    """Run the agent over a suite; resumable; writes results.db, results.csv, report.md and plots."""
+    """Run the agent over a suite; resumable; writes results.db, results.csv, report.md and plots.
+
+    With --algorithm every task first gets a single round; the search then runs only where that round
+    left headroom (--search-below), and the report shows both, per family."""
     from maxkernel.bench import Bench, BenchSettings, summary
 
     if scale not in ("cpu", "tpu"):
@@ -579,6 +612,10 @@ def bench_cmd(
         iterations=iterations,
         algorithm=algorithm,
         task_timeout_s=task_timeout,
+        branches=branches,
+        tune_configs=tune_configs,
+        search_below=search_below,
+        search_tune_configs=search_tune_configs,
     )
     try:
         bench = Bench(settings, on_progress=console.print)
@@ -588,7 +625,8 @@ def bench_cmd(
     m = summary(rows)
     console.print(
         f"\ncorrect {m['correct']}/{m['tasks']}; geomean estimated speedup "
-        f"{m['geomean_estimated_speedup'] or 0:.2f}x (estimate); measured: "
+        f"{m['geomean_estimated_speedup'] or 0:.2f}x (estimate), fast1 {m['fast1_estimated']}, "
+        f"> 1.25x {m['clear_estimated']}; measured: "
         + (
             f"{m['geomean_measured_speedup']:.2f}x"
             if m["geomean_measured_speedup"]

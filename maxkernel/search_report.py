@@ -18,7 +18,7 @@ def search_report(
     if best:
         lines.append(
             f"Best: node `{best.id}` (strategy {best.strategy or 'none'}), {best.score_kind} speedup "
-            f"{best.score:.2f}x"
+            f"{best.score:.2f}x" + (" — **slower than XLA**" if best.score <= 1.0 else "")
             if best.score is not None
             else f"Best: node `{best.id}` (correct; no perf figure)"
         )

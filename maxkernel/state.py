@@ -115,6 +115,9 @@ class AgentState(AgentInput):
     plan: Plan | None = None
     source_hash: str | None = None
     source_path: str | None = None
+    source_config: dict[str, Any] | None = Field(
+        None, description="the author's config of the current source (None for a human edit or a baseline)"
+    )
     attempt_kind: Literal["baseline", "implement", "repair", "tune", "human"] = "implement"
     repairs: int = 0
     improved: bool = Field(False, description="the best kernel improved during the current round")

@@ -138,6 +138,10 @@ class Reflection(BaseModel):
     action: Literal["continue", "stop"]
     reasons: list[str] = Field(default_factory=list)
     plan_hint: str | None = Field(None, description="what the next plan should change (when continuing)")
+    strategies: list[str] = Field(
+        default_factory=list,
+        description="strategies the author can still apply, best first (empty: no preference / any)",
+    )
 
 
 @runtime_checkable

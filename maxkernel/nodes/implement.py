@@ -54,6 +54,7 @@ def implement(
             **update,
             "source_hash": digest,
             "source_path": path,
+            "source_config": draft.config.as_dict() if draft.config and kind == "implement" else None,
             "repairs": 0,
             "feedback": None,
             "attempt_kind": kind,

@@ -55,6 +55,7 @@ def repair(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["val
     update = {
         "source_hash": digest,
         "source_path": path,
+        "source_config": draft.config.as_dict() if draft.config else None,
         "repairs": state.repairs + 1,
         "attempt_kind": "repair",
         **usage_update(state, author, before),

@@ -24,9 +24,21 @@ def _settings(state: SearchState) -> SearchInput:
     return SearchInput.model_validate(state.model_dump(include=set(SearchInput.model_fields)))
 
 
-def root(state: SearchState) -> Command[Literal["branch"]]:
+def _strategy_pool(state: SearchState, ctx: Context | None = None) -> list[str]:
+    """The strategies branches draw from: the user's list, else what the author can apply (the offline
+    author realises only some strategies; a branch with one it cannot apply would repeat the root)."""
+    if state.strategies:
+        return list(state.strategies)
+    if ctx is not None and ctx.chat_model is None and ctx.model == "offline":
+        from maxkernel.authors.offline.transforms import offline_strategies
+
+        return offline_strategies()
+    return state.strategy_pool()
+
+
+def root(state: SearchState, runtime: Runtime[Context]) -> Command[Literal["branch"]]:
     if state.algorithm == "parallel":
-        pool = state.strategy_pool()
+        pool = _strategy_pool(state, runtime.context)
         sends = [
             Send(
                 "branch",
@@ -158,9 +170,9 @@ def route_after_select(state: SearchState) -> Literal["expand", "finish"]:
     return "finish"
 
 
-def expand(state: SearchState) -> Command[Literal["branch"]]:
+def expand(state: SearchState, runtime: Runtime[Context]) -> Command[Literal["branch"]]:
     nodes = {n.id: n for n in latest_nodes(state.nodes)}
-    pool = state.strategy_pool()
+    pool = _strategy_pool(state, runtime.context)
     sends = []
     for p_index, pid in enumerate(state.frontier):
         parent = nodes[pid]
@@ -222,7 +234,14 @@ def finish(state: SearchState) -> dict[str, Any]:
         "accepted_nodes": len(accepted),
     }
     if best and best.result_path and Path(best.result_path).exists():
-        result["harness"] = json.loads(Path(best.result_path).read_text()).get("harness")
+        branch_result = json.loads(Path(best.result_path).read_text())
+        result["harness"] = branch_result.get("harness")
+        result["verdict"] = branch_result.get("verdict")  # the best branch's own faster/slower verdict
+    if not result.get("verdict"):
+        result["verdict"] = {
+            "outcome": "no result",
+            "line": "no accepted kernel: nothing to compare with XLA",
+        }
     (out / "result.json").write_text(json.dumps(result, indent=2))
     (out / "report.md").write_text(search_report(state, nodes, best, picture))
     return {

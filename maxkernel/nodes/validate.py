@@ -23,7 +23,9 @@ def validate(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     assert state.source_path and state.source_hash
     source = Path(state.source_path).read_text()
     result = run_eval(state, runtime.context, source)
-    attempt = to_attempt(state, state.attempt_kind, state.source_hash, state.source_path, result)
+    attempt = to_attempt(
+        state, state.attempt_kind, state.source_hash, state.source_path, result, config=state.source_config
+    )
     update: dict[str, Any] = {"eval_result": result, "attempts": [attempt]}
     if better(attempt, state.best):
         update["best"] = attempt

@@ -56,6 +56,13 @@ def allow_concurrent_compile_only_libtpu() -> bool:
     return os.environ.get("ALLOW_MULTIPLE_LIBTPU_LOAD") == "1"
 
 
+PER_STEP_OVERHEAD_S: float = 0.27e-6
+"""Fixed cost of one grid step of a pipelined pallas_call. Fitted to the measured v5e times the JAX Pallas
+TPU matmul guide publishes for 128x128x128 tiles (4096^3: 11.77 ms over 32768 steps; 8192^3: 91.8 ms over
+262144 steps): after the block model's memory/compute terms, 0.26-0.27 us per step remain (the guides quote
+~0.35 us including the step's own work). benchmarks/calibrate_published.py prints the agreement. Lives here
+(not in the estimator) because the offline author's config ranking uses it too and must not import JAX."""
+
 _CLOUD_DOCS = "Google Cloud TPU docs"
 _VMEM_SOURCE = (
     "VMEM: measured from libtpu 0.0.42.1 AOT compile errors; agrees with jax.experimental.pallas.tpu "

@@ -20,7 +20,7 @@ import itertools
 
 from maxkernel.authors.base import TileConfig
 from maxkernel.authors.offline.spec import KernelSpec, ParamSpec, ProgramSpec, block_for
-from maxkernel.tools.tpu_specs import get_spec
+from maxkernel.tools.tpu_specs import PER_STEP_OVERHEAD_S, get_spec
 
 MiB = 1 << 20
 DEFAULT_TARGET = 16 * MiB
@@ -104,6 +104,26 @@ def grid_steps(kernel: KernelSpec, values: dict[str, int]) -> int:
     for a in kernel.grid:
         n *= a.steps(values)
     return n
+
+
+def predicted_seconds(program: ProgramSpec, config: TileConfig, tpu: list[str]) -> float:
+    """A coarse TPU-time prediction for ranking configs, summed over the target generations.
+
+    Pure arithmetic on the program's plain data (no JAX: this runs in the agent process): per kernel,
+    max(HBM traffic / bandwidth, flops / MXU peak, transcendentals / EUP rate) + grid steps x the per-step
+    overhead. It ranks configs of one program against each other; the harness's block model (on the
+    kernel's real jaxpr) is what estimates a kernel's time.
+    """
+    total = 0.0
+    for gen in tpu:
+        spec = get_spec(gen)
+        for k in program.kernels:
+            vals = kernel_values(k, config)
+            t_mem = hbm_traffic(k, vals) / spec.device_hbm_bytes_per_s
+            t_mxu = k.flops / spec.device_peak_flops
+            t_eup = k.transcendentals / spec.compiler_transcendentals_per_s
+            total += max(t_mem, t_mxu, t_eup) + grid_steps(k, vals) * PER_STEP_OVERHEAD_S
+    return total
 
 
 def candidates(p: ParamSpec) -> list[int]:
