@@ -129,7 +129,11 @@ def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
         vals[p.name] = fit[-1]
     if kernel.family == "rowwise" and vals:
         _size_rows(kernel, vals)
+    start = dict(vals)
     for target in (DEFAULT_TARGET, budget):
+        # each target shrinks from the start: a kernel that cannot fit the small target (a whole output row
+        # per tile) gets the largest blocks that fit the budget, not the smallest ones
+        vals = dict(start)
         guard = 0
         while vmem_estimate(kernel, vals) > target and guard < 64:
             guard += 1
