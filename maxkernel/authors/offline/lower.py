@@ -251,10 +251,15 @@ class Lowering:
                 f"operand_batching_dims={tuple(getattr(dn, 'operand_batching_dims', ()))}, "
                 f"start_indices_batching_dims={tuple(getattr(dn, 'start_indices_batching_dims', ()))})"
             )
+            src = self.cast_source(e.invars[0])
+            cast = ""
+            if src is not None:  # gather the few values first, then cast them (never the whole array)
+                x, cast = self.name_of(src), f".astype({dtype_code(dtype_name(e.outvars[0].aval))})"
             return (
                 f"lax.gather({x}, {arg(1)}, {dnc}, {_tup(sizes)}, "
                 f"indices_are_sorted={bool(p.get('indices_are_sorted'))}, unique_indices={bool(p.get('unique_indices'))}, "
                 f"mode={mode_code}, fill_value={'None' if fill is None else literal_code(fill, dtype_name(e.outvars[0].aval))})"
+                + cast
             )
         if name == "split":
             per = ints("sizes")
@@ -315,6 +320,32 @@ class Lowering:
         return ", ".join(out) if len(out) != 1 else out[0] + ","
 
     # --- the program ----------------------------------------------------------------------------------
+    def cast_source(self, var: Any) -> Any | None:
+        """For a glue float-to-float cast: the value it casts (a gather may read that and cast after)."""
+        p = self.g.producer.get(var)
+        if p is None or self.part.status[p] != "glue":
+            return None
+        e = self.g.eqns[p]
+        if e.primitive.name != "convert_element_type" or is_literal(e.invars[0]):
+            return None
+        if not (is_float(dtype_name(e.invars[0].aval)) and is_float(dtype_name(var.aval))):
+            return None
+        return e.invars[0]
+
+    def cast_needed(self, i: int) -> bool:
+        """Is glue cast `i` read by anything but gathers that read its source instead (see glue_code)?"""
+        e = self.g.eqns[i]
+        v = e.outvars[0]
+        if self.cast_source(v) is None or v in self.g.out_set:
+            return True
+        for c in self.g.consumers.get(v, []):
+            ce = self.g.eqns[c]
+            if self.part.status[c] == "glue" and ce.primitive.name == "gather" and ce.invars[0] is v:
+                continue
+            if self.part.status[c] == "glue":
+                return True
+        return any(v in self.part.region_inputs(r) for r in self.part.regions.values())
+
     def order(self) -> list[tuple[str, Any]]:
         """Glue equations and regions in an order that respects every dependency (Kahn, by position)."""
         g, part = self.g, self.part
@@ -365,6 +396,8 @@ class Lowering:
         for kind, obj in ordered:
             if kind == "glue":
                 e = g.eqns[obj]
+                if not self.cast_needed(obj):
+                    continue
                 try:
                     expr = self.glue_code(obj)
                 except EmitError as exc:

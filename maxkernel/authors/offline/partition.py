@@ -25,6 +25,7 @@ from typing import Any
 from maxkernel.authors.offline.axes import Axes, Conflict, Node
 from maxkernel.authors.offline.dataflow import Graph, is_literal, reduced_axes
 from maxkernel.authors.offline.families import FAMILY_OF, families_starting
+from maxkernel.authors.offline.online import online_sums
 
 STREAM_ELEMS = 64 * 1024
 """Reduced extents above this (at the task's own shapes) are walked in blocks instead of held whole."""
@@ -102,6 +103,7 @@ class Partition:
         self.owner: dict[int, int] = {}  # eqn -> region id
         self._next = 0
         self._classify()
+        self._online = online_sums(graph, [i for i, st in enumerate(self.status) if st == "owned"])
 
     # --- statuses -------------------------------------------------------------------------------------
     def _classify(self) -> None:
@@ -303,12 +305,19 @@ class Partition:
                 n *= max(ax.extents_all(c))
         return n
 
-    def _post_vars(self, region: Region, extra: list[int]) -> set[Any]:
-        """Values computed from a reduction's result (in program order)."""
+    def _post_vars(self, region: Region, extra: list[int], online: set[int] | None = None) -> set[Any]:
+        """Values computed from a reduction's result (in program order). The sub/exp/casts of an online
+        sum (`online`, see online.py) are per-block values: they see the running max, not a finished one."""
         post: set[Any] = set()
+        online = online or set()
         for j in sorted(set(region.eqns()) | set(extra)):
             e = self.g.eqns[j]
-            if self.g.kind[j] == "reduce" or any(v in post for v in e.invars if not is_literal(v)):
+            ins = [v for v in e.invars if not is_literal(v)]
+            if j in online:
+                if any(v in post for v in (ins[:1] if e.primitive.name == "sub" else ins)):
+                    post.update(e.outvars)
+                continue
+            if self.g.kind[j] == "reduce" or any(v in post for v in ins):
                 post.update(e.outvars)
         return post
 
@@ -332,10 +341,17 @@ class Partition:
             return False
         if any(self.g.eqns[j].primitive.name not in ("reduce_sum", "reduce_max", "reduce_min") for j in reds):
             return False
-        post = self._post_vars(region, [i])
+        # sum(exp(a - max(a))) is rescaled online (online.py): its chain may use the running max per block
+        chain = {q for o in self._online.values() for q in o.values}
+        exempt = chain | {q for o in self._online.values() for q in o.layout}
+        post = self._post_vars(region, [i], chain)
         for j in sorted(set(region.eqns()) | {i}):
             ej = self.g.eqns[j]
             ins = [v for v in ej.invars if not is_literal(v)]
+            if j in exempt:
+                if ej.primitive.name == "sub" and ins[0] in post:
+                    return False  # `a` itself depends on a reduction: no single pass
+                continue
             if self.g.kind[j] == "reduce":
                 if any(v in post for v in ins):
                     return False
