@@ -516,7 +516,13 @@ def search_cmd(
 
 @app.command("bench")
 def bench_cmd(
-    suite: Annotated[Path, typer.Argument(help="a folder of task dirs (e.g. benchmarks/suite)")],
+    suite: Annotated[
+        Path,
+        typer.Argument(
+            help="a folder of problem dirs (e.g. benchmarks/suite), a JAXBench benchmark/ folder (or its "
+            "checkout), or a single task"
+        ),
+    ],
     model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
     tasks: Annotated[str | None, typer.Option("--tasks", help="glob over task ids, e.g. 'fused_*'")] = None,
     scale: Annotated[str, typer.Option("--scale", help="validation scale: cpu or tpu")] = "cpu",

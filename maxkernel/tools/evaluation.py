@@ -51,7 +51,10 @@ def describe_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
             val = taskcode.abstract_inputs(ref, "cpu")
             val_configs = [_config(ref, d, s, tolerances, i) for i, (d, s) in enumerate(val)]
         elif mode == "shrink":
-            mapping = taskcode.shrink_map(own, factor)
+            keep = taskcode.SHRINK_KEEP_MULTIPLE.get(ref.format, taskcode.TILE_MULTIPLE)
+            mapping = taskcode.shrink_map(own, factor, keep)
+            if keep > taskcode.TILE_MULTIPLE:
+                note += f"; power-of-two multiples up to {keep} kept"
             val_configs = []
             for i, (d, s) in enumerate(own):
                 d2, s2 = taskcode.shrink_config(d, s, mapping)
@@ -260,9 +263,13 @@ def _evaluate(
         raise _Rejected("load", f"syntax error line {exc.lineno}: {exc.msg}") from exc
     except Exception as exc:
         raise _Rejected("load", f"{type(exc).__name__}: {exc}") from exc
-    candidate = getattr(module, "computation", None)
-    if not callable(candidate):
-        raise _Rejected("load", "the candidate module has no function `computation`")
+    candidate = taskcode.candidate_entry(module)
+    if candidate is None:
+        raise _Rejected(
+            "load", "the candidate module has no function " + " or ".join(
+                f"`{n}`" for n in taskcode.CANDIDATE_ENTRY_POINTS
+            )
+        )
 
     interpret = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
     correctness = CorrectnessResult(ok=True, scale=task.get("validation_note", ""))

@@ -6,7 +6,9 @@ Three task formats are read as they are:
   (`task_id`, `description`, `input_gen_code`, `atol`, `rtol`). `get_inputs(dtype=...)` returns
   `(dynamic_args, static_args)` or a list of such pairs (several input configurations).
 * A bare `reference.py` with `get_inputs` and `computation`.
-* A JAXBench workload module: `CONFIG`, `create_inputs(dtype=...)`, `workload(*inputs)`.
+* A JAXBench workload (`benchmark/<id>/baseline.py`, or any module with them): `CONFIG`,
+  `create_inputs(dtype=...)`, `workload(*inputs)`. Candidates may export `workload` instead of
+  `computation` (JAXBench's hand-written `optimized.py` kernels do).
 
 If `get_inputs` accepts a `scale` keyword (this project's suite does), `scale="cpu"` gives the small shapes
 used for correctness in interpret mode and `scale="tpu"` the production shapes.
@@ -106,6 +108,19 @@ class Reference:
         return normalise_inputs(produced, self.format)
 
 
+# What a candidate module may export, in order of preference: our own name, then JAXBench's.
+CANDIDATE_ENTRY_POINTS = ("computation", "workload")
+
+
+def candidate_entry(module: types.ModuleType) -> Callable[..., Any] | None:
+    """The candidate's function: `computation`, or `workload` (a JAXBench hand-written kernel)."""
+    for name in CANDIDATE_ENTRY_POINTS:
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
 def normalise_inputs(produced: Any, fmt: str) -> list[tuple[list[Any], list[Any]]]:
     if fmt == "jaxbench":
         arrays = list(produced) if isinstance(produced, list | tuple) else [produced]
@@ -172,22 +187,45 @@ def output_specs(ref: Reference, dynamic: list[ArraySpec], static: list[Any]) ->
 # --- shrinking shapes for CPU validation ------------------------------------------------------------------
 
 
-def shrink_dim(d: int, factor: float) -> int:
-    """Shrink one dimension, keeping TPU tile multiples: lanes (128) stay 128-multiples, sublanes (8) stay
-    8-multiples. Dimensions under 256 are left alone (heads, head_dim, batch and the like)."""
+# The finest granularity a shrunk dimension keeps, per task format. 128 keeps lane/sublane tile multiples.
+# JAXBench workloads come with hand-written kernels tuned at their real shapes (blocks up to 2048 wide), so
+# their dims keep every power of two up to 2048 that divided them: a block that divided the real dim still
+# divides the shrunk one, and the hand-written kernel is judged on its numerics, not on a broken grid.
+TILE_MULTIPLE = 128
+SHRINK_KEEP_MULTIPLE: dict[str, int] = {
+    "maxkernel": TILE_MULTIPLE,
+    "reference": TILE_MULTIPLE,
+    "jaxbench": 2048,
+}
+
+
+def _pow2_part(d: int) -> int:
+    return d & -d
+
+
+def shrink_dim(d: int, factor: float, keep_multiple: int = TILE_MULTIPLE) -> int:
+    """Shrink one dimension, keeping TPU tile multiples: a 128-multiple stays a multiple of the largest power
+    of two that divides it, capped at `keep_multiple` (128 by default: lanes stay 128-multiples); an
+    8-multiple stays an 8-multiple. Dimensions under 256 are left alone (heads, head_dim, batch and the like).
+    """
     if d < 256 or factor >= 1:
         return d
     target = d * factor
-    for tile in (128, 8):
-        if d % tile == 0:
-            return max(tile, int(math.floor(target / tile)) * tile)
+    if d % TILE_MULTIPLE == 0:
+        grain = max(TILE_MULTIPLE, min(_pow2_part(d), keep_multiple))
+        return max(grain, int(math.floor(target / grain)) * grain)
+    if d % 8 == 0:
+        return max(8, int(math.floor(target / 8)) * 8)
     return max(1, int(round(target)))
 
 
-def shrink_map(configs: list[tuple[list[ArraySpec], list[Any]]], factor: float) -> dict[int, int]:
+def shrink_map(
+    configs: list[tuple[list[ArraySpec], list[Any]]], factor: float, keep_multiple: int = TILE_MULTIPLE
+) -> dict[int, int]:
     """One consistent old→new size map for every dimension seen, so equal dims stay equal (K of x and w)."""
     sizes = {d for dyn, _ in configs for a in dyn for d in a.shape}
-    return {d: shrink_dim(d, factor) for d in sizes if shrink_dim(d, factor) != d}
+    shrunk = {d: shrink_dim(d, factor, keep_multiple) for d in sizes}
+    return {d: n for d, n in shrunk.items() if n != d}
 
 
 def shrink_config(
