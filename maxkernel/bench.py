@@ -171,6 +171,11 @@ class Bench:
                 elapsed = time.monotonic() - started
                 eta = elapsed / finished * (len(todo) - finished)
                 perf = _perf_text(row)
+                if row.human_status:
+                    human_est = row.human_estimated_speedup
+                    perf += f"; hand-written kernel {row.human_status}" + (
+                        f", estimated {human_est:.2f}x" if human_est is not None else ""
+                    )
                 self.say(
                     f"[{finished}/{len(todo)}] {row.task_id}: {row.status}"
                     f"{' correct' if row.correct else ''}{perf} in {row.seconds or 0:.0f} s (eta {eta / 60:.1f} min)"

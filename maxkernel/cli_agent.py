@@ -536,7 +536,7 @@ def bench_cmd(
     task_timeout: Annotated[float, typer.Option("--task-timeout", help="seconds per task")] = 1800.0,
 ) -> None:
     """Run the agent over a suite; resumable; writes results.db, results.csv, report.md and plots."""
-    from maxkernel.bench import Bench, BenchSettings, summary
+    from maxkernel.bench import Bench, BenchSettings, side_by_side, summary
 
     if scale not in ("cpu", "tpu"):
         raise fail_usage("--scale must be cpu or tpu")
@@ -569,4 +569,11 @@ def bench_cmd(
             else "nothing measured (no device)"
         )
     )
+    sbs = side_by_side(rows)
+    if sbs["workloads"]:
+        console.print(
+            f"hand-written kernels on {sbs['workloads']} workloads: {sbs['human_accepted']} pass our checks; "
+            f"geomean estimated speedup ours {sbs['geomean_estimated_ours'] or 0:.2f}x vs hand-written "
+            f"{sbs['geomean_estimated_human'] or 0:.2f}x vs XLA 1.00x (estimates; see report.md)"
+        )
     console.print(f"wrote {out_dir}/report.md, results.csv, results.db")

@@ -225,6 +225,7 @@ def test_bench_over_jaxbench_suite_end_to_end(tmp_path: Path) -> None:
     first = _cli(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "3 to run" in first.stderr
+    assert "hand-written kernels on 2 workloads: 1 pass our checks" in first.stderr
     rows = {r["task_id"]: r for r in csv.DictReader(open(out / "results.csv"))}
     assert set(rows) == {"tiny_gemm", "scaled_softmax", "row_scale"}
     assert rows["tiny_gemm"]["human_status"] == "accepted"
