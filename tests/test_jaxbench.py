@@ -236,3 +236,22 @@ def test_bench_over_jaxbench_suite_end_to_end(tmp_path: Path) -> None:
     assert "## Hand-written kernels side by side" in report and "| row_scale |" in report
     again = _cli(*args, cwd=tmp_path)
     assert again.returncode == 0 and "3 already finished, 0 to run" in again.stderr
+
+
+def test_config_sizes_follow_the_shrunk_shapes(tmp_path: Path, work: Path) -> None:
+    """A workload that reshapes with CONFIG's sizes still traces at the shrunk validation shapes."""
+    workload = tmp_path / "benchmark" / "config_reshape"
+    workload.mkdir(parents=True)
+    (workload / "baseline.py").write_text(
+        "import jax\nimport jax.numpy as jnp\n"
+        "CONFIG = {'name': 'config_reshape', 'S': 1536, 'H': 4, 'D': 128, 'flag': True}\n"
+        "def create_inputs(dtype=jnp.float32):\n"
+        "    return (jax.random.normal(jax.random.PRNGKey(0), (CONFIG['S'], CONFIG['H'] * CONFIG['D']), dtype),)\n"
+        "def workload(x):\n"
+        "    assert CONFIG['flag'] is True\n"
+        "    return jnp.sum(x.reshape(CONFIG['S'], CONFIG['H'], CONFIG['D']), axis=-1)\n"
+    )
+    task = load_task(workload, scale="cpu", work_dir=work)
+    assert [a.shape for a in task.validation_configs[0].dynamic] == [(512, 512)]
+    assert [o.shape for o in task.validation_configs[0].outputs] == [(512, 4)]
+    assert [o.shape for o in task.configs[0].outputs] == [(1536, 4)]  # own shapes: CONFIG untouched

@@ -16,6 +16,7 @@ used for correctness in interpret mode and `scale="tpu"` the production shapes.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import math
@@ -69,8 +70,8 @@ class Reference:
                 raise TaskCodeError(
                     f"{ref_path.name}: a JAXBench workload needs `create_inputs` and `workload`"
                 )
-            self.computation: Callable[..., Any] = m.workload
             self._get_inputs = m.create_inputs
+            self.computation: Callable[..., Any] = config_follows_shapes(m, m.workload, self._get_inputs)
         else:
             if not callable(getattr(m, "computation", None)):
                 raise TaskCodeError(f"{ref_path.name} has no function `computation`")
@@ -119,6 +120,60 @@ def candidate_entry(module: types.ModuleType) -> Callable[..., Any] | None:
         if callable(fn):
             return fn
     return None
+
+
+def config_follows_shapes(
+    module: types.ModuleType, workload: Callable[..., Any], create_inputs: Callable[..., Any]
+) -> Callable[..., Any]:
+    """Wrap a JAXBench `workload` so that, while it runs (or traces) at shapes other than the workload's
+    own, the integers in its module's `CONFIG` that name a changed dimension follow the inputs.
+
+    JAXBench workloads often read sizes from `CONFIG` (`x.reshape(CONFIG["seq_len"], ...)`), which would
+    make them untraceable at shrunk validation shapes. The map from own to actual sizes is taken dimension
+    by dimension from the inputs; a size that maps two ways is left alone, as are non-integer entries. At
+    the workload's own shapes nothing changes.
+    """
+    own_shapes: list[tuple[int, ...]] = []
+
+    def own() -> list[tuple[int, ...]]:
+        if not own_shapes:
+            import jax
+
+            produced = jax.eval_shape(lambda: normalise_inputs(create_inputs(), "jaxbench")[0][0])
+            own_shapes.extend(tuple(int(d) for d in a.shape) for a in produced)
+        return own_shapes
+
+    @functools.wraps(workload)
+    def run(*inputs: Any) -> Any:
+        config = getattr(module, "CONFIG", None)
+        if not isinstance(config, dict):
+            return workload(*inputs)
+        mapping: dict[int, int] = {}
+        clashes: set[int] = set()
+        for before, arg in zip(own(), inputs, strict=False):
+            after = tuple(int(d) for d in getattr(arg, "shape", ()))
+            if len(after) != len(before):
+                continue
+            for b, a in zip(before, after, strict=True):
+                if b != a:
+                    if mapping.get(b, a) != a:
+                        clashes.add(b)
+                    mapping[b] = a
+        for b in clashes:
+            mapping.pop(b, None)
+        if not mapping:
+            return workload(*inputs)
+        saved = dict(config)
+        for key, value in saved.items():
+            if isinstance(value, int) and not isinstance(value, bool) and value in mapping:
+                config[key] = mapping[value]
+        try:
+            return workload(*inputs)
+        finally:
+            config.clear()
+            config.update(saved)
+
+    return run
 
 
 def normalise_inputs(produced: Any, fmt: str) -> list[tuple[list[Any], list[Any]]]:
