@@ -54,6 +54,21 @@ def test_config_tolerances_are_read_statically_with_jaxbench_default() -> None:
     assert row == {"atol": 1e-3, "rtol": 1e-2}  # only atol set: rtol falls back to JAXBench's default
 
 
+def test_tolerances_fall_back_to_the_hand_written_kernels_config(tmp_path: Path) -> None:
+    workload = tmp_path / "w"
+    workload.mkdir()
+    (workload / "baseline.py").write_text(
+        "CONFIG = {'M': 256, 'rtol': 0.05}\ndef create_inputs(dtype=None):\n    return ()\n"
+        "def workload():\n    return 0\n"
+    )
+    assert jaxbench.task_meta(workload / "baseline.py")["atol"] == jaxbench.DEFAULT_TOLERANCE
+    (workload / "optimized.py").write_text(
+        "CONFIG = {'atol': 1e-3, 'rtol': 1e-4}\ndef workload():\n    return 0\n"
+    )
+    meta = jaxbench.task_meta(workload / "baseline.py")
+    assert (meta["atol"], meta["rtol"]) == (1e-3, 0.05)  # the baseline's own setting wins
+
+
 def test_reading_config_never_executes_the_module(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     module = tmp_path / "evil.py"
@@ -112,6 +127,14 @@ def test_jaxbench_shrink_keeps_power_of_two_block_multiples() -> None:
         while d % block == 0 and block <= keep:
             assert new % block == 0, (d, new, block)  # every block <= 2048 that divided d still divides
             block *= 2
+    # A smaller explicit factor asks for smaller dims: the kept multiple shrinks with it, never under 128.
+    assert [taskcode.keep_multiple_for("jaxbench", f) for f in (0.25, 0.125, 0.0625, 0.001)] == [
+        2048,
+        1024,
+        512,
+        128,
+    ]
+    assert taskcode.keep_multiple_for("maxkernel", 0.25) == taskcode.TILE_MULTIPLE
     # Other formats keep the plain tile rule: 1536 x0.25 -> 384, which a 512-row block no longer divides.
     assert taskcode.shrink_map(configs, 0.25)[1536] == 384
 

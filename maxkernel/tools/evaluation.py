@@ -51,7 +51,7 @@ def describe_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
             val = taskcode.abstract_inputs(ref, "cpu")
             val_configs = [_config(ref, d, s, tolerances, i) for i, (d, s) in enumerate(val)]
         elif mode == "shrink":
-            keep = taskcode.SHRINK_KEEP_MULTIPLE.get(ref.format, taskcode.TILE_MULTIPLE)
+            keep = taskcode.keep_multiple_for(ref.format, factor)
             mapping = taskcode.shrink_map(own, factor, keep)
             if keep > taskcode.TILE_MULTIPLE:
                 note += f"; power-of-two multiples up to {keep} kept"

@@ -254,8 +254,23 @@ SHRINK_KEEP_MULTIPLE: dict[str, int] = {
 }
 
 
+# `--scale cpu` shrinks a task with no CPU-scale inputs by this factor; SHRINK_KEEP_MULTIPLE is for it.
+CPU_SHRINK_FACTOR = 0.25
+
+
 def _pow2_part(d: int) -> int:
     return d & -d
+
+
+def keep_multiple_for(fmt: str, factor: float) -> int:
+    """The multiple a format's shrunk dims keep at `factor`: the table's value at `--scale cpu`, scaled with
+    the factor below it (a smaller requested size cannot hold 2048-wide blocks), never under 128."""
+    base = SHRINK_KEEP_MULTIPLE.get(fmt, TILE_MULTIPLE)
+    scaled = int(base * min(1.0, factor / CPU_SHRINK_FACTOR))
+    keep = TILE_MULTIPLE
+    while keep * 2 <= scaled:
+        keep *= 2
+    return min(base, keep)
 
 
 def shrink_dim(d: int, factor: float, keep_multiple: int = TILE_MULTIPLE) -> int:

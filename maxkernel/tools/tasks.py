@@ -128,6 +128,8 @@ def load_task(
     scale = scale or "auto"
     task_id = str(meta.get("task_id") or (path.name if path.is_dir() else path.stem))
     files = [ref_path] + ([path / "kernel_task.yaml"] if path.is_dir() else [])
+    if fmt == "jaxbench":
+        files.append(ref_path.parent / jaxbench.OPTIMIZED_FILE)  # its CONFIG may carry the tolerances
     fingerprint = _fingerprint(files, scale)
     work_dir = Path(work_dir or Path.cwd() / ".maxkernel").resolve()
     tolerances = {k: meta[k] for k in ("atol", "rtol") if k in meta}
