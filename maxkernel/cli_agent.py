@@ -525,7 +525,9 @@ def bench_cmd(
     ],
     model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
     tasks: Annotated[str | None, typer.Option("--tasks", help="glob over task ids, e.g. 'fused_*'")] = None,
-    scale: Annotated[str, typer.Option("--scale", help="validation scale: cpu or tpu")] = "cpu",
+    scale: Annotated[
+        str, typer.Option("--scale", help="validation scale: cpu, tpu or a shrink factor such as 0.125")
+    ] = "cpu",
     jobs: Annotated[int, typer.Option("--jobs", min=1, help="tasks run at once")] = 1,
     out_dir: Annotated[Path, typer.Option("--out", help="output dir")] = Path("out/bench"),
     algorithm: Annotated[
@@ -539,7 +541,12 @@ def bench_cmd(
     from maxkernel.bench import Bench, BenchSettings, side_by_side, summary
 
     if scale not in ("cpu", "tpu"):
-        raise fail_usage("--scale must be cpu or tpu")
+        try:
+            factor_ok = 0 < float(scale) <= 1
+        except ValueError:
+            factor_ok = False
+        if not factor_ok:
+            raise fail_usage("--scale must be cpu, tpu or a shrink factor in (0, 1] such as 0.125")
     if algorithm not in (None, "parallel", "beam"):
         raise fail_usage(f"--algorithm must be parallel or beam, not {algorithm!r}")
     settings = BenchSettings(

@@ -234,6 +234,10 @@ def test_side_by_side_report_and_csv(tmp_path: Path) -> None:
     assert "| c |" not in report.split("## Tasks")[0]
     b = bench.Bench(settings, on_progress=lambda _: None)
     b.write_outputs(rows, 1.0)
+    assert (tmp_path / "hand_written_side_by_side.png").read_bytes()[:4] == b"\x89PNG"
+    assert (
+        "![hand_written_side_by_side](hand_written_side_by_side.png)" in (tmp_path / "report.md").read_text()
+    )
     csv_rows = {r["task_id"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
     assert csv_rows["a"]["human_estimated_speedup"] == "1.5" and csv_rows["b"]["human_status"] == "rejected"
     no_human = bench.render_report([rows[2]], settings, 1.0, [])
