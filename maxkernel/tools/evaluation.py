@@ -265,11 +265,8 @@ def _evaluate(
         raise _Rejected("load", f"{type(exc).__name__}: {exc}") from exc
     candidate = taskcode.candidate_entry(module)
     if candidate is None:
-        raise _Rejected(
-            "load", "the candidate module has no function " + " or ".join(
-                f"`{n}`" for n in taskcode.CANDIDATE_ENTRY_POINTS
-            )
-        )
+        names = " or ".join(f"`{n}`" for n in taskcode.CANDIDATE_ENTRY_POINTS)
+        raise _Rejected("load", f"the candidate module has no function {names}")
 
     interpret = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
     correctness = CorrectnessResult(ok=True, scale=task.get("validation_note", ""))
