@@ -1,5 +1,10 @@
 """`maxkernel bench`: run the agent (or a search) over a suite and report like a paper's results table.
 
+A suite is a folder of MaxKernel problem dirs, a JAXBench `benchmark/` folder (or the checkout above it),
+or a single task of any format. Where a JAXBench workload has a hand-written kernel (`optimized.py`), it is
+evaluated by `maxkernel eval` in the same harness, at the same validation shapes and with the same
+estimator, and the report sets ours, the hand-written kernel and XLA side by side.
+
 Each task runs as its own `maxkernel optimize` / `maxkernel search` process with a thread id derived from
 the output dir and the task, so re-running the same bench skips finished tasks and resumes interrupted
 ones from their checkpoints. Results go to `results.db` (sqlite-utils), `results.csv` and `report.md`
@@ -26,6 +31,7 @@ import sqlite_utils
 import yaml
 from pydantic import BaseModel, Field
 
+from maxkernel.tools import jaxbench
 from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS
 
 TERMINAL = ("succeeded", "failed", "stopped", "error")
@@ -97,18 +103,51 @@ class TaskRow(BaseModel):
     searched: bool = False
     search_estimated_speedup: float | None = None
     verdict: str | None = None
+    human_kernel_path: str | None = Field(None, description="the workload's hand-written kernel, if any")
+    human_status: str | None = Field(None, description="accepted | rejected | error, from `maxkernel eval`")
+    human_correct: bool = False
+    human_estimated_speedup: float | None = None
+    human_measured_speedup: float | None = None
+    human_error: str | None = Field(None, description="the harness's message when it was not accepted")
+
+
+def is_task(path: Path) -> bool:
+    """A single task of any format: a problem dir, a JAXBench workload dir, or a module."""
+    if path.is_dir():
+        return (path / "reference.py").exists() or jaxbench.is_workload_dir(path)
+    return path.suffix == ".py" and path.is_file()
+
+
+def task_name(task: Path) -> str:
+    """The id a task is reported under: its dir name, a workload's dir name, or a bare module's stem."""
+    if task.is_dir():
+        return task.name
+    return jaxbench.task_id(task) if jaxbench.is_workload_module(task) else task.stem
 
 
 def discover(suite: Path, pattern: str | None) -> list[Path]:
-    if not suite.is_dir():
+    if not suite.exists():
         raise FileNotFoundError(f"suite not found: {suite}")
-    dirs = sorted(p for p in suite.iterdir() if (p / "reference.py").exists())
+    if is_task(suite):
+        tasks = [suite]
+    else:
+        root = jaxbench.suite_root(suite)
+        tasks = sorted(p for p in root.iterdir() if p.is_dir() and is_task(p))
+        if not tasks:
+            raise FileNotFoundError(
+                f"no tasks in {suite}: expected problem dirs (reference.py) or JAXBench workload dirs "
+                f"({jaxbench.BASELINE_FILE})"
+            )
     if pattern:
-        dirs = [p for p in dirs if fnmatch.fnmatch(p.name, pattern)]
-    return dirs
+        tasks = [p for p in tasks if fnmatch.fnmatch(task_name(p), pattern)]
+    return tasks
 
 
 def _category(task_dir: Path) -> str:
+    if jaxbench.is_workload_dir(task_dir):
+        return str(jaxbench.task_meta(task_dir / jaxbench.BASELINE_FILE)["category"])
+    if task_dir.is_file():
+        return str(jaxbench.task_meta(task_dir)["category"]) if jaxbench.is_workload_module(task_dir) else ""
     meta = task_dir / "kernel_task.yaml"
     if meta.exists():
         data = yaml.safe_load(meta.read_text()) or {}
@@ -141,7 +180,7 @@ class Bench:
     def run(self) -> list[TaskRow]:
         tasks = discover(Path(self.s.suite), self.s.tasks)
         done = self._done()
-        todo = [t for t in tasks if t.name not in done]
+        todo = [t for t in tasks if task_name(t) not in done]
         self.say(
             f"{len(tasks)} tasks, {len(tasks) - len(todo)} already finished, {len(todo)} to run, {self.s.jobs} at a time"
         )
@@ -151,10 +190,10 @@ class Bench:
             self.db["results"].upsert(
                 _flat(
                     TaskRow(
-                        task_id=t.name,
+                        task_id=task_name(t),
                         category=_category(t),
-                        family=family_of(t.name),
-                        thread_id=thread_for(self.out, t.name),
+                        family=family_of(task_name(t)),
+                        thread_id=thread_for(self.out, task_name(t)),
                         status="running",
                     )
                 ),
@@ -170,6 +209,11 @@ class Bench:
                 elapsed = time.monotonic() - started
                 eta = elapsed / finished * (len(todo) - finished)
                 perf = _perf_text(row)
+                if row.human_status:
+                    human_est = row.human_estimated_speedup
+                    perf += f"; hand-written kernel {row.human_status}" + (
+                        f", estimated {human_est:.2f}x" if human_est is not None else ""
+                    )
                 self.say(
                     f"[{finished}/{len(todo)}] {row.task_id}: {row.status}"
                     f"{' correct' if row.correct else ''}{perf} in {row.seconds or 0:.0f} s (eta {eta / 60:.1f} min)"
@@ -179,7 +223,7 @@ class Bench:
         return rows
 
     def rows(self, tasks: list[Path]) -> list[TaskRow]:
-        ids = {t.name for t in tasks}
+        ids = {task_name(t) for t in tasks}
         return [
             TaskRow.model_validate({**r, "tpu_compile": json.loads(r["tpu_compile"] or "{}")})
             for r in self.db["results"].rows
@@ -209,17 +253,26 @@ class Bench:
         return [sys.executable, "-m", "maxkernel.cli", "optimize", str(task), *common]
 
     def _run_one(self, task: Path) -> TaskRow:
+        """Our kernel (see `_run_agent`), then the workload's hand-written kernel where it has one."""
+        row = self._run_agent(task)
+        human = jaxbench.hand_written_kernel(task)
+        if human is not None:
+            row = self.run_human(task, human, row, self.out / "tasks" / task_name(task))
+        return row
+
+    def _run_agent(self, task: Path) -> TaskRow:
         """Without an algorithm: one optimize run. With one: a single round first (its figure is the
         'single round' column), then the search only where that round left headroom; the task's result is
         the better of the two, so the final kernel is never slower (estimated) than the first accepted."""
+        name = task_name(task)
         if not self.s.algorithm:
-            return self._run_phase(task, self.out / "tasks" / task.name, task.name, search=False)
-        base = self.out / "tasks" / task.name
-        single = self._run_phase(task, base / "single", task.name, search=False)
+            return self._run_phase(task, self.out / "tasks" / name, name, search=False)
+        base = self.out / "tasks" / name
+        single = self._run_phase(task, base / "single", name, search=False)
         single.single_estimated_speedup = single.estimated_speedup
         if not single.correct or (single.estimated_speedup or 0.0) >= self.s.search_below:
             return single
-        found = self._run_phase(task, base / "search", task.name + "#search", search=True)
+        found = self._run_phase(task, base / "search", name + "#search", search=True)
         found.single_estimated_speedup = single.estimated_speedup
         found.searched = True
         found.search_estimated_speedup = found.estimated_speedup
@@ -233,9 +286,10 @@ class Bench:
         return found
 
     def _run_phase(self, task: Path, out: Path, key: str, *, search: bool) -> TaskRow:
+        name = task_name(task)
         thread = thread_for(self.out, key)
         row = TaskRow(
-            task_id=task.name, category=_category(task), family=family_of(task.name), thread_id=thread,
+            task_id=name, category=_category(task), family=family_of(name), thread_id=thread,
             status="running",
         )  # fmt: skip
         store = self.out / "store.db"
@@ -264,6 +318,30 @@ class Bench:
             rc = -1
         row.seconds = round(time.monotonic() - t0, 1)
         return _read_result(row, out, rc, log)
+
+    def run_human(self, task: Path, kernel: Path, row: TaskRow, out: Path) -> TaskRow:
+        """Evaluate a workload's hand-written kernel with `maxkernel eval`: the same harness, validation
+        shapes, TPU targets and estimator as our own kernel. A rejection is recorded with its message."""
+        cmd = [
+            sys.executable, "-m", "maxkernel.cli", "eval", str(task), str(kernel), "--json",
+            "--tpu", ",".join(self.s.tpu), "--scale", self.s.scale,
+            "--store", str(self.out / "store.db"), "--work-dir", str(self.out / "work"),
+        ]  # fmt: skip
+        row.human_kernel_path = str(kernel)
+        log = out / "hand_written.log"
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=self.s.task_timeout_s, env=_env()
+            )
+        except subprocess.TimeoutExpired:
+            row.human_status, row.human_error = (
+                "error",
+                f"maxkernel eval timed out after {self.s.task_timeout_s:.0f} s",
+            )
+            return row
+        log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        (out / "hand_written_result.json").write_text(proc.stdout)
+        return read_human_result(row, proc.returncode, proc.stdout, proc.stderr)
 
     def write_outputs(self, rows: list[TaskRow], wall_s: float) -> None:
         with open(self.out / "results.csv", "w", newline="") as fh:
@@ -306,6 +384,26 @@ def _read_result(row: TaskRow, out: Path, rc: int, log: Path) -> TaskRow:
     row.verdict = (res.get("verdict") or {}).get("line")
     if not row.correct:
         row.error = res.get("stop_reason") or (harness.get("error") or {}).get("message")
+    return row
+
+
+def read_human_result(row: TaskRow, rc: int, stdout: str, stderr: str) -> TaskRow:
+    """Fill the hand-written columns from `maxkernel eval --json` output (exit 0 accepted, 1 rejected,
+    2 task error)."""
+    try:
+        res = json.loads(stdout)
+    except json.JSONDecodeError:
+        lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+        row.human_status = "error"
+        row.human_error = f"maxkernel eval exit {rc}" + (": " + " | ".join(lines[-3:]) if lines else "")
+        return row
+    row.human_correct = bool(res.get("correct"))
+    row.human_status = "accepted" if res.get("accepted") else ("error" if rc == 2 else "rejected")
+    row.human_estimated_speedup = (res.get("estimate") or {}).get("estimated_speedup")
+    row.human_measured_speedup = (res.get("timing") or {}).get("measured_speedup")
+    err = res.get("error")
+    if err:
+        row.human_error = f"{err.get('stage')}: {err.get('message')}"
     return row
 
 
@@ -359,7 +457,9 @@ def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
 
 def summary(rows: list[TaskRow]) -> dict[str, Any]:
     correct = [r for r in rows if r.correct]
-    est = [r.estimated_speedup for r in correct if r.estimated_speedup is not None and r.estimated_speedup > 0]
+    est = [
+        r.estimated_speedup for r in correct if r.estimated_speedup is not None and r.estimated_speedup > 0
+    ]
     meas = [r.measured_speedup for r in correct if r.measured_speedup is not None and r.measured_speedup > 0]
     return {
         "tasks": len(rows),
@@ -372,6 +472,76 @@ def summary(rows: list[TaskRow]) -> dict[str, Any]:
         "estimated_n": len(est),
         "measured_n": len(meas),
     }
+
+
+# In the side-by-side geomeans a kernel that is not accepted counts as XLA's own time (speedup 1.0): a user
+# whose kernel fails keeps the XLA program, and both columns then average over the same workloads.
+XLA_FALLBACK_SPEEDUP = 1.0
+
+
+def _ours_or_xla(r: TaskRow, value: float | None) -> float:
+    return value if (r.correct and value is not None and value > 0) else XLA_FALLBACK_SPEEDUP
+
+
+def _human_or_xla(r: TaskRow, value: float | None) -> float:
+    return (
+        value if (r.human_status == "accepted" and value is not None and value > 0) else XLA_FALLBACK_SPEEDUP
+    )
+
+
+def side_by_side(rows: list[TaskRow]) -> dict[str, Any]:
+    """Ours vs hand-written vs XLA over the workloads that have a hand-written kernel, estimated and
+    measured kept apart; measured geomeans only over workloads where both were measured on a device."""
+    both = [r for r in rows if r.human_kernel_path]
+    measured = [r for r in both if r.measured_speedup is not None and r.human_measured_speedup is not None]
+    return {
+        "workloads": len(both),
+        "ours_correct": sum(1 for r in both if r.correct),
+        "human_accepted": sum(1 for r in both if r.human_status == "accepted"),
+        "geomean_estimated_ours": geomean([_ours_or_xla(r, r.estimated_speedup) for r in both]),
+        "geomean_estimated_human": geomean([_human_or_xla(r, r.human_estimated_speedup) for r in both]),
+        "geomean_measured_ours": geomean([_ours_or_xla(r, r.measured_speedup) for r in measured]),
+        "geomean_measured_human": geomean([_human_or_xla(r, r.human_measured_speedup) for r in measured]),
+        "measured_n": len(measured),
+    }
+
+
+def render_side_by_side(rows: list[TaskRow]) -> list[str]:
+    """The report section comparing our kernels with hand-written ones; empty when no workload has one."""
+    both = sorted((r for r in rows if r.human_kernel_path), key=lambda r: r.task_id)
+    if not both:
+        return []
+    m = side_by_side(rows)
+    fmt = lambda v: f"{v:.2f}x" if v is not None else "—"  # noqa: E731
+    cell = lambda s: (s or "").replace("|", "\\|").replace("\n", " ")[:200]  # noqa: E731
+    lines = [
+        "",
+        "## Hand-written kernels side by side",
+        "",
+        "Speedups over XLA (XLA = 1.00x). Hand-written kernels ran in the same harness, at the same "
+        "validation shapes, with the same TPU targets and estimator as ours. In the geomeans a kernel that "
+        "is not correct counts as 1.00x (its user keeps the XLA program).",
+        "",
+        "| metric | ours | hand-written | XLA |",
+        "| --- | --- | --- | --- |",
+        f"| passes our checks | {m['ours_correct']} / {m['workloads']} | {m['human_accepted']} / {m['workloads']} | — |",
+        f"| geomean speedup, estimated (TPU model, not measured) | {fmt(m['geomean_estimated_ours'])} | "
+        f"{fmt(m['geomean_estimated_human'])} | 1.00x |",
+        f"| geomean speedup, measured on a device (over {m['measured_n']}) | {fmt(m['geomean_measured_ours'])} | "
+        f"{fmt(m['geomean_measured_human'])} | {'1.00x' if m['measured_n'] else '—'} |",
+        "",
+        "| workload | ours correct | ours estimated | hand-written status | hand-written estimated | XLA | "
+        "ours measured | hand-written measured | hand-written note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    yes = lambda b: "✓" if b else "✗"  # noqa: E731
+    for r in both:
+        lines.append(
+            f"| {r.task_id} | {yes(r.correct)} | {fmt(r.estimated_speedup)} | {r.human_status or '—'} | "
+            f"{fmt(r.human_estimated_speedup)} | 1.00x | {fmt(r.measured_speedup)} | "
+            f"{fmt(r.human_measured_speedup)} | {cell(r.human_error)} |"
+        )
+    return lines
 
 
 def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: list[Path]) -> str:
@@ -420,6 +590,7 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
     lines.append("")
     for p in plots:
         lines.append(f"![{p.stem}]({p.name})")
+    lines += render_side_by_side(rows)
     gens = sorted({g for r in rows for g in r.tpu_compile})
     lines += [
         "",
@@ -489,4 +660,31 @@ def make_plots(rows: list[TaskRow], out: Path) -> list[Path]:
     fig.savefig(p, dpi=100)
     plt.close(fig)
     paths.append(p)
+
+    both = sorted((r for r in rows if r.human_kernel_path), key=lambda r: r.task_id)
+    if both:
+        fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(both) + 2), 3.8))
+        xs = list(range(len(both)))
+        width = 0.38
+        ours = [_ours_or_xla(r, r.estimated_speedup) for r in both]
+        human = [_human_or_xla(r, r.human_estimated_speedup) for r in both]
+        ax.bar([x - width / 2 for x in xs], ours, width, label="ours", color="#1e88e5")
+        bars = ax.bar([x + width / 2 for x in xs], human, width, label="hand-written", color="#8e24aa")
+        for bar, r in zip(bars, both, strict=True):
+            if r.human_status != "accepted":  # a failed hand-written kernel is shown, hatched, at XLA's 1.0
+                bar.set_hatch("//")
+                bar.set_facecolor("#e0e0e0")
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="XLA")
+        ax.set_xticks(xs, [r.task_id for r in both], rotation=30, ha="right")
+        ax.set_ylabel("estimated speedup over XLA")
+        ax.set_title(
+            "ours vs hand-written vs XLA\n(estimated, TPU time model; hatched: failed our checks)",
+            fontsize=10,
+        )
+        ax.legend()
+        fig.tight_layout()
+        p = out / "hand_written_side_by_side.png"
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        paths.append(p)
     return paths

@@ -88,8 +88,16 @@ def _root() -> None:
 
 @app.command("eval")
 def eval_cmd(
-    task: Annotated[Path, typer.Argument(help="task: a problem dir, a reference.py, or a JAXBench module")],
-    kernel: Annotated[Path, typer.Argument(help="candidate kernel module exporting `computation`")],
+    task: Annotated[
+        Path,
+        typer.Argument(
+            help="task: a problem dir, a reference.py, a JAXBench workload dir or its baseline.py"
+        ),
+    ],
+    kernel: Annotated[
+        Path,
+        typer.Argument(help="candidate kernel module exporting `computation` (or JAXBench's `workload`)"),
+    ],
     json_out: Annotated[
         bool, typer.Option("--json", help="print one JSON object instead of a table")
     ] = False,

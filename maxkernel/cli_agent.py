@@ -564,10 +564,18 @@ def search_cmd(
 
 @app.command("bench")
 def bench_cmd(
-    suite: Annotated[Path, typer.Argument(help="a folder of task dirs (e.g. benchmarks/suite)")],
+    suite: Annotated[
+        Path,
+        typer.Argument(
+            help="a folder of problem dirs (e.g. benchmarks/suite), a JAXBench benchmark/ folder (or its "
+            "checkout), or a single task"
+        ),
+    ],
     model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
     tasks: Annotated[str | None, typer.Option("--tasks", help="glob over task ids, e.g. 'fused_*'")] = None,
-    scale: Annotated[str, typer.Option("--scale", help="validation scale: cpu or tpu")] = "cpu",
+    scale: Annotated[
+        str, typer.Option("--scale", help="validation scale: cpu, tpu or a shrink factor such as 0.125")
+    ] = "cpu",
     jobs: Annotated[int, typer.Option("--jobs", min=1, help="tasks run at once")] = 1,
     out_dir: Annotated[Path, typer.Option("--out", help="output dir")] = Path("out/bench"),
     algorithm: Annotated[
@@ -595,10 +603,15 @@ def bench_cmd(
 
     With --algorithm every task first gets a single round; the search then runs only where that round
     left headroom (--search-below), and the report shows both, per family."""
-    from maxkernel.bench import Bench, BenchSettings, summary
+    from maxkernel.bench import Bench, BenchSettings, side_by_side, summary
 
     if scale not in ("cpu", "tpu"):
-        raise fail_usage("--scale must be cpu or tpu")
+        try:
+            factor_ok = 0 < float(scale) <= 1
+        except ValueError:
+            factor_ok = False
+        if not factor_ok:
+            raise fail_usage("--scale must be cpu, tpu or a shrink factor in (0, 1] such as 0.125")
     if algorithm not in (None, "parallel", "beam"):
         raise fail_usage(f"--algorithm must be parallel or beam, not {algorithm!r}")
     settings = BenchSettings(
@@ -633,4 +646,11 @@ def bench_cmd(
             else "nothing measured (no device)"
         )
     )
+    sbs = side_by_side(rows)
+    if sbs["workloads"]:
+        console.print(
+            f"hand-written kernels on {sbs['workloads']} workloads: {sbs['human_accepted']} pass our checks; "
+            f"geomean estimated speedup ours {sbs['geomean_estimated_ours'] or 0:.2f}x vs hand-written "
+            f"{sbs['geomean_estimated_human'] or 0:.2f}x vs XLA 1.00x (estimates; see report.md)"
+        )
     console.print(f"wrote {out_dir}/report.md, results.csv, results.db")

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from maxkernel.tools import taskcode
 from maxkernel.tools.evaluation import bind_static
 from maxkernel.tools.readback import pack_arrays
 from maxkernel.tools.results import ArraySpec, InputConfig, np_dtype
@@ -95,9 +96,10 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
         return {"ok": False, "stage": "load", "message": f"syntax error line {exc.lineno}: {exc.msg}"}
     except Exception as exc:  # noqa: BLE001 - whatever the candidate raises is its failure
         return {"ok": False, "stage": "load", "message": f"{type(exc).__name__}: {_first_lines(str(exc))}"}
-    candidate = getattr(module, "computation", None)
-    if not callable(candidate):
-        return {"ok": False, "stage": "load", "message": "the candidate module has no function `computation`"}
+    candidate = taskcode.candidate_entry(module)
+    if candidate is None:
+        names = " or ".join(f"`{n}`" for n in taskcode.CANDIDATE_ENTRY_POINTS)
+        return {"ok": False, "stage": "load", "message": f"the candidate module has no function {names}"}
     seconds["load"] = time.perf_counter() - t0
 
     ctx.stage("trace")

@@ -44,7 +44,10 @@ def describe_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
             val = taskcode.abstract_inputs(ref, "cpu")
             val_configs = [_config(ref, d, s, tolerances, i) for i, (d, s) in enumerate(val)]
         elif mode == "shrink":
-            mapping = taskcode.shrink_map(own, factor)
+            keep = taskcode.keep_multiple_for(ref.format, factor)
+            mapping = taskcode.shrink_map(own, factor, keep)
+            if keep > taskcode.TILE_MULTIPLE:
+                note += f"; power-of-two multiples up to {keep} kept"
             val_configs = []
             for i, (d, s) in enumerate(own):
                 d2, s2 = taskcode.shrink_config(d, s, mapping)

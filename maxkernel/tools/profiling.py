@@ -135,7 +135,9 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     )
     ctx.stage("load")
     module = taskcode.load_module(Path(payload["candidate_path"]), "maxkernel_candidate")
-    candidate = module.computation
+    candidate = taskcode.candidate_entry(module)
+    if candidate is None:
+        raise taskcode.TaskCodeError("the candidate module has no `computation` or `workload`")
     ctx.stage("trace")
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         cand_dir = capture_trace(

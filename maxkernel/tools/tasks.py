@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field
 
+from maxkernel.tools import jaxbench
 from maxkernel.tools.readback import remove_tree
 from maxkernel.tools.results import InputConfig
 from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
@@ -73,13 +74,19 @@ def _locate(path: Path) -> tuple[TaskFormat, Path, dict[str, Any]]:
             if not isinstance(meta, dict):
                 raise TaskError(f"{meta_path} must be a mapping")
         if not ref.exists():
-            raise TaskError(f"{path} has no reference.py")
+            if jaxbench.is_workload_dir(path):
+                baseline = path / jaxbench.BASELINE_FILE
+                return "jaxbench", baseline, jaxbench.task_meta(baseline)
+            raise TaskError(
+                f"{path} has no reference.py (a MaxKernel problem dir) and no {jaxbench.BASELINE_FILE} "
+                "defining create_inputs and workload (a JAXBench workload dir)"
+            )
         return ("maxkernel" if meta else "reference"), ref, meta
     if path.suffix != ".py":
-        raise TaskError(f"a task is a problem dir or a .py module; got {path}")
-    text = path.read_text(errors="replace")
-    fmt: TaskFormat = "jaxbench" if ("def workload" in text and "def create_inputs" in text) else "reference"
-    return fmt, path, {}
+        raise TaskError(f"a task is a problem dir, a JAXBench workload dir or a .py module; got {path}")
+    if jaxbench.is_workload_module(path):
+        return "jaxbench", path, jaxbench.task_meta(path)
+    return "reference", path, {}
 
 
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
@@ -133,6 +140,8 @@ def load_task(
     scale = scale or "auto"
     task_id = safe_task_id(str(meta.get("task_id") or (path.name if path.is_dir() else path.stem)))
     files = [ref_path] + ([path / "kernel_task.yaml"] if path.is_dir() else [])
+    if fmt == "jaxbench":
+        files.append(ref_path.parent / jaxbench.OPTIMIZED_FILE)  # its CONFIG may carry the tolerances
     fingerprint = _fingerprint(files, scale)
     work_dir = Path(work_dir or Path.cwd() / ".maxkernel").resolve()
     tolerances = {k: meta[k] for k in ("atol", "rtol") if k in meta}
