@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
-from maxkernel.authors.offline.emit import dtype_code, dtype_name, is_float
+from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name, is_float
 from maxkernel.authors.offline.graph import is_literal
 from maxkernel.authors.offline.kernels import (
     Builder,
+    LowerError,
     Scope,
     Space,
     SpaceDim,
+    StepSchedule,
     _constant_value,
     _nelems,
     _op_summary,
@@ -104,7 +107,16 @@ class AttentionBuilder(Builder):
         assert info is not None
         main = Scope(lines=[], indent="    ")
         kv_index = self.program_id(self.kv.axis)  # type: ignore[arg-type]
-        main.add(f"@pl.when({kv_index} == 0)")
+        pred = self.block_mask(info.logits if info.softmax else info.probs, "-inf" if info.softmax else "0")
+        scheduled = pred is not None and self.plan_schedule(pred)
+        step = f"pl.program_id({getattr(self, 'step_axis', 0)})"
+        first = f"(step_flags_ref[{step}] & 1) != 0" if scheduled else f"{kv_index} == 0"
+        last = (
+            f"(step_flags_ref[{step}] & 2) != 0"
+            if scheduled
+            else f"{kv_index} == pl.num_programs({self.kv.axis}) - 1"
+        )
+        main.add(f"@pl.when({first})")
         main.add("def _init():")
         if info.softmax:
             main.add("    m_ref[...] = jnp.full_like(m_ref, -jnp.inf)")
@@ -150,8 +162,7 @@ class AttentionBuilder(Builder):
         pdt = dtype_name(pv.invars[info.probs_side].aval)
         v_var = pv.invars[1 - info.probs_side]
         outer = main
-        pred = self.block_mask(info.logits if info.softmax else info.probs, "-inf" if info.softmax else "0")
-        if pred is not None:
+        if pred is not None and not scheduled:
             pcode, _ = self.value(pred, self.score, main)
             main.add(f"live = jnp.any({pcode})  # key blocks the mask removes entirely are skipped")
             main.add("")
@@ -215,7 +226,7 @@ class AttentionBuilder(Builder):
             )
         main = outer
         main.add("")
-        main.add(f"@pl.when({kv_index} == pl.num_programs({self.kv.axis}) - 1)")
+        main.add(f"@pl.when({last})")
         main.add("def _finalize():")
         fin = Scope(lines=[], indent="        ")
         out = pv.outvars[0]
@@ -248,6 +259,91 @@ class AttentionBuilder(Builder):
         for v, nm in zip(self.outputs, names, strict=True):
             self.store(v, f"{nm}_ref", self.epi, fin)
         return main.lines + fin.lines
+
+    def plan_schedule(self, pred: Any) -> bool:
+        """Walk only the (q block, key block) pairs the mask leaves alive, when the mask is static.
+
+        A mask built from positions and static scalars (causal, sliding window, a block layout computed
+        from iotas) is known at trace time, so the wrapper evaluates it once per block pair with the very
+        code the kernel uses, and the grid walks a flat list of live pairs read from scalar-prefetched
+        tables. Masked-out key blocks then cost no DMA, no compute and no grid step (a `pl.when` guard
+        alone would still pay the copy and the step). A mask that reads an operand stays a per-block
+        `pl.when` skip.
+        """
+        if not self.q.classes or self.q.axis is None or self.kv.axis is None:
+            return False
+        scope = Scope(lines=[], indent="    ")
+        axes_before = set(self.axis_used)
+        kw_before = dict(self.kernel_kw)
+        try:
+            code, _ = self.value(pred, self.score, scope)
+        except (LowerError, EmitError):
+            self.kernel_kw = kw_before
+            self.axis_used = axes_before
+            return False
+        if any("_ref" in line for line in scope.lines) or not (self.axis_used - axes_before) <= {
+            self.q.axis,
+            self.kv.axis,
+        }:
+            self.kernel_kw = kw_before
+            self.axis_used = axes_before | {self.q.axis, self.kv.axis}
+            return False
+        self.axis_used |= {self.q.axis, self.kv.axis}
+        text = "\n".join(scope.lines)
+        names = sorted(k for k in self.kernel_kw if re.search(rf"\b{re.escape(k)}\b", text))
+        stem = self.stem
+        sig = "q_index, kv_index" + (", *, " + ", ".join(names) if names else "")
+        live_fn = (
+            f"def {stem}_block_live({sig}):\n"
+            '    """Whether any score of the (q block, key block) tile survives the mask: the kernel\'s own mask\n'
+            '    code, evaluated at trace time to build the schedule."""\n'
+            f"{text}\n"
+            f"    return jnp.any({code})\n"
+        )
+        sched_fn = (
+            f"def {stem}_schedule(n_q_blocks, n_kv_blocks, **scalars):\n"
+            '    """The live (q block, key block) pairs in q-major order, as int32 tables (q block, key block,\n'
+            "    flags: 1 = first key block of its q block, 2 = last). Every q block keeps at least one pair so its\n"
+            "    output is written (a row whose keys are all masked gives what the reference gives). Depends only on\n"
+            '    shapes and static arguments, so it is computed once while tracing and lands in SMEM."""\n'
+            "    q_ids, kv_ids, flags = [], [], []\n"
+            "    with jax.ensure_compile_time_eval():\n"
+            "        kv_blocks = jnp.arange(n_kv_blocks, dtype=jnp.int32)\n"
+            "        for i in range(n_q_blocks):\n"
+            f"            live = jax.vmap(functools.partial({stem}_block_live, i, **scalars))(kv_blocks).tolist()\n"
+            "            keep = [j for j, alive in enumerate(live) if alive] or [0]\n"
+            "            for n, j in enumerate(keep):\n"
+            "                q_ids.append(i)\n"
+            "                kv_ids.append(j)\n"
+            "                flags.append((n == 0) | (2 if n == len(keep) - 1 else 0))\n"
+            "        return tuple(jnp.asarray(t, jnp.int32) for t in (q_ids, kv_ids, flags))\n"
+        )
+        call_kw = ", ".join(f"{k}={self.kernel_kw[k]}" for k in names)
+        step_axis = len(self.grid_dims())
+        self.schedule = StepSchedule(
+            prefetch=["q_ids", "kv_ids", "step_flags"],
+            grid=[
+                *((d.key, d.ext, "parallel") for d in self.grid_dims()),
+                ("step", "q_ids.shape[0]", "arbitrary"),
+            ],
+            axis_code={
+                self.q.axis: (f"q_ids_ref[pl.program_id({step_axis})]", "q_ids_ref[step_index]"),
+                self.kv.axis: (f"kv_ids_ref[pl.program_id({step_axis})]", "kv_ids_ref[step_index]"),
+            },
+            wrapper_lines=[
+                "# only the (q block, key block) pairs the mask leaves alive become grid steps",
+                f"q_ids, kv_ids, step_flags = {stem}_schedule({self.q.padded} // {self.q.blk}, "
+                f"{self.kv.padded} // {self.kv.blk}{', ' + call_kw if call_kw else ''})",
+            ],
+            defs=[live_fn, sched_fn],
+        )
+        self.step_axis = step_axis
+        self.notes.append(
+            "the grid walks only the (q block, key block) pairs the static mask leaves alive (tables built at "
+            "trace time, scalar-prefetched): masked key blocks are neither fetched nor computed nor stepped over; "
+            "the grid figures above are the dense logical grid"
+        )
+        return True
 
     def block_mask(self, var: Any, neutral: str) -> Any | None:
         """The predicate of a final `where(pred, x, neutral)` on the scores, if there is one: a key block
