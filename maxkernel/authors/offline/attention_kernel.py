@@ -131,6 +131,11 @@ class AttentionBuilder(Builder):
                 ks = Space(f"k{i}", [self.kv, self.dq[i]])
                 side = self.q_side(e)
                 qv, kvv = e.invars[side], e.invars[1 - side]
+                prec = _precision(e)
+                narrow_q, narrow_k = self.widened_bf16(qv), self.widened_bf16(kvv)
+                if prec and narrow_q is not None and narrow_k is not None:
+                    # f32 widenings of bf16 on both sides: one bf16 MXU pass is exact, HIGHEST adds nothing
+                    qv, kvv, prec = narrow_q, narrow_k, ""
                 a, am = self.value(qv, qs, scope)
                 b, bm = self.value(kvv, ks, scope)
                 a, _ = self.materialise(
@@ -148,7 +153,7 @@ class AttentionBuilder(Builder):
                 mat = frozenset({self.q.key, self.kv.key}) if self.q.classes else frozenset({self.kv.key})
                 cast = "" if dt == "float32" else f".astype({dtype_code(dt)})"
                 scope.add(
-                    f"{nm} = lax.dot_general({a}, {b}, (((1,), (1,)), ((), ())), preferred_element_type={pref}{_precision(e)}){cast}"
+                    f"{nm} = lax.dot_general({a}, {b}, (((1,), (1,)), ((), ())), preferred_element_type={pref}{prec}){cast}"
                     + self.comment(dt, space, mat)
                 )
                 return nm, mat
@@ -190,19 +195,9 @@ class AttentionBuilder(Builder):
             main.add("rescale = jnp.exp(m_prev - m_safe)  # corrects what was accumulated under the old max")
             main.add("l_ref[...] = rescale * l_ref[...] + jnp.sum(probs, axis=1, keepdims=True)")
             main.add("m_ref[...] = m_next")
-            v, vm = self.value(v_var, vspace, main)
-            v, _ = self.materialise(
-                v,
-                vm,
-                {self.kv.key, self.dv.key} if self.dv.classes else {self.kv.key},
-                vspace,
-                main,
-                dtype_name(v_var.aval),
-            )
             pcast = "probs" if pdt == "float32" else f"probs.astype({dtype_code(pdt)})"
-            main.add(
-                f"acc_ref[...] = rescale * acc_ref[...] + jnp.dot({pcast}, {v}, preferred_element_type=jnp.float32{_precision(pv)})"
-            )
+            pv_expr = self.pv_product(pcast, pdt, v_var, vspace, main)
+            main.add(f"acc_ref[...] = rescale * acc_ref[...] + {pv_expr}")
             self.transcendentals += 2
         else:
             pcode, pm = self.value(info.probs, self.score, main)
@@ -212,18 +207,7 @@ class AttentionBuilder(Builder):
                 f"    kv_pos = {kv_index} * {self.kv.blk} + lax.broadcasted_iota(jnp.int32, (1, {self.kv.blk}), 1)"
             )
             main.add(f"    {pcode} = jnp.where(kv_pos < n_kv, {pcode}, 0)")
-            v, vm = self.value(v_var, vspace, main)
-            v, _ = self.materialise(
-                v,
-                vm,
-                {self.kv.key, self.dv.key} if self.dv.classes else {self.kv.key},
-                vspace,
-                main,
-                dtype_name(v_var.aval),
-            )
-            main.add(
-                f"acc_ref[...] += jnp.dot({pcode}, {v}, preferred_element_type=jnp.float32{_precision(pv)})"
-            )
+            main.add(f"acc_ref[...] += {self.pv_product(pcode, pdt, v_var, vspace, main)}")
         main = outer
         main.add("")
         main.add(f"@pl.when({last})")
@@ -259,6 +243,55 @@ class AttentionBuilder(Builder):
         for v, nm in zip(self.outputs, names, strict=True):
             self.store(v, f"{nm}_ref", self.epi, fin)
         return main.lines + fin.lines
+
+    def widened_bf16(self, var: Any) -> Any | None:
+        """The bf16 value that `var` is an f32 widening of (cast inside the region), else None."""
+        p = self.g.producer.get(var)
+        if is_literal(var) or p is None or p not in set(self.region.eqns()):
+            return None
+        e = self.g.eqns[p]
+        src = e.invars[0]
+        if e.primitive.name != "convert_element_type" or is_literal(src):
+            return None
+        if dtype_name(src.aval) != "bfloat16" or dtype_name(var.aval) != "float32":
+            return None
+        return src
+
+    def pv_product(self, pcode: str, pdt: str, v_var: Any, vspace: Space, scope: Scope) -> str:
+        """probs @ v as an f32 expression, at the reference's precision and no more.
+
+        A HIGHEST-precision f32 dot whose v is a widened bf16 needs no f32 x f32 MXU work: the f32
+        probabilities split exactly into three bf16 terms (8 + 8 + 8 mantissa bits), and each term times
+        the bf16 v is exact on the MXU with f32 accumulation. Three bf16 passes compute what HIGHEST's six
+        compute here (the three that multiply v's low bits are zero), so the result keeps f32 accuracy.
+        """
+        pv = self.g.eqns[self.region.attention.pv_dot]  # type: ignore[union-attr]
+        prec = _precision(pv)
+        narrow = self.widened_bf16(v_var) if prec and pdt == "float32" else None
+        src = narrow if narrow is not None else v_var
+        v, vm = self.value(src, vspace, scope)
+        v, _ = self.materialise(
+            v,
+            vm,
+            {self.kv.key, self.dv.key} if self.dv.classes else {self.kv.key},
+            vspace,
+            scope,
+            dtype_name(src.aval),
+        )
+        if narrow is None:
+            return f"jnp.dot({pcode}, {v}, preferred_element_type=jnp.float32{prec})"
+        p = self.fresh("p")
+        scope.add(f"{p}_hi = {pcode}.astype(jnp.bfloat16)  # f32 probs = hi + mid + lo, each bf16, exactly")
+        scope.add(f"{p}_rest = {pcode} - {p}_hi.astype(jnp.float32)")
+        scope.add(f"{p}_mid = {p}_rest.astype(jnp.bfloat16)")
+        scope.add(f"{p}_lo = ({p}_rest - {p}_mid.astype(jnp.float32)).astype(jnp.bfloat16)")
+        self.notes.append(
+            "the f32 (HIGHEST) probs @ v runs as three exact bf16 MXU passes: v is a widened bf16, so "
+            "splitting the f32 probabilities into three bf16 terms loses nothing"
+        )
+        return " + ".join(
+            f"jnp.dot({p}_{t}, {v}, preferred_element_type=jnp.float32)" for t in ("lo", "mid", "hi")
+        )
 
     def plan_schedule(self, pred: Any) -> bool:
         """Walk only the (q block, key block) pairs the mask leaves alive, when the mask is static.
