@@ -53,6 +53,23 @@ class LowerError(Exception):
 SUBLANE = {4: 8, 2: 16, 1: 32}
 
 
+@dataclass
+class StepSchedule:
+    """A grid whose logical axes are read from scalar-prefetched tables instead of walked densely.
+
+    The pallas grid becomes `grid` (name, extent expression, semantics); each logical axis listed in
+    `axis_code` is read, in the kernel and in every index map, from a table indexed by the new grid's step
+    (`(kernel expression, index-map expression)`). Skipped blocks thus never become grid steps: no fetch,
+    no compute, no per-step overhead.
+    """
+
+    prefetch: list[str]  # wrapper arrays passed as scalar prefetch (the kernel sees `<name>_ref`)
+    grid: list[tuple[str, str, str]]  # (index name, wrapper extent expression, "parallel" | "arbitrary")
+    axis_code: dict[int, tuple[str, str]]  # logical axis -> (kernel expr, index-map expr)
+    wrapper_lines: list[str] = field(default_factory=list)  # wrapper code that builds the tables
+    defs: list[str] = field(default_factory=list)  # module-level helpers the wrapper calls
+
+
 @dataclass(eq=False)
 class SpaceDim:
     key: str
@@ -155,6 +172,7 @@ class Builder(KernelBuilder):
         self.counter = 0
         self.notes: list[str] = []
         self.transcendentals = 0.0
+        self.schedule: StepSchedule | None = None  # set by a subclass that walks a data-driven grid
 
     # --- naming ---------------------------------------------------------------------------------------
     def local(self, var: Any) -> str:
@@ -671,7 +689,12 @@ class Builder(KernelBuilder):
         """Grid axes, operand and output views, and the tile params with their alignment."""
         grid_axes = sorted({d.axis for d in self.dims if d.axis is not None})
         axis_dims = {a: next(d for d in self.dims if d.axis == a) for a in grid_axes}
+        sched = self.schedule
         index_args = ", ".join(f"{axis_dims[a].key}_index" for a in grid_axes)
+        if sched is not None:
+            index_args = ", ".join(
+                [f"{n}_index" for n, _, _ in sched.grid] + [f"{n}_ref" for n in sched.prefetch]
+            )
         in_vars = [v for v in self.inputs if v in self.input_view]
         unused = [v for v in self.inputs if v not in self.input_view]
         if unused:
@@ -735,7 +758,10 @@ class Builder(KernelBuilder):
             entries = []
             for d in view:
                 if d.axis is not None and d.role != "full" and self.spans(var, d):
-                    entries.append(f"{self.axis_name(d.axis)}_index")
+                    if sched is not None and d.axis in sched.axis_code:
+                        entries.append(sched.axis_code[d.axis][1])
+                    else:
+                        entries.append(f"{self.axis_name(d.axis)}_index")
                 else:
                     entries.append("0")
             return f"def {fname}({index_args}):\n    return ({', '.join(entries)}{',' if len(entries) == 1 else ''})\n"
@@ -766,15 +792,23 @@ class Builder(KernelBuilder):
         """The kernel: refs, then keyword sizes, the grid indices it reads, and the body."""
         names_in, out_names = lay.names_in, lay.out_names
         # kernel function
+        if sched is not None:
+            code.extend(sched.defs)
         refs = (
-            [f"{n}_ref" for n in names_in] + [f"{n}_ref" for n in out_names] + [s[0] for s in self.scratch()]
+            [f"{n}_ref" for n in (sched.prefetch if sched is not None else [])]
+            + [f"{n}_ref" for n in names_in]
+            + [f"{n}_ref" for n in out_names]
+            + [s[0] for s in self.scratch()]
         )
         kw = sorted(self.kernel_kw)
         sig = ", ".join(refs) + (", *, " + ", ".join(kw) if kw else "")
         doc = f'    """{self.kernel_doc()}"""'
         kernel = [f"def {self.stem}_kernel({sig}):", doc]
         for a in sorted(self.axis_used):
-            kernel.append(f"    {self.axis_name(a)}_index = pl.program_id({a})")
+            if sched is not None and a in sched.axis_code:
+                kernel.append(f"    {self.axis_name(a)}_index = {sched.axis_code[a][0]}")
+            else:
+                kernel.append(f"    {self.axis_name(a)}_index = pl.program_id({a})")
         kernel += body
         return "\n".join(kernel) + "\n"
 
@@ -866,6 +900,12 @@ class Builder(KernelBuilder):
             for _, dt, dims in self.scratch()
         ]
         sem = ", ".join('"arbitrary"' if axis_dims[a].role == "seq" else '"parallel"' for a in grid_axes)
+        n_grid = len(grid_axes)
+        if sched is not None:
+            grid = ", ".join(ext for _, ext, _ in sched.grid)
+            sem = ", ".join(f'"{s}"' for _, _, s in sched.grid)
+            n_grid = len(sched.grid)
+            w.extend("    " + line for line in sched.wrapper_lines)
         partial = self.stem + "_kernel"
         if kw:
             partial = (
@@ -890,24 +930,31 @@ class Builder(KernelBuilder):
         w.append("    )")
         w.append("    outs = pl.pallas_call(" if not one else "    out = pl.pallas_call(")
         w.append(f"        {partial},")
-        w.append(f"        grid=({grid}{',' if len(grid_axes) == 1 else ''}),")
-        w.append("        in_specs=[")
+        pad = "        "
+        if sched is not None:
+            w.append("        grid_spec=pltpu.PrefetchScalarGridSpec(")
+            w.append(f"            num_scalar_prefetch={len(sched.prefetch)},")
+            pad = "            "
+        w.append(f"{pad}grid=({grid}{',' if n_grid == 1 else ''}),")
+        w.append(f"{pad}in_specs=[")
         for sp in in_specs:
-            w.append(f"            {sp},")
-        w.append("        ],")
+            w.append(f"{pad}    {sp},")
+        w.append(f"{pad}],")
         if one:
-            w.append(f"        out_specs={out_specs[0]},")
+            w.append(f"{pad}out_specs={out_specs[0]},")
         else:
-            w.append("        out_specs=[" + ", ".join(out_specs) + "],")
-        w.append("        out_shape=out_shape,")
+            w.append(f"{pad}out_specs=[" + ", ".join(out_specs) + "],")
         if scratch:
-            w.append(f"        scratch_shapes=[{', '.join(scratch)}],")
+            w.append(f"{pad}scratch_shapes=[{', '.join(scratch)}],")
+        if sched is not None:
+            w.append("        ),")
+        w.append("        out_shape=out_shape,")
         w.append("        compiler_params=pltpu.CompilerParams(")
-        w.append(f"            dimension_semantics=({sem}{',' if len(grid_axes) == 1 else ''}),")
+        w.append(f"            dimension_semantics=({sem}{',' if n_grid == 1 else ''}),")
         w.append(f"            vmem_limit_bytes={self.cprefix}VMEM_LIMIT_BYTES,")
         w.append("        ),")
         w.append("        cost_estimate=cost,")
-        w.append(f"    )({', '.join(names_in)})")
+        w.append(f"    )({', '.join([*(sched.prefetch if sched is not None else []), *names_in])})")
         results = []
         for i, (v, nm) in enumerate(zip(self.outputs, out_names, strict=True)):
             src = "out" if one else f"outs[{i}]"
