@@ -28,9 +28,9 @@ from maxkernel.authors.offline.kernels import (
     SpaceDim,
     StepSchedule,
     _constant_value,
-    _nelems,
-    _op_summary,
-    _precision,
+    nelems,
+    op_summary,
+    precision_arg,
 )
 from maxkernel.authors.offline.spec import BufferSpec
 
@@ -144,7 +144,7 @@ class AttentionBuilder(Builder):
                 ks = Space(f"k{i}", [self.kv, self.dq[i]])
                 side = self.q_side(e)
                 qv, kvv = e.invars[side], e.invars[1 - side]
-                prec = _precision(e)
+                prec = precision_arg(e)
                 narrow_q, narrow_k = self.widened_bf16(qv), self.widened_bf16(kvv)
                 if prec and narrow_q is not None and narrow_k is not None:
                     # f32 widenings of bf16 on both sides: one bf16 MXU pass is exact, HIGHEST adds nothing
@@ -313,7 +313,7 @@ class AttentionBuilder(Builder):
         When every output is rounded to bf16/f16, the third term (bits 17-24) cannot change it: two.
         """
         pv = self.g.eqns[self.region.attention.pv_dot]  # type: ignore[union-attr]
-        prec = _precision(pv)
+        prec = precision_arg(pv)
         narrow = self.widened_bf16(v_var) if prec and pdt == "float32" else None
         src = narrow if narrow is not None else v_var
         v, vm = self.value(src, vspace, scope)
@@ -494,7 +494,7 @@ class AttentionBuilder(Builder):
                 else "two chained matmuls in one kernel (the hidden activation never leaves VMEM)"
             )
         )
-        extra = _op_summary(self.g, self.region, skip_dots=True, limit=6)
+        extra = op_summary(self.g, self.region, skip_dots=True, limit=6)
         return (
             f"{what}"
             + (f" ({n} score matmuls summed)" if n > 1 else "")
@@ -530,7 +530,7 @@ class AttentionBuilder(Builder):
             k = 1
             for a in lc:
                 k *= int(e.invars[0].aval.shape[a])
-            total += 2.0 * _nelems(e.outvars[0]) * k
+            total += 2.0 * nelems(e.outvars[0]) * k
         return total
 
     def flops_code(self) -> str:

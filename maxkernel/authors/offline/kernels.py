@@ -751,6 +751,7 @@ class Builder(KernelBuilder):
         """Named index maps, one per distinct operand view (identical maps are shared)."""
         in_vars, out_view, names_in, out_names = lay.in_vars, lay.out_view, lay.names_in, lay.out_names
         index_args = lay.index_args
+        sched = self.schedule
         # index maps
         code: list[str] = []
 
@@ -791,9 +792,7 @@ class Builder(KernelBuilder):
     def emit_kernel_function(self, lay: Layout, body: list[str]) -> str:
         """The kernel: refs, then keyword sizes, the grid indices it reads, and the body."""
         names_in, out_names = lay.names_in, lay.out_names
-        # kernel function
-        if sched is not None:
-            code.extend(sched.defs)
+        sched = self.schedule
         refs = (
             [f"{n}_ref" for n in (sched.prefetch if sched is not None else [])]
             + [f"{n}_ref" for n in names_in]
@@ -810,13 +809,15 @@ class Builder(KernelBuilder):
             else:
                 kernel.append(f"    {self.axis_name(a)}_index = pl.program_id({a})")
         kernel += body
-        return "\n".join(kernel) + "\n"
+        # module-level helpers a data-driven grid's tables need come just before the kernel
+        return "\n\n".join([*(sched.defs if sched is not None else []), "\n".join(kernel) + "\n"])
 
     def emit_wrapper(self, lay: Layout, map_of: dict[str, str]) -> str:
         """The wrapper: extents from the inputs, block sizes, views and padding, the pallas_call, crops."""
         kw = sorted(self.kernel_kw)
         grid_axes, axis_dims, in_vars = lay.grid_axes, lay.axis_dims, lay.in_vars
         out_view, params, names_in, out_names = lay.out_view, lay.params, lay.names_in, lay.out_names
+        sched = self.schedule
         # wrapper
         w: list[str] = []
         extent_lines = self.extent_lines(in_vars)
@@ -1206,4 +1207,3 @@ def op_summary(g: Any, region: Region, *, skip_dots: bool = False, limit: int = 
 
 
 # Old private spellings, kept only while branches written before the family registry still import them.
-_nbytes, _precision, _nelems, _op_summary, _stem = nbytes, precision_arg, nelems, op_summary, stem_of

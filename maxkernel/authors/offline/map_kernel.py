@@ -13,8 +13,8 @@ from maxkernel.authors.offline.kernels import (
     Scope,
     Space,
     SpaceDim,
-    _nelems,
-    _op_summary,
+    nelems,
+    op_summary,
 )
 from maxkernel.authors.offline.online import online_sums
 from maxkernel.authors.offline.spec import BufferSpec
@@ -36,7 +36,7 @@ class MapBuilder(Builder):
         ]
         # Class order: the layout of the biggest operand, so that most operands need no transpose.
         io = [*self.inputs, *self.outputs]
-        dominant = sorted(io, key=lambda v: (-len(ax.footprint(v)), -_nelems(v)))
+        dominant = sorted(io, key=lambda v: (-len(ax.footprint(v)), -nelems(v)))
         order: list[Node] = []
         for v in [*dominant, *region_vars]:
             for c in ax.classes(v):
@@ -141,7 +141,7 @@ class MapBuilder(Builder):
         """Merge trailing groups into the lane dim while it is short (< 512) and the operands that vary
         along only part of it are small enough to broadcast outside (a quarter of the largest operand)."""
         ax = self.ax
-        biggest = max((_nelems(v) for v in io), default=1)
+        biggest = max((nelems(v) for v in io), default=1)
         groups = [list(g) for g in groups]
         while len(groups) >= 3 or (len(groups) == 2 and False):
             lane = groups[-1]
@@ -305,7 +305,7 @@ class MapBuilder(Builder):
 
     def title(self) -> str:
         red = any(self.g.kind[i] == "reduce" for i in self.region.eqns())
-        ops = _op_summary(self.g, self.region)
+        ops = op_summary(self.g, self.region)
         return ("row-wise " if red else "elementwise ") + ops
 
     def structure(self) -> str:
@@ -342,7 +342,7 @@ class MapBuilder(Builder):
         for i in self.region.eqns():
             if self.g.kind[i] in ("elementwise", "reduce"):
                 n += max(
-                    _nelems(v) for v in (*self.g.eqns[i].invars, *self.g.eqns[i].outvars) if not is_literal(v)
+                    nelems(v) for v in (*self.g.eqns[i].invars, *self.g.eqns[i].outvars) if not is_literal(v)
                 )
         return n
 

@@ -12,9 +12,9 @@ from maxkernel.authors.offline.kernels import (
     Scope,
     Space,
     SpaceDim,
-    _nelems,
-    _op_summary,
-    _precision,
+    nelems,
+    op_summary,
+    precision_arg,
 )
 from maxkernel.authors.offline.spec import BufferSpec
 
@@ -125,7 +125,7 @@ class MatmulBuilder(Builder):
             lhs_space = Space(f"lhs_{self.ks[i].key}", [self.m, self.ks[i]])
             rhs_space = Space(f"rhs_{self.ks[i].key}", [self.ks[i], self.n])
             lhs, rhs = e.invars[0], e.invars[1]
-            prec = _precision(e)
+            prec = precision_arg(e)
             exact = [self.bf16_source(lhs), self.bf16_source(rhs)]
             if exact[0] is not None and exact[1] is not None:
                 # f32 upcasts of bf16 values: bf16 x bf16 products are exact in f32, so one bf16 MXU pass
@@ -196,7 +196,7 @@ class MatmulBuilder(Builder):
         base = "batched matmul" if e.params["dimension_numbers"][1][0] else "matmul"
         if n > 1:
             base = f"{n} matmuls sharing a K loop"
-        ops = _op_summary(g, self.region, skip_dots=True)
+        ops = op_summary(g, self.region, skip_dots=True)
         return base + (f" with epilogue: {ops}" if ops else "")
 
     def structure(self) -> str:
@@ -224,7 +224,7 @@ class MatmulBuilder(Builder):
             k = 1
             for a in lc:
                 k *= int(e.invars[0].aval.shape[a])
-            total += 2.0 * _nelems(e.outvars[0]) * k
+            total += 2.0 * nelems(e.outvars[0]) * k
         return total
 
     def flops_code(self) -> str:
