@@ -120,10 +120,27 @@ def skeleton(tree: Tree) -> dict[str, Any]:
     return {"kernels": kernels, "outside": dict(sorted(outside.items()))}
 
 
+SHAPE_MASKING: frozenset[str] = frozenset(
+    """lt le gt ge eq ne and or not select_n iota broadcast_in_dim convert_element_type min max rem
+    pad slice dynamic_slice dynamic_update_slice concatenate reshape squeeze expand_dims transpose
+    jit pjit closed_call""".split()
+)
+"""Primitives whose presence may legitimately depend on the shapes: the masks and padding a kernel needs
+only where a dim does not divide its block (unaligned validation shapes, aligned production ones), and the
+call wrappers around such helpers (whose bodies are walked and counted on their own). They
+compute no result of their own; a kernel that drops a dot, an exp or a reduction at one shape is still
+caught, and so is one that drops or adds a kernel."""
+
+
 def same_program(a: dict[str, Any], b: dict[str, Any], *, exact: bool) -> str | None:
     """None if two skeletons are the same program, else what differs. `exact=False` (traces at different
-    shapes) compares primitive *sets*: a kernel may legitimately unroll differently per shape, but not
-    change what it computes, move work out of Pallas or drop a kernel."""
+    shapes) compares primitive *sets* less the masking/padding primitives (`SHAPE_MASKING`): a kernel may
+    legitimately unroll, mask or pad differently per shape, but not change what it computes, move work out
+    of Pallas or drop a kernel."""
+
+    def prims(d: dict[str, Any]) -> Any:
+        return d if exact else set(d) - SHAPE_MASKING
+
     ka, kb = a.get("kernels", []), b.get("kernels", [])
     if len(ka) != len(kb):
         return f"{len(ka)} pallas_call(s) vs {len(kb)}"
@@ -131,11 +148,15 @@ def same_program(a: dict[str, Any], b: dict[str, Any], *, exact: bool) -> str | 
         if x.get("grid_rank") != y.get("grid_rank") or x.get("blocks") != y.get("blocks"):
             return f"kernel {i}: grid rank/blocks {x.get('grid_rank')}/{x.get('blocks')} vs {y.get('grid_rank')}/{y.get('blocks')}"
         px, py = x.get("prims", {}), y.get("prims", {})
-        if (px != py) if exact else (set(px) != set(py)):
-            diff = sorted(set(px).symmetric_difference(py)) or sorted(k for k in px if px[k] != py.get(k))
+        if prims(px) != prims(py):
+            diff = sorted(set(prims(px)).symmetric_difference(prims(py))) or sorted(
+                k for k in px if px[k] != py.get(k)
+            )
             return f"kernel {i}: different operations ({', '.join(diff[:6])})"
     oa, ob = a.get("outside", {}), b.get("outside", {})
-    if (oa != ob) if exact else (set(oa) != set(ob)):
-        diff = sorted(set(oa).symmetric_difference(ob)) or sorted(k for k in oa if oa[k] != ob.get(k))
+    if prims(oa) != prims(ob):
+        diff = sorted(set(prims(oa)).symmetric_difference(prims(ob))) or sorted(
+            k for k in oa if oa[k] != ob.get(k)
+        )
         return f"operations outside the kernels differ ({', '.join(diff[:6])})"
     return None
