@@ -297,7 +297,7 @@ def estimate_summary(
     Estimates only: nothing here ran on a TPU. Public: the profiler's worker job reports the same summary."""
     import jax
 
-    from maxkernel.tools.estimate import estimate_pallas, estimate_xla, estimated_speedup
+    from maxkernel.tools.estimate import estimate_pallas, estimate_xla
 
     cfg = own[0]
     specs = [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype)) for a in cfg.dynamic]
@@ -319,6 +319,15 @@ def estimate_summary(
             ).estimated_seconds
         except Exception as exc:  # noqa: BLE001
             notes.append(f"reference cost model failed: {type(exc).__name__}: {exc}")
+    return with_reference(summary, reference_s, notes)
+
+
+def with_reference(summary: EstimateSummary, reference_s: float | None, notes: list[str]) -> EstimateSummary:
+    """Complete a candidate's estimate with the reference's (the compiler's cost model) and the speedup,
+    the same way wherever the candidate's half came from (the profiler here, the harness from the
+    candidate's process)."""
+    from maxkernel.tools.estimate import estimated_speedup
+
     summary.reference_estimated_seconds = reference_s
     summary.method += "; reference: TPU compiler cost model (optimal_seconds)"
     if summary.estimated_seconds is not None and reference_s is not None:

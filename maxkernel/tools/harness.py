@@ -42,8 +42,7 @@ from maxkernel.tools.candidate import (
     tpu_program_file,
 )
 from maxkernel.tools.checks import check_pallas_does_work
-from maxkernel.tools.estimate import estimated_speedup
-from maxkernel.tools.evaluation import compare, summarise
+from maxkernel.tools.evaluation import compare, summarise, with_reference
 from maxkernel.tools.judge import EXPECTED_FILE, INPUTS_FILE, STAGE_INPUTS_READY
 from maxkernel.tools.program_tree import same_program, skeleton
 from maxkernel.tools.readback import MAX_JSON_BYTES, ReadBackError, load_arrays, read_capped, remove_tree
@@ -553,15 +552,7 @@ def _estimate_summary(
     reference_s = cached_ref if cached_ref is not None else judge.get("reference_estimated_seconds")
     if reference_s is None:
         notes.append("reference cost model failed")
-    summary.reference_estimated_seconds = reference_s
-    summary.method += "; reference: TPU compiler cost model (optimal_seconds)"
-    if summary.estimated_seconds is not None and reference_s is not None:
-        try:
-            summary.estimated_speedup = estimated_speedup(reference_s, summary.estimated_seconds)
-        except ValueError as exc:  # a non-positive estimate is not a time: no speedup, say why
-            notes.append(f"no estimated speedup: {exc}")
-    summary.note = "; ".join(notes) or None
-    return summary
+    return with_reference(summary, reference_s, notes)
 
 
 def _first_lines(text: str, n: int = 12) -> str:
