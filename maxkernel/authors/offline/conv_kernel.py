@@ -183,7 +183,7 @@ def {s}({xn}, {wn}):
             " * ".join(f"n_k{a}" for a in sp)
         } * n_c * n_out,
         transcendentals=0,
-        bytes_accessed=nbytes(x, wt, out_shape),
+        bytes_accessed=_nbytes(x, wt, out_shape),
     )
     out = pl.pallas_call(
         functools.partial(

@@ -111,7 +111,7 @@ def {s}({ln}, {rn}, {sn}):
     cost = pl.CostEstimate(
         flops=2 * n_m * n_n * n_k,
         transcendentals=0,
-        bytes_accessed=nbytes({ln}, {rn}, out_shape),
+        bytes_accessed=_nbytes({ln}, {rn}, out_shape),
     )
     out = pl.pallas_call(
         functools.partial({s}_kernel, bm=bm, n_groups=n_groups),

@@ -365,7 +365,7 @@ class ScanBuilder(KernelBuilder):
         w.append("    cost = pl.CostEstimate(")
         w.append(f"        flops={int(self.flop_count)} * n_steps,")
         w.append("        transcendentals=0,")
-        w.append(f"        bytes_accessed=nbytes({', '.join(local for _, local in operands)}, *out_shape),")
+        w.append(f"        bytes_accessed=_nbytes({', '.join(local for _, local in operands)}, *out_shape),")
         w.append("    )")
         w.append("    outs = pl.pallas_call(")
         w.append(f"        {s}_kernel,")
