@@ -253,7 +253,7 @@ CASES: dict[str, tuple[str, str, float | None]] = {
                                          precision=lax.Precision.HIGHEST)
             return jax.nn.relu(y)
         """,
-        "conv_matmul",
+        "conv",  # a stride-1 3x3 conv: the direct conv family (no im2col)
         None,
     ),
     "grouped_matmul_ragged_dot": (
