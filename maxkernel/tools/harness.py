@@ -65,6 +65,7 @@ from maxkernel.tools.sandbox import (
     SandboxOutcome,
     accelerator_present,
     fresh_run_dir,
+    task_read_paths,
 )
 from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text
 from maxkernel.tools.tasks import KernelTask
@@ -189,7 +190,7 @@ def _run(
         judge_dir,
         SandboxLimits(timeout_s=timeout, memory_mb=options.memory_mb, file_mb=file_mb, allow_device=device,
                       fallback_as_nobody=False),
-        read_paths=[Path(task.reference_path).parent],
+        read_paths=task_read_paths(task.reference_path),
         stdin=True,
     )
     cand = SandboxedChild(

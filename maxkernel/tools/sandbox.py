@@ -511,3 +511,16 @@ def _death_message(returncode: int | None, stderr_tail: str, what: str) -> str:
     if tail:
         msg += ": " + " | ".join(tail)
     return msg
+
+
+def task_read_paths(reference_path: str | Path) -> list[Path]:
+    """What a sandboxed child reads of a task: the reference's folder (sibling modules, the yaml), unless
+    that folder is private (no world read/search bit): bound whole, a private folder would also hide any run
+    dir below it (a work dir inside the task's folder) from the child, which runs as `nobody`; then only
+    the reference file itself is bound."""
+    ref = Path(reference_path)
+    try:
+        public = (ref.parent.stat().st_mode & 0o005) == 0o005
+    except OSError:
+        public = False
+    return [ref.parent] if public else [ref]

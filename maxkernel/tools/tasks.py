@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from maxkernel.tools import jaxbench
 from maxkernel.tools.readback import remove_tree
 from maxkernel.tools.results import InputConfig
-from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
+from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed, task_read_paths
 from maxkernel.tools.taskcode import task_source
 
 TaskFormat = Literal["maxkernel", "reference", "jaxbench"]
@@ -166,7 +166,7 @@ def load_task(
             payload,
             run_dir,
             SandboxLimits(timeout_s=timeout_s),
-            read_paths=[ref_path.parent],
+            read_paths=task_read_paths(ref_path),
         )
         if outcome.violations:
             remove_tree(run_dir)
