@@ -32,18 +32,21 @@ _AUTHORS: dict[tuple[Any, ...], Author] = {}
 
 def author_for(ctx: Context) -> Author:
     """The run's author, built once per (model, store): the offline author when `model` is 'offline'."""
-    key = (ctx.model, id(ctx.chat_model), ctx.store_path)
+    settings = ctx.call_settings()
+    key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings)
     if key not in _AUTHORS:
         if ctx.chat_model is not None:
             from maxkernel.authors.llm import LLMAuthor
 
-            _AUTHORS[key] = LLMAuthor(ctx.chat_model, model_name=ctx.model, store=store_at(ctx.store_path))
+            _AUTHORS[key] = LLMAuthor(
+                ctx.chat_model, model_name=ctx.model, store=store_at(ctx.store_path), call_settings=settings
+            )
         elif ctx.model == "offline":
             _AUTHORS[key] = offline_author(ctx)
         else:
             from maxkernel.authors.llm import LLMAuthor
 
-            _AUTHORS[key] = LLMAuthor(ctx.model, store=store_at(ctx.store_path))
+            _AUTHORS[key] = LLMAuthor(ctx.model, store=store_at(ctx.store_path), call_settings=settings)
     return _AUTHORS[key]
 
 
@@ -77,6 +80,8 @@ def author_context(state: AgentState, ctx: Context, *, feedback: str | None = No
         strategy=state.strategy,
         history=[AuthorAttempt.model_validate(a.model_dump()) for a in state.attempts],
         profile=state.trace_summary,
+        plan_text=state.plan.text if state.plan else None,
+        tried_strategies=[s for s in (*state.tried_strategies, state.strategy) if s],
         # Stable when a node re-runs after a resume, different for every new step of the run.
         scope=f"{thread_id()}/{state.label or ''}/{state.iteration}/{len(state.attempts)}/{len(state.human)}",
     )

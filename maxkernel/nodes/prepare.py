@@ -35,7 +35,11 @@ def prepare(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     update: dict[str, Any] = {
         "task": task,
         "run_dir": str(run_dir),
-        "budgets": Budgets(max_iterations=state.max_iterations, tune_max_configs=state.tune_max_configs),
+        "budgets": Budgets(
+            max_iterations=state.max_iterations,
+            tune_max_configs=state.tune_max_configs,
+            **ctx.budget_overrides(),
+        ),
         "usage": Usage(started_at=time.time()),
     }
     if state.start_source_path:

@@ -41,13 +41,12 @@ def reflect(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
             if decision.action == "stop":
                 stop = "author: " + ("; ".join(decision.reasons) or "nothing left to try")
             else:
-                strategy = next_strategy(state)
-                hint = decision.plan_hint or ""
-                if strategy:
-                    update["strategy"] = strategy
-                    update["tried_strategies"] = [state.strategy] if state.strategy else []
-                    hint = (hint + " " if hint else "") + f"Next strategy (from the profile): {strategy}."
-                update["feedback"] = hint
+                # ONE strategy for the next round, chosen once: the author's when it names one, else the
+                # profile's (offline author, or a model that left it open). The plan prompt gets only it.
+                strategy = decision.next_strategy or next_strategy(state)
+                update["feedback"] = decision.plan_hint or ""
+                update["tried_strategies"] = [state.strategy] if state.strategy else []
+                update["strategy"] = strategy
         update.update(usage_update(state, author, before))
     if stop:
         update["stop_reason"] = stop
