@@ -93,10 +93,11 @@ def edit_in_editor(text: str, suffix: str) -> str:
 def interactive_review(
     payload: dict[str, Any],
     *,
-    ask: Callable[[str], str] = input,
+    ask: Callable[[str], str] | None = None,
     edit: Callable[[str, str], str] = edit_in_editor,
 ) -> dict[str, Any] | None:
     """Show the review and ask until the person answers; the resume value, or None to leave it paused."""
+    ask = ask or input  # looked up at call time (tests and embedders replace builtins.input)
     kind = str(payload.get("kind"))
     choices = REVIEW_CHOICES.get(kind)
     if choices is None:

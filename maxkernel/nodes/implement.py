@@ -19,7 +19,7 @@ from maxkernel.nodes.common import (
     usage_of,
     usage_update,
 )
-from maxkernel.nodes.plan import validated
+from maxkernel.nodes.plan import inbox_request, validated
 
 
 class CodeReview(BaseModel):
@@ -54,6 +54,12 @@ def implement(
                         "edit": {"action": "edit", "code": "<the whole module>"},
                         "feedback": {"action": "feedback", "feedback": "<what to change>"},
                     },
+                    **inbox_request(
+                        "CodeReview",
+                        f"Round {state.iteration} kernel ({plan.summary}): accept it, edit the module, or "
+                        "respond with what to change.\n\n```python\n" + source + "\n```",
+                        {"code": source},
+                    ),
                 }
             ),
             CodeReview,

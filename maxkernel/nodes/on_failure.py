@@ -8,7 +8,7 @@ from langgraph.types import Command, interrupt
 from pydantic import BaseModel
 
 from maxkernel.graph.state import AgentState, HumanFeedback
-from maxkernel.nodes.plan import validated
+from maxkernel.nodes.plan import inbox_request, validated
 
 
 class FailureReview(BaseModel):
@@ -32,6 +32,13 @@ def on_failure(state: AgentState) -> Command[Literal["repair", "finalize"]]:
                     "feedback": {"action": "feedback", "feedback": "<hint for the repair>"},
                     "stop": {"action": "stop"},
                 },
+                **inbox_request(
+                    "FailureReview",
+                    f"Round {state.iteration}: the kernel failed at {r.error.stage} (repairs so far: "
+                    f"{state.repairs}). Accept to retry the repair, respond with a hint, or ignore to stop."
+                    f"\n\n```\n{r.error.message}\n```",
+                    {"stage": r.error.stage, "message": r.error.message},
+                ),
             }
         ),
         FailureReview,
