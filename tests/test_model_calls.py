@@ -196,3 +196,24 @@ def test_tuning_space_from_the_declared_dict(actx: AuthorContext) -> None:
     rendered = a.render(actx, plan, cfg).source
     assert "BLOCK_M = 256\n" in rendered and "BLOCK_K = 512\n" in rendered and "BLOCK_N = 128\n" in rendered
     assert a.tuning_space(actx, PLAN.model_copy(update={"data": {"source": KERNEL}})) == []
+
+
+def test_tool_loop_looks_up_apis_and_checks_drafts_within_its_budget(actx: AuthorContext) -> None:
+    ask_lookup = AIMessage(
+        content="", tool_calls=[{"name": "lookup_pallas_api", "args": {"name": "pl.BlockSpec"}, "id": "c1"}]
+    )
+    ask_check = AIMessage(
+        content="",
+        tool_calls=[{"name": "check_draft", "args": {"source": "def computation(:\n"}, "id": "c2"}],
+    )
+    a = author([ask_lookup, ask_check, "```python\n" + KERNEL + "```"])
+    draft = a.implement(actx, PLAN)
+    assert draft.source == KERNEL and a.usage.tool_calls == 2 and a.usage.model_calls == 3
+    lookup_answer, check_answer = a.model.prompts[1], a.model.prompts[2]
+    assert "pl.BlockSpec(block_shape" in lookup_answer and "index_map" in lookup_answer
+    assert check_answer.startswith("failed at ")  # the harness's verdict on a draft that does not parse
+
+    over = author([ask_lookup, ask_lookup, "```python\n" + KERNEL + "```"])
+    over.max_tool_calls = 1
+    assert over.implement(actx, PLAN).source == KERNEL
+    assert over.usage.tool_calls == 1 and "tool budget of this step is spent" in over.model.prompts[2]

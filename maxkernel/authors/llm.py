@@ -63,6 +63,7 @@ class LLMUsage(BaseModel):
         0, description="extra calls after a truncated, thinking-only or code-less reply"
     )
     cached_calls: int = 0
+    tool_calls: int = Field(0, description="tool calls the model made (API look-ups, draft checks)")
     tokens: int = Field(
         0, description="as reported by the provider; characters/4 of system+prompt+reply when it reports none"
     )
@@ -146,6 +147,7 @@ class LLMAuthor:
         store: ResultsStore | None = None,
         call_settings: CallSettings | None = None,
         sleep: Any = None,
+        max_tool_calls: int = 4,
     ) -> None:
         self.call_settings = call_settings or CallSettings()
         self.model = init_model(model, self.call_settings) if isinstance(model, str) else model
@@ -154,6 +156,7 @@ class LLMAuthor:
         self.usage = LLMUsage()
         self.rate_limiter = make_rate_limiter(self.call_settings.requests_per_second)
         self._sleep = sleep or time.sleep
+        self.max_tool_calls = max_tool_calls
 
     # --- model access -----------------------------------------------------------------------------------
     def _messages(self, ctx: AuthorContext, prompt: str) -> list[Any]:
@@ -194,7 +197,7 @@ class LLMAuthor:
     def _ask(self, ctx: AuthorContext, prompt: str, *, want_code: bool = False) -> str:
         """The answer text for `prompt`. A truncated or thinking-only reply is re-asked once (shorter); with
         `want_code`, so is a reply without a kernel module. Replies are cached per (scope, prompt)."""
-        from langchain_core.messages import AIMessage, HumanMessage
+        from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
         messages = self._messages(ctx, prompt)
         key = self._key(ctx, messages)
@@ -203,21 +206,59 @@ class LLMAuthor:
             if cached is not None:
                 self.usage.cached_calls += 1
                 return cached
-        text = ""
-        for attempt in range(2):
-            parsed = parse_message(self._call(messages))
+        runner, tools = self._tool_runner(ctx) if want_code else (None, {})
+        reasked, tool_calls_used = False, 0
+        while True:
+            reply = self._call(messages, runner)
+            parsed = parse_message(reply)
             self._count_tokens(messages, parsed)
+            requested = getattr(reply, "tool_calls", None) or []
+            if requested and tools and tool_calls_used < self.max_tool_calls:
+                messages = [*messages, reply]
+                for call in requested:
+                    tool_calls_used += 1
+                    messages.append(
+                        ToolMessage(self._run_tool(tools, call), tool_call_id=call.get("id") or "")
+                    )
+                continue
             text = parsed.text
             problem = _reply_problem(parsed, want_code)
             if problem is None:
                 break
-            if attempt == 1:
+            if requested:
+                problem += " (the tool budget of this step is spent: answer now, without tools)"
+            if reasked:
                 raise AuthorError(f"the model's reply was unusable twice: {problem}")
+            reasked = True
             self.usage.reasked_calls += 1
             messages = [*messages, AIMessage(parsed.text or "(no answer text)"), HumanMessage(problem)]
         if self.store is not None:
             self.store.put_model_reply(key, self.name, text)
         return text
+
+    def _tool_runner(self, ctx: AuthorContext) -> tuple[Any, dict[str, Any]]:
+        """The model with the API-lookup and draft-check tools bound, or (None, {}) when tools are off or
+        the model cannot take tools."""
+        if self.max_tool_calls <= 0:
+            return None, {}
+        from maxkernel.authors.model_tools import tools_for
+
+        tools = tools_for(ctx.task, list(ctx.tpu), Path(ctx.work_dir), self.store)
+        try:
+            runner = self.model.bind_tools(tools)
+        except (NotImplementedError, AttributeError, TypeError, ValueError):
+            return None, {}
+        return runner, {t.name: t for t in tools}
+
+    def _run_tool(self, tools: dict[str, Any], call: dict[str, Any]) -> str:
+        tool = tools.get(call.get("name", ""))
+        if tool is None:
+            return f"unknown tool {call.get('name')!r}; tools: {', '.join(tools)}"
+        self.usage.tool_calls += 1
+        try:
+            return str(tool.invoke(call.get("args") or {}))
+        except Exception as exc:  # noqa: BLE001 - a tool error is an answer for the model, not a crash
+            return f"tool error: {type(exc).__name__}: {exc}"
 
     def _decide(self, ctx: AuthorContext, prompt: str, schema: type[BaseModel]) -> BaseModel:
         """A decision as `schema`: structured output where the model has it, else JSON parsed from text."""

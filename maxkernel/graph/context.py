@@ -69,6 +69,11 @@ class Context:
         default=None, metadata={"description": "client-side rate limit for model calls (None: no limit)"}
     )
 
+    model_tools: int = field(
+        default=4,
+        metadata={"description": "tool calls (API look-up, draft check) per implement/repair step; 0: none"},
+    )
+
     def call_settings(self) -> Any:
         from maxkernel.authors.model_calls import CallSettings
 

@@ -33,20 +33,29 @@ _AUTHORS: dict[tuple[Any, ...], Author] = {}
 def author_for(ctx: Context) -> Author:
     """The run's author, built once per (model, store): the offline author when `model` is 'offline'."""
     settings = ctx.call_settings()
-    key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings)
+    key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings, ctx.model_tools)
     if key not in _AUTHORS:
         if ctx.chat_model is not None:
             from maxkernel.authors.llm import LLMAuthor
 
             _AUTHORS[key] = LLMAuthor(
-                ctx.chat_model, model_name=ctx.model, store=store_at(ctx.store_path), call_settings=settings
+                ctx.chat_model,
+                model_name=ctx.model,
+                store=store_at(ctx.store_path),
+                call_settings=settings,
+                max_tool_calls=ctx.model_tools,
             )
         elif ctx.model == "offline":
             _AUTHORS[key] = offline_author(ctx)
         else:
             from maxkernel.authors.llm import LLMAuthor
 
-            _AUTHORS[key] = LLMAuthor(ctx.model, store=store_at(ctx.store_path), call_settings=settings)
+            _AUTHORS[key] = LLMAuthor(
+                ctx.model,
+                store=store_at(ctx.store_path),
+                call_settings=settings,
+                max_tool_calls=ctx.model_tools,
+            )
     return _AUTHORS[key]
 
 
