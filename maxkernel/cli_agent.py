@@ -260,6 +260,9 @@ def optimize_cmd(
     requests_per_second: Annotated[
         float | None, typer.Option("--requests-per-second", help="client-side rate limit for model calls")
     ] = None,
+    model_tools: Annotated[
+        int, typer.Option("--model-tools", min=0, help="tool calls (API look-up, draft check) per step")
+    ] = 4,
 ) -> None:
     """Run the agent loop on a task and write the best correct kernel, result.json and report.md."""
     if mode not in ("auto", "hitl"):
@@ -283,6 +286,7 @@ def optimize_cmd(
         "model_retries": model_retries,
         "request_timeout_s": request_timeout,
         "requests_per_second": requests_per_second,
+        "model_tools": model_tools,
     }
     st, settings = _start_run(
         "agent", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir, describe=f"mode {mode}",

@@ -122,3 +122,27 @@ def test_cli_rate_limited_run_exits_4_and_resumes_once_the_model_answers(
     assert result["status"] == "succeeded" and result["correct"]
     assert result["model_calls"] == 2  # the two answered calls of the resumed steps
     assert result["tokens"] == model.reported_tokens
+
+
+def test_resumed_run_finishes_and_counts_the_failed_calls_too(tmp_path: Path) -> None:
+    model = EventChatModel(events=[gemini_429("0.01s")] * 3)
+    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"), model_retry=None)
+    config = {"configurable": {"thread_id": "t"}}
+    ctx = fast_context(tmp_path, model)
+    inp = {"task_path": str(TASK), "out_dir": str(tmp_path / "out"), "max_iterations": 1}
+    with pytest.raises(ModelCallError):
+        graph.invoke(inp, config, context=ctx)
+    # The provider is back: a plan, then two replies without code (the step gives up; no evaluation needed).
+    model.events = ["# Plan\nTiled matmul.", "I would tile it by 128.", "Still thinking about it."]
+    graph.invoke(None, config, context=ctx)
+    values = graph.get_state(config).values
+    assert (
+        values["plan"].summary == "Plan"
+        and "implement: the model's reply was unusable twice" in values["errors"][0]
+    )
+    assert values["status"] == "failed" and values["stop_reason"].startswith("iteration budget spent")
+    usage = values["usage"]
+    assert model.calls == 6 and usage.model_calls == 6  # 3 rate-limited + plan + reply + re-ask
+    assert usage.tokens == model.reported_tokens  # failed calls report no tokens; the rest exactly
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["model_calls"] == 6 and not result["correct"]

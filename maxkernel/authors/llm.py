@@ -90,7 +90,10 @@ def init_model(spec: str, settings: CallSettings | None = None) -> Any:
 
     settings = settings or CallSettings()
     try:
-        return init_chat_model(spec, max_retries=0, timeout=settings.timeout_s)
+        try:
+            return init_chat_model(spec, max_retries=0, timeout=settings.timeout_s)
+        except (TypeError, ValueError):  # an integration without these options: ours still apply
+            return init_chat_model(spec)
     except ImportError as exc:
         raise AuthorError(f"model {spec!r} needs its LangChain integration package: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a bad model string is a usage error, reported as such
@@ -157,6 +160,8 @@ class LLMAuthor:
         self.rate_limiter = make_rate_limiter(self.call_settings.requests_per_second)
         self._sleep = sleep or time.sleep
         self.max_tool_calls = max_tool_calls
+        # (calls, tokens) already written to a run's state (nodes.common.usage_of / usage_update)
+        self.recorded: tuple[int, int] = (0, 0)
 
     # --- model access -----------------------------------------------------------------------------------
     def _messages(self, ctx: AuthorContext, prompt: str) -> list[Any]:

@@ -66,8 +66,14 @@ def offline_author(ctx: Context) -> Author:
 
 
 def usage_of(author: Author) -> tuple[int, int]:
+    """(calls, tokens) already written to a run's state. An author keeps that mark (`recorded`) so calls made
+    by a step that then failed (a 429 storm that ended the run) are added by the next step that records,
+    instead of being lost with the failed step's update."""
     usage = getattr(author, "usage", None)
-    return (usage.model_calls, usage.tokens) if usage is not None else (0, 0)
+    if usage is None:
+        return (0, 0)
+    mark = getattr(author, "recorded", None)
+    return mark if mark is not None else (usage.model_calls, usage.tokens)
 
 
 def thread_id() -> str:
@@ -163,7 +169,10 @@ def budget_exhausted(state: AgentState) -> str | None:
 
 
 def usage_update(state: AgentState, author: Author, before: tuple[int, int]) -> dict[str, Any]:
-    calls, tokens = usage_of(author)
+    usage = getattr(author, "usage", None)
+    calls, tokens = (usage.model_calls, usage.tokens) if usage is not None else (0, 0)
+    if hasattr(author, "recorded"):
+        author.recorded = (calls, tokens)  # type: ignore[attr-defined]
     d_calls, d_tokens = calls - before[0], tokens - before[1]
     if not (d_calls or d_tokens):
         return {}

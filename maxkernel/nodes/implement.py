@@ -38,7 +38,14 @@ def implement(
     try:
         draft = author.implement(author_context(state, ctx), plan)
     except AuthorError as exc:
-        return Command(goto="reflect", update={"errors": [f"implement: {exc}"], "feedback": str(exc)})
+        return Command(
+            goto="reflect",
+            update={
+                "errors": [f"implement: {exc}"],
+                "feedback": str(exc),
+                **usage_update(state, author, before),
+            },
+        )
     update: dict[str, Any] = usage_update(state, author, before)
     source, kind = draft.source, "implement"
     if state.mode == "hitl":

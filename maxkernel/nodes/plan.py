@@ -90,6 +90,7 @@ def plan(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["imple
                 "stop_reason": f"the author could not plan: {exc}",
                 "errors": [str(exc)],
                 "iteration": iteration,
+                **usage_update(state, author, before),
             },
         )
     update: dict[str, Any] = {"iteration": iteration, "repairs": 0, **usage_update(state, author, before)}

@@ -44,16 +44,19 @@ def profile(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         return {}
     source = Path(state.best.source_path).read_text()
     r = run_eval(state, runtime.context, source)  # a store hit: the best kernel was evaluated already
-    summary = f"Best kernel so far: [{state.best.source_hash[:10]}] ({state.best.kind})\n" + render_estimate(r)
+    summary = f"Best kernel so far: [{state.best.source_hash[:10]}] ({state.best.kind})\n" + render_estimate(
+        r
+    )
     if r.estimate and r.estimate.detail_markdown:
         summary += "\n\n" + r.estimate.detail_markdown
     try:
         from maxkernel.tools.profiling import profile_summary
 
-        assert state.task and state.source_path
+        assert state.task
+        # The best kernel's own trace, not the current one's: reflect reads this as the best's profile.
         summary = (
             profile_summary(
-                state.task, state.source_path, list(runtime.context.tpu), runtime.context.work_dir
+                state.task, state.best.source_path, list(runtime.context.tpu), runtime.context.work_dir
             )
             + "\n\n"
             + summary
