@@ -292,7 +292,7 @@ def optimize_cmd(
         "agent", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir, describe=f"mode {mode}",
         limits=limits,
     )  # fmt: skip
-    ctx = _context(settings)
+    ctx = _started_context(st, thread_id, settings)
     graph = _graph(checkpoint_db)
     config = {"configurable": {"thread_id": thread_id}}
     inp = {
@@ -306,7 +306,7 @@ def optimize_cmd(
     }
     _run(graph, inp, config, ctx, st, thread_id)
     _review_loop(graph, config, ctx, st, thread_id)
-    _check_bad_task(graph, config)
+    _check_bad_task(graph, config, st, thread_id)
     _finish(graph, config, st, thread_id)
 
 
@@ -350,11 +350,13 @@ def _start_run(
     return st, settings
 
 
-def _check_bad_task(graph: Any, config: dict[str, Any]) -> None:
+def _check_bad_task(graph: Any, config: dict[str, Any], st: Any = None, thread_id: str = "") -> None:
     values = graph.get_state(config).values
     reason = values.get("stop_reason") or ""
     if values.get("task") is None and reason.startswith("bad task"):
-        raise fail_usage(reason)
+        if st is not None:
+            st.upsert_run(thread_id, status="failed to start")
+        raise fail_usage(escape(reason))
 
 
 def _context(settings: dict[str, Any]) -> Context:
@@ -375,6 +377,16 @@ def _context(settings: dict[str, Any]) -> Context:
         work_dir=settings["work_dir"],
         **limits,
     )
+
+
+def _started_context(st: Any, thread_id: str, settings: dict[str, Any]) -> Context:
+    """The context of a run just recorded; a run whose model cannot even be created is marked as such
+    (never left 'running')."""
+    try:
+        return _context(settings)
+    except typer.Exit:
+        st.upsert_run(thread_id, status="failed to start")
+        raise
 
 
 def _resume_value(
@@ -432,7 +444,8 @@ def resume_cmd(
     ] = None,
     store: StoreOpt = Path(DEFAULT_STORE),
 ) -> None:
-    """Continue a paused (hitl) or killed run from its last checkpoint."""
+    """Continue a paused (hitl), killed or model-failed run from its last checkpoint. Without an answer
+    flag, a pending review is shown (on a terminal: asked)."""
     from langgraph.types import Command
 
     st = _store(store)
@@ -620,7 +633,7 @@ def search_cmd(
         "search", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir,
         describe=f"{algorithm} search", max_concurrency=max_concurrency,
     )  # fmt: skip
-    ctx = _context(settings)
+    ctx = _started_context(st, thread_id, settings)
     graph = _graph(checkpoint_db, "search")
     config = {"configurable": {"thread_id": thread_id}, "max_concurrency": max_concurrency}
     search_inp = {

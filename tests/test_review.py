@@ -123,3 +123,18 @@ def test_resume_without_a_flag_shows_the_review_and_answers_interactively_on_a_t
     assert "paused for review (code_review)" in second.output and "pallas_call" in second.output
     runs = runner.invoke(app, ["runs", *store, "--json"])
     assert json.loads(runs.output.strip().splitlines()[-1])["status"] == "paused:code_review"
+
+
+def test_a_run_whose_model_cannot_be_created_is_failed_to_start(tmp_path: Path) -> None:
+    from maxkernel.cli import app
+
+    store = ["--store", str(tmp_path / "store.db")]
+    runner = CliRunner()
+    bad = runner.invoke(
+        app,
+        ["optimize", str(TASK), "--model", "no_such_provider:model-x", "--thread-id", "bad-1",
+         "--checkpoint-db", str(tmp_path / "ck.sqlite"), "--work-dir", str(tmp_path / "work"), *store],
+    )  # fmt: skip
+    assert bad.exit_code == 2, bad.output
+    runs = runner.invoke(app, ["runs", *store, "--json"])
+    assert json.loads(runs.output.strip().splitlines()[-1])["status"] == "failed to start"

@@ -11,6 +11,7 @@ from `FAILURE_KINDS`; the graph lets it end the run (resumable from the failed n
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import random
 import re
@@ -143,10 +144,11 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     """Run `fn` in a daemon thread and give up after `timeout_s`: a stalled HTTP call must not hang the run
     (the provider's own timeout is also set where the integration has one)."""
     box: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
+    context = contextvars.copy_context()  # tracing/callback context follows the call into its thread
 
     def target() -> None:
         try:
-            box.put((True, fn()))
+            box.put((True, context.run(fn)))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread as is
             box.put((False, exc))
 
