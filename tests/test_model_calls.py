@@ -217,3 +217,30 @@ def test_tool_loop_looks_up_apis_and_checks_drafts_within_its_budget(actx: Autho
     over.max_tool_calls = 1
     assert over.implement(actx, PLAN).source == KERNEL
     assert over.usage.tool_calls == 1 and "tool budget of this step is spent" in over.model.prompts[2]
+
+
+def test_reflect_node_keeps_the_models_one_strategy(actx: AuthorContext, tmp_path: Path) -> None:
+    from langgraph.runtime import Runtime
+
+    from maxkernel.graph.context import Context
+    from maxkernel.graph.state import AgentState, Attempt
+    from maxkernel.nodes.reflect import reflect
+
+    best = Attempt(iteration=1, kind="implement", source_hash="ab" * 8, source_path=str(tmp_path / "k.py"),
+                   stage="accepted", accepted=True, estimated_speedup=1.5, estimated_bound="memory")  # fmt: skip
+    (tmp_path / "k.py").write_text(KERNEL)
+    state = AgentState(task_path=str(TASK), task=actx.task, iteration=1, max_iterations=3, improved=True,
+                       best=best, attempts=[best], strategy="full_k_panel")  # fmt: skip
+    state.budgets.max_iterations = 3
+
+    def run(reply: str) -> dict:
+        model = EventChatModel(events=[reply])
+        store = tmp_path / f"r{len(reply)}.db"  # a store per reply: the same step's reply is cached by design
+        ctx = Context(model="fake", chat_model=model, tpu=["v5e"], store_path=str(store))
+        return reflect(state, Runtime(context=ctx))
+
+    chosen = run('{"decision": "continue", "next_strategy": "bf16_operands", "hint": "cast to bf16"}')
+    assert chosen["strategy"] == "bf16_operands" and chosen["feedback"] == "cast to bf16"
+    assert chosen["tried_strategies"] == ["full_k_panel"]
+    open_choice = run('{"decision": "continue", "hint": "bigger tiles"}')
+    assert open_choice["strategy"] == "larger_tiles"  # the profile's pick only when the model left it open
