@@ -146,3 +146,16 @@ def test_resumed_run_finishes_and_counts_the_failed_calls_too(tmp_path: Path) ->
     assert usage.tokens == model.reported_tokens  # failed calls report no tokens; the rest exactly
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["model_calls"] == 6 and not result["correct"]
+
+
+def test_context_budgets_reach_the_run(tmp_path: Path) -> None:
+    model = EventChatModel(events=[ProviderError(404, "not found")])
+    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"), model_retry=None)
+    config = {"configurable": {"thread_id": "t"}}
+    ctx = fast_context(
+        tmp_path, model, max_model_calls=7, max_tokens=900, max_wall_s=60.0, patience=1, max_repairs=0
+    )
+    with pytest.raises(ModelCallError):
+        graph.invoke({"task_path": str(TASK)}, config, context=ctx)
+    b = graph.get_state(config).values["budgets"]
+    assert (b.max_model_calls, b.max_tokens, b.max_wall_s, b.patience, b.max_repairs) == (7, 900, 60.0, 1, 0)
