@@ -48,7 +48,9 @@ _EDIT_FIELD = {"plan_review": "plan", "code_review": "code"}
 
 
 def stdin_is_terminal() -> bool:
-    return sys.stdin.isatty()
+    """A person at a terminal: stdin and stdout both ttys (a run whose output is captured, e.g. by a test or
+    a script, never blocks on a prompt nobody sees)."""
+    return sys.stdin.isatty() and sys.stdout.isatty()
 
 
 def review_body(payload: dict[str, Any]) -> tuple[str, str]:
