@@ -26,8 +26,9 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatResult
 
 from maxkernel.authors.model_calls import ModelCallError
-from maxkernel.graph.agent import compile_graph, sqlite_checkpointer
-from maxkernel.graph.context import Context
+from maxkernel.checkpointing import sqlite_checkpointer
+from maxkernel.context import Context
+from maxkernel.graph.agent import compile_graph
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "matmul_bias_relu"
 

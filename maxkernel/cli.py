@@ -16,12 +16,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from maxkernel.tools.harness import DEFAULT_TPUS, EvalOptions, evaluate, normalise_generations
+from maxkernel.tools.harness import EvalOptions, evaluate
 from maxkernel.tools.results import EvalResult
 from maxkernel.tools.store import ResultsStore
 from maxkernel.tools.tasks import TaskError, load_task
+from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, GENERATIONS, normalise_generations
 
-DEFAULT_TPU_TEXT = ",".join(DEFAULT_TPUS)
+DEFAULT_TPU_TEXT = ",".join(DEFAULT_GENERATIONS)
+TPU_HELP = f"TPU generations, comma separated ({','.join(GENERATIONS)}; aliases such as trillium accepted)"
 
 app = typer.Typer(
     add_completion=False,
@@ -32,9 +34,7 @@ app = typer.Typer(
 console = Console(stderr=True)
 out = Console()
 
-TpuOpt = Annotated[
-    str, typer.Option("--tpu", help="TPU generations to compile for, comma separated (v4,v5e,v5p,v6e,7x)")
-]
+TpuOpt = Annotated[str, typer.Option("--tpu", help=f"{TPU_HELP}: compiled for")]
 ScaleOpt = Annotated[
     str | None,
     typer.Option(
@@ -47,6 +47,15 @@ StoreOpt = Annotated[
     Path, typer.Option("--store", help="results store (SQLite); evaluations found there are not re-run")
 ]
 WorkOpt = Annotated[Path, typer.Option("--work-dir", help="where sandbox run directories go")]
+TimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--timeout",
+        help="seconds before loading the task, or one evaluation, is killed (default: derived from the "
+        "task's reference time plus a compile budget, 60-600 s; task loading: 300 s)",
+    ),
+]
+TASK_LOAD_TIMEOUT_S = 300.0
 
 
 def fail_usage(message: str) -> typer.Exit:
@@ -56,15 +65,20 @@ def fail_usage(message: str) -> typer.Exit:
 
 def parse_tpus(text: str) -> list[str]:
     try:
-        return normalise_generations([t for t in text.split(",") if t.strip()])
+        return normalise_generations(text)
     except ValueError as exc:
         raise fail_usage(str(exc)) from exc
 
 
 def read_source(path: Path) -> str:
+    """The candidate's text. A file that is not UTF-8 text is a failed candidate (exit 1), said plainly."""
     if not path.is_file():
         raise fail_usage(f"kernel file not found: {path}")
-    return path.read_text()
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        console.print(f"[bold red]rejected:[/] {path} is not UTF-8 text (byte {exc.start}): not a Python module")
+        raise typer.Exit(1) from exc
 
 
 @app.callback()
@@ -74,17 +88,31 @@ def _root() -> None:
 
 @app.command("eval")
 def eval_cmd(
-    task: Annotated[Path, typer.Argument(help="task: a problem dir, a reference.py, or a JAXBench module")],
-    kernel: Annotated[Path, typer.Argument(help="candidate kernel module exporting `computation`")],
+    task: Annotated[
+        Path,
+        typer.Argument(
+            help="task: a problem dir, a reference.py, a JAXBench workload dir or its baseline.py"
+        ),
+    ],
+    kernel: Annotated[
+        Path,
+        typer.Argument(help="candidate kernel module exporting `computation` (or JAXBench's `workload`)"),
+    ],
     json_out: Annotated[
         bool, typer.Option("--json", help="print one JSON object instead of a table")
     ] = False,
     tpu: TpuOpt = DEFAULT_TPU_TEXT,
     scale: ScaleOpt = None,
     input_sets: Annotated[int, typer.Option("--input-sets", min=1, help="input sets per configuration")] = 3,
-    timeout: Annotated[
-        float, typer.Option("--timeout", help="seconds before the evaluation is killed")
-    ] = 600.0,
+    timeout: TimeoutOpt = None,
+    allow_unsandboxed: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unsandboxed",
+            help="run the kernel even where bubblewrap is missing (rlimits, scrubbed env, nobody when root; "
+            "no file-system or network isolation)",
+        ),
+    ] = False,
     store: StoreOpt = Path(".maxkernel/results.db"),
     work_dir: WorkOpt = Path(".maxkernel"),
 ) -> None:
@@ -93,10 +121,10 @@ def eval_cmd(
     source = read_source(kernel)
     try:
         with console.status(f"loading task {task} ..."):
-            kt = load_task(task, scale=scale, work_dir=work_dir)
+            kt = load_task(task, scale=scale, work_dir=work_dir, timeout_s=timeout or TASK_LOAD_TIMEOUT_S)
     except TaskError as exc:
         raise fail_usage(str(exc)) from exc
-    options = EvalOptions(tpu=gens, input_sets=input_sets, timeout_s=timeout)
+    options = EvalOptions(tpu=gens, input_sets=input_sets, timeout_s=timeout, allow_unsandboxed=allow_unsandboxed)
     with console.status(f"evaluating {kernel.name} on {kt.task_id} ..."):
         result = evaluate(kt, source, options, store=ResultsStore(store), work_dir=work_dir)
     if result.error and result.error.stage == "task":
@@ -125,9 +153,7 @@ def synthesize_cmd(
     repairs: Annotated[
         int, typer.Option("--repairs", min=0, help="repair attempts after a rejection (default: one shot)")
     ] = 0,
-    timeout: Annotated[
-        float, typer.Option("--timeout", help="seconds before the evaluation is killed")
-    ] = 600.0,
+    timeout: TimeoutOpt = None,
     store: StoreOpt = Path(".maxkernel/results.db"),
     work_dir: WorkOpt = Path(".maxkernel"),
 ) -> None:
@@ -138,7 +164,7 @@ def synthesize_cmd(
     gens = parse_tpus(tpu)
     try:
         with console.status(f"loading task {task} ..."):
-            kt = load_task(task, scale=scale, work_dir=work_dir)
+            kt = load_task(task, scale=scale, work_dir=work_dir, timeout_s=timeout or TASK_LOAD_TIMEOUT_S)
     except TaskError as exc:
         raise fail_usage(str(exc)) from exc
     author = OfflineAuthor()
@@ -161,11 +187,17 @@ def synthesize_cmd(
             console.print(f"wrote {dest / 'plan.md'}, {dest / 'result.json'}")
         raise typer.Exit(1)
     draft = author.implement(ctx, plan)
-    options = EvalOptions(tpu=gens, timeout_s=timeout)
+    # The offline author's own kernels may run in the fallback mode where bubblewrap is missing.
+    options = EvalOptions(tpu=gens, timeout_s=timeout, allow_unsandboxed=True)
     results_store = ResultsStore(store)
     history: list[Attempt] = []
     while True:
         (dest / "kernel.py").write_text(draft.source)
+        # Until the verdict is in, result.json says so: a killed synthesize never leaves a bare kernel.py.
+        pending = EvalResult(task_id=kt.task_id, source_hash="").summary_json()
+        pending["status"] = "evaluating: no verdict yet (if this stays, the run was interrupted)"
+        pending["family"] = plan.family
+        (dest / "result.json").write_text(json.dumps(pending, indent=2) + "\n")
         with console.status(f"evaluating the {plan.family} kernel for {kt.task_id} ..."):
             result = evaluate(kt, draft.source, options, store=results_store, work_dir=work_dir)
         if result.accepted or result.error is None or result.error.stage == "task" or len(history) >= repairs:
@@ -187,6 +219,7 @@ def synthesize_cmd(
             plan = draft.plan_update
             (dest / "plan.md").write_text(plan.text)
     summary = result.summary_json()
+    summary["status"] = "finished"
     summary["family"] = plan.family
     summary["kernels"] = [k["family"] for k in plan.data.get("program", {}).get("kernels", [])]
     summary["config"] = draft.config.as_dict() if draft.config else None
@@ -247,6 +280,7 @@ def render_eval(r: EvalResult) -> None:
 
 def _register_agent_commands() -> None:
     import maxkernel.cli_agent  # noqa: F401 - registers optimize / resume / runs on `app`
+    import maxkernel.cli_tuning  # noqa: F401 - registers `tuning export|import|show`
 
 
 def main() -> None:

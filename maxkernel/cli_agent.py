@@ -22,11 +22,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from maxkernel.cli import DEFAULT_TPU_TEXT, app, console, fail_usage, out, parse_tpus
+from maxkernel.checkpointing import DEFAULT_CHECKPOINTS
+from maxkernel.cli import DEFAULT_TPU_TEXT, TPU_HELP, app, console, fail_usage, out, parse_tpus
 from maxkernel.cli_review import REVIEW_FLAGS, interactive_review, show_review, stdin_is_terminal
-from maxkernel.graph.context import Context, default_model
+from maxkernel.context import Context, default_model
+from maxkernel.tools.results import SCORE_RANKS
 
-DEFAULT_CHECKPOINTS = "checkpoints/maxkernel.sqlite"
 DEFAULT_STORE = ".maxkernel/results.db"
 EXIT_PAUSED = 3
 EXIT_MODEL_FAILURE = 4
@@ -37,8 +38,42 @@ CheckpointOpt = Annotated[
 StoreOpt = Annotated[Path, typer.Option("--store", help="results store (SQLite)")]
 
 
+_LEASES: dict[str, Any] = {}
+
+
+def _take_lease(store: Path, thread_id: str) -> None:
+    """One process per thread at a time: an exclusive lock on `<store dir>/leases/<thread>.lock`, held
+    until this process exits (the kernel drops it even after `kill -9`). A second `resume` of a running
+    thread refuses with the holder's pid instead of running every evaluation twice."""
+    import fcntl
+    import os
+
+    from maxkernel.tools.tasks import safe_task_id
+
+    if thread_id in _LEASES:
+        return  # this process holds it already (optimize, then resume in one process: tests, notebooks)
+    path = Path(store).resolve().parent / "leases" / f"{safe_task_id(thread_id)}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a+")  # noqa: SIM115 - held for the life of the process
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        raise fail_usage(
+            f"thread {thread_id} is being run by {holder} right now; wait for it to finish or stop it"
+        ) from exc
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()}")
+    fh.flush()
+    _LEASES[thread_id] = fh
+
+
 def _graph(checkpoint_db: str, kind: str = "agent") -> Any:
-    from maxkernel.graph.agent import checkpointer_for, compile_graph
+    from maxkernel.checkpointing import checkpointer_for
+    from maxkernel.graph.agent import compile_graph
     from maxkernel.graph.search import compile_search
 
     try:
@@ -69,14 +104,14 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
             perf = f" (estimated {a.estimated_speedup:.2f}x)" if a.estimated_speedup is not None else ""
             if a.measured_speedup is not None:
                 perf = f" (measured {a.measured_speedup:.2f}x)"
-            bits.append(f"{a.kind}{cfg}: " + (f"accepted{perf}" if a.accepted else f"{a.stage} — {a.message[:140]}"))
+            bits.append(
+                f"{a.kind}{cfg}: " + (f"accepted{perf}" if a.accepted else f"{a.stage} — {a.message[:140]}")
+            )
     if update.get("best") is not None:
         b = update["best"]
         seen["best"] = b
-        score = b.score()
-        perf = {2: f"measured {score[1]:.2f}x", 1: f"estimated {score[1]:.2f}x", 0: "no perf figure"}[
-            score[0]
-        ]
+        kind, value = b.score_kind(), b.score()[1]
+        perf = "no perf figure" if kind == "none" else f"{kind} {value:.2f}x"
         bits.append(f"new best [{b.source_hash[:10]}] ({perf})")
     if update.get("stop_reason"):
         bits.append(f"stop: {update['stop_reason']}")
@@ -175,7 +210,7 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
             best=json.dumps(
                 {
                     "source_hash": best.source_hash,
-                    "score": [{"measured": 2, "estimated": 1}.get(best.score_kind, 0), best.score or 0.0],
+                    "score": [SCORE_RANKS[best.score_kind], best.score or 0.0],
                 }
             )
             if best
@@ -183,6 +218,13 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
         )
         console.print(f"\n[bold]{values.get('status')}[/]: best {best.id if best else 'none'}")
         if values.get("result_path"):
+            try:
+                verdict = json.loads(Path(values["result_path"]).read_text()).get("verdict") or {}
+            except (OSError, ValueError):
+                verdict = {}
+            if verdict.get("line"):
+                style = "bold red" if verdict["line"].startswith("SLOWER") else "bold green"
+                console.print(f"[{style}]{escape(verdict['line'])}[/]")
             console.print(
                 f"wrote {Path(values['result_path']).parent}/kernel.py, result.json, report.md, search_tree.png"
             )
@@ -210,8 +252,15 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
         best=json.dumps({"source_hash": best.source_hash, "score": list(best.score())}) if best else None,
     )
     result_path = values.get("result_path")
-    console.print(f"\n[bold]{status}[/]: " + escape(values.get("stop_reason") or ""))
+    console.print(f"\n[bold]{status}[/]: {escape(values.get('stop_reason') or '')}")
     if result_path:
+        try:
+            line = json.loads(Path(result_path).read_text()).get("verdict", {}).get("line")
+        except (OSError, ValueError):
+            line = None
+        if line:
+            style = "bold red" if line.startswith("SLOWER") else "bold green"
+            console.print(f"[{style}]{escape(line)}[/]")
         console.print(f"wrote {Path(result_path).parent}/kernel.py, result.json, report.md")
     raise typer.Exit(0 if best is not None else 1)
 
@@ -225,7 +274,7 @@ def optimize_cmd(
     ] = None,
     mode: Annotated[str, typer.Option("--mode", help="auto (never interrupts) or hitl")] = "auto",
     iterations: Annotated[int, typer.Option("--iterations", min=1, help="rounds at most")] = 3,
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     out_dir: Annotated[Path | None, typer.Option("--out", help="output dir (default out/TASK_ID)")] = None,
     scale: Annotated[
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
@@ -326,6 +375,7 @@ def _start_run(
 ) -> tuple[Any, dict[str, Any]]:
     """Record a new thread and the settings `resume` needs to rebuild its context in another process."""
     gens = parse_tpus(tpu)
+    _take_lease(store, thread_id)
     settings = {
         "graph": kind,
         "model": model or default_model(),
@@ -392,37 +442,34 @@ def _started_context(st: Any, thread_id: str, settings: dict[str, Any]) -> Conte
 def _resume_value(
     kind: str, approve: bool, plan_file: Path | None, code_file: Path | None, feedback: str | None, stop: bool
 ) -> dict[str, Any]:
-    given = [x for x in (approve, plan_file, code_file, feedback, stop) if x]
-    if len(given) != 1:
+    from maxkernel.nodes.review import answer
+
+    given = {
+        "approve": approve,
+        "plan_file": plan_file,
+        "code_file": code_file,
+        "feedback": feedback,
+        "stop": stop,
+    }
+    chosen = [option for option, x in given.items() if x]
+    if len(chosen) != 1:
         raise fail_usage("give exactly one of --approve, --plan-file, --code-file, --feedback, --stop")
-    if kind == "plan_review":
-        if approve:
-            return {"action": "approve"}
-        if plan_file:
-            return {"action": "replace", "plan": _read(plan_file)}
-        if feedback:
-            return {"action": "reject", "feedback": feedback}
-    elif kind == "code_review":
-        if approve:
-            return {"action": "approve"}
-        if code_file:
-            return {"action": "edit", "code": _read(code_file)}
-        if feedback:
-            return {"action": "feedback", "feedback": feedback}
-    elif kind == "failure":
-        if approve:
-            return {"action": "retry"}
-        if feedback:
-            return {"action": "feedback", "feedback": feedback}
-        if stop:
-            return {"action": "stop"}
-    raise fail_usage(f"that option does not answer a {kind} review")
+    option = chosen[0]
+    raw = given[option]
+    text = _read(raw) if isinstance(raw, Path) else (raw if isinstance(raw, str) else None)
+    try:
+        return answer(kind, option, text)
+    except KeyError:
+        raise fail_usage(f"that option does not answer a {kind} review") from None
 
 
 def _read(path: Path) -> str:
     if not path.is_file():
         raise fail_usage(f"file not found: {path}")
-    return path.read_text()
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail_usage(f"{path} is not UTF-8 text") from exc
 
 
 @app.command("resume")
@@ -452,6 +499,7 @@ def resume_cmd(
     run = st.get_run(thread_id)
     if run is None:
         raise fail_usage(f"no run with thread id {thread_id!r} in {store}")
+    _take_lease(store, thread_id)
     settings = json.loads(run["settings"])
     graph = _graph(checkpoint_db or settings["checkpoint_db"], settings.get("graph", "agent"))
     config = {"configurable": {"thread_id": thread_id}}
@@ -555,7 +603,7 @@ def _shown_status(row: dict[str, Any], settings: dict[str, Any]) -> str:
 def profile_cmd(
     task: Annotated[Path, typer.Argument(help="task: a problem dir, a reference.py, or a JAXBench module")],
     kernel: Annotated[Path, typer.Argument(help="kernel module exporting `computation`")],
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations to estimate for")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=f"{TPU_HELP}: estimated for")] = DEFAULT_TPU_TEXT,
     scale: Annotated[
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
     ] = None,
@@ -605,7 +653,7 @@ def search_cmd(
         int, typer.Option("--max-concurrency", min=1, help="branches running at once")
     ] = 2,
     model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     out_dir: Annotated[Path | None, typer.Option("--out", help="output dir (default out/TASK_ID)")] = None,
     scale: Annotated[
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
@@ -655,24 +703,54 @@ def search_cmd(
 
 @app.command("bench")
 def bench_cmd(
-    suite: Annotated[Path, typer.Argument(help="a folder of task dirs (e.g. benchmarks/suite)")],
+    suite: Annotated[
+        Path,
+        typer.Argument(
+            help="a folder of problem dirs (e.g. benchmarks/suite), a JAXBench benchmark/ folder (or its "
+            "checkout), or a single task"
+        ),
+    ],
     model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
     tasks: Annotated[str | None, typer.Option("--tasks", help="glob over task ids, e.g. 'fused_*'")] = None,
-    scale: Annotated[str, typer.Option("--scale", help="validation scale: cpu or tpu")] = "cpu",
+    scale: Annotated[
+        str, typer.Option("--scale", help="validation scale: cpu, tpu or a shrink factor such as 0.125")
+    ] = "cpu",
     jobs: Annotated[int, typer.Option("--jobs", min=1, help="tasks run at once")] = 1,
     out_dir: Annotated[Path, typer.Option("--out", help="output dir")] = Path("out/bench"),
     algorithm: Annotated[
         str | None, typer.Option("--algorithm", help="run a parallel|beam search per task")
     ] = None,
     iterations: Annotated[int, typer.Option("--iterations", min=1, help="agent rounds per task")] = 1,
-    tpu: Annotated[str, typer.Option("--tpu", help="TPU generations, comma separated")] = DEFAULT_TPU_TEXT,
+    tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     task_timeout: Annotated[float, typer.Option("--task-timeout", help="seconds per task")] = 1800.0,
+    branches: Annotated[int, typer.Option("--branches", min=1, help="search branches per task")] = 2,
+    tune_configs: Annotated[
+        int, typer.Option("--tune-configs", min=0, help="autotune configs per round")
+    ] = 2,
+    search_tune_configs: Annotated[
+        int, typer.Option("--search-tune-configs", min=0, help="autotune configs per search-branch round")
+    ] = 1,
+    search_below: Annotated[
+        float,
+        typer.Option(
+            "--search-below",
+            help="with --algorithm: search only tasks whose single round is correct and estimated below this",
+        ),
+    ] = 1.25,
 ) -> None:
-    """Run the agent over a suite; resumable; writes results.db, results.csv, report.md and plots."""
-    from maxkernel.bench import Bench, BenchSettings, summary
+    """Run the agent over a suite; resumable; writes results.db, results.csv, report.md and plots.
+
+    With --algorithm every task first gets a single round; the search then runs only where that round
+    left headroom (--search-below), and the report shows both, per family."""
+    from maxkernel.bench import Bench, BenchSettings, side_by_side, summary
 
     if scale not in ("cpu", "tpu"):
-        raise fail_usage("--scale must be cpu or tpu")
+        try:
+            factor_ok = 0 < float(scale) <= 1
+        except ValueError:
+            factor_ok = False
+        if not factor_ok:
+            raise fail_usage("--scale must be cpu, tpu or a shrink factor in (0, 1] such as 0.125")
     if algorithm not in (None, "parallel", "beam"):
         raise fail_usage(f"--algorithm must be parallel or beam, not {algorithm!r}")
     settings = BenchSettings(
@@ -686,6 +764,10 @@ def bench_cmd(
         iterations=iterations,
         algorithm=algorithm,
         task_timeout_s=task_timeout,
+        branches=branches,
+        tune_configs=tune_configs,
+        search_below=search_below,
+        search_tune_configs=search_tune_configs,
     )
     try:
         bench = Bench(settings, on_progress=console.print)
@@ -695,11 +777,19 @@ def bench_cmd(
     m = summary(rows)
     console.print(
         f"\ncorrect {m['correct']}/{m['tasks']}; geomean estimated speedup "
-        f"{m['geomean_estimated_speedup'] or 0:.2f}x (estimate); measured: "
+        f"{m['geomean_estimated_speedup'] or 0:.2f}x (estimate), fast1 {m['fast1_estimated']}, "
+        f"> 1.25x {m['clear_estimated']}; measured: "
         + (
             f"{m['geomean_measured_speedup']:.2f}x"
             if m["geomean_measured_speedup"]
             else "nothing measured (no device)"
         )
     )
+    sbs = side_by_side(rows)
+    if sbs["workloads"]:
+        console.print(
+            f"hand-written kernels on {sbs['workloads']} workloads: {sbs['human_accepted']} pass our checks; "
+            f"geomean estimated speedup ours {sbs['geomean_estimated_ours'] or 0:.2f}x vs hand-written "
+            f"{sbs['geomean_estimated_human'] or 0:.2f}x vs XLA 1.00x (estimates; see report.md)"
+        )
     console.print(f"wrote {out_dir}/report.md, results.csv, results.db")

@@ -17,12 +17,23 @@ from collections.abc import Callable
 from typing import Any
 
 from maxkernel.cli import console, out
+from maxkernel.nodes.review import REVIEWS
 
-# kind → the flags that answer it without a terminal
+# `maxkernel resume` option → how its help line shows it
+_FLAG_TEXT = {
+    "approve": "--approve",
+    "plan_file": "--plan-file PLAN.md",
+    "code_file": "--code-file KERNEL.py",
+    "feedback": "--feedback TEXT",
+    "stop": "--stop",
+}
+# kind → the flags that answer it without a terminal (from the review table's `cli` column)
 REVIEW_FLAGS: dict[str, str] = {
-    "plan_review": "--approve | --plan-file PLAN.md | --feedback TEXT",
-    "code_review": "--approve | --code-file KERNEL.py | --feedback TEXT",
-    "failure": "--approve (retry) | --feedback TEXT | --stop",
+    kind: " | ".join(
+        _FLAG_TEXT[option] + (f" ({action})" if option == "approve" and action != "approve" else "")
+        for option, (action, _) in point.cli.items()
+    )
+    for kind, point in REVIEWS.items()
 }
 
 # kind → key → (label, resume action, what the value carries: None / "edit" / "text")
@@ -43,8 +54,11 @@ REVIEW_CHOICES: dict[str, dict[str, tuple[str, str, str | None]]] = {
         "s": ("stop the run", "stop", None),
     },
 }
-# the resume field an edited body / a feedback text goes in, per kind
-_EDIT_FIELD = {"plan_review": "plan", "code_review": "code"}
+
+
+def _edit_field(kind: str, action: str) -> str:
+    """The resume field an edited body goes in: the one the review table's CLI option for `action` fills."""
+    return next(field for act, field in REVIEWS[kind].cli.values() if act == action and field)
 
 
 def stdin_is_terminal() -> bool:
@@ -126,7 +140,7 @@ def interactive_review(
             if not edited.strip() or edited == body:
                 print("nothing changed; choose again", flush=True)
                 continue
-            return {"action": action, _EDIT_FIELD[kind]: edited}
+            return {"action": action, _edit_field(kind, action): edited}
         try:
             text = ask("feedback> ").strip()
         except EOFError:

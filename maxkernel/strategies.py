@@ -11,6 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+HOPELESS_FACTOR = 10.0
+"""A config predicted more than this many times slower than the best config of the same space is not worth
+an evaluation: the ranking model is coarse, but not wrong by 10x, and such configs (8-row blocks, many tiny
+steps) are also the slowest to check in interpret mode. Used by the autotuner and the offline transforms."""
+
 Category = Literal["data movement", "layout", "compute", "tuning"]
 
 # A preference over configs: a sort key (higher is preferred) on the config's parameters.
@@ -18,7 +23,12 @@ Prefer = Callable[[dict[str, int | str]], float]
 
 
 def _blocks(params: dict[str, int | str]) -> list[int]:
-    return [int(v) for k, v in params.items() if isinstance(v, int) and k.lower().startswith(("block", "b"))]
+    """Block sizes of a config: `block_m`, `bm`, and per-kernel keys such as `k1_block_m`."""
+    return [
+        int(v)
+        for k, v in params.items()
+        if isinstance(v, int) and (k.lower().startswith(("block", "b")) or "block" in k.lower())
+    ]
 
 
 def _block_product(params: dict[str, int | str]) -> float:

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from fake_chat import ScriptedChatModel
-from maxkernel.graph.agent import compile_graph, sqlite_checkpointer
-from maxkernel.graph.context import Context
+from maxkernel.checkpointing import sqlite_checkpointer
+from maxkernel.context import Context
+from maxkernel.graph.agent import compile_graph
 from maxkernel.tools.store import ResultsStore
 
 CANDIDATES = Path(__file__).parent / "data" / "candidates"

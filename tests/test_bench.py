@@ -43,3 +43,37 @@ def test_bench_writes_report_and_skips_finished_tasks(tmp_path: Path) -> None:
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "2 already finished, 0 to run" in again.stderr
+
+
+def test_search_bench_searches_only_where_the_single_round_left_headroom(tmp_path: Path, monkeypatch) -> None:
+    """The single round is the first column; the search runs only on correct tasks estimated below the
+    threshold, and a task keeps the better of the two (never slower than its first accepted kernel)."""
+    from maxkernel.bench import Bench, BenchSettings, TaskRow, family_of, family_table
+
+    single = {"fast_task": 2.0, "slow_task": 0.5, "worse_search": 0.8, "broken": None}
+    searched = {"slow_task": 1.4, "worse_search": 0.6}
+    calls: list[tuple[str, bool]] = []
+
+    def fake_phase(self, task, out, key, *, search):
+        calls.append((task.name, search))
+        value = (searched if search else single)[task.name]
+        return TaskRow(task_id=task.name, correct=value is not None, estimated_speedup=value, seconds=1.0)
+
+    monkeypatch.setattr(Bench, "_run_phase", fake_phase)
+    bench = Bench(BenchSettings(suite=str(tmp_path), out_dir=str(tmp_path / "o"), algorithm="parallel"))
+    rows = {name: bench._run_one(tmp_path / name) for name in single}
+    assert sorted(n for n, s in calls if s) == ["slow_task", "worse_search"]
+    assert rows["fast_task"].estimated_speedup == 2.0 and not rows["fast_task"].searched
+    assert rows["slow_task"].estimated_speedup == 1.4 and rows["slow_task"].single_estimated_speedup == 0.5
+    assert rows["worse_search"].estimated_speedup == 0.8 and rows["worse_search"].search_estimated_speedup == 0.6
+    assert not rows["broken"].searched
+
+    assert family_of("op_flash_attention_causal") == "attention"
+    assert family_of("fused_matmul_bias_layernorm_gelu") == "matmul chains"
+    assert family_of("fused_conv2d_batchnorm_relu") == "convolutions"
+    assert family_of("op_rmsnorm") == "norms"
+    table = {
+        f["family"]: f
+        for f in family_table([r.model_copy(update={"family": "matmul chains"}) for r in rows.values()])
+    }
+    assert table["matmul chains"]["searched"] == 2 and table["matmul chains"]["final_fast1"] == 2

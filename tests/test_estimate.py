@@ -252,3 +252,182 @@ def test_vmem_flag_agrees_with_mosaic(rows: int, fits: bool) -> None:
     else:
         with pytest.raises(Exception, match="(?i)vmem"):
             jax.jit(fn).trace(*specs).lower().compile()
+
+
+def test_reference_pays_for_the_precision_it_asks_for() -> None:
+    """The compiler's model prices f32 dots as one pass whatever the precision; estimate_xla adds the extra
+    passes of HIGHEST, so a kernel and its reference pay for the same precision."""
+
+    def mm(precision):
+        return lambda a, b: jnp.dot(a, b, precision=precision)
+
+    f32 = [((1024, 1024), jnp.float32)] * 2
+    default = estimate_xla(mm(None), f32, "v5e")
+    highest = estimate_xla(mm(jax.lax.Precision.HIGHEST), f32, "v5e")
+    bf16 = estimate_xla(mm(jax.lax.Precision.HIGHEST), [((1024, 1024), jnp.bfloat16)] * 2, "v5e")
+    assert default.est_compiler_seconds == pytest.approx(highest.est_compiler_seconds)  # blind to precision
+    assert default.est_precision_surcharge_seconds == 0.0 and bf16.est_precision_surcharge_seconds == 0.0
+    one_pass = 2 * 1024**3 / get_spec("v5e").device_peak_flops
+    assert highest.est_precision_surcharge_seconds > 3 * one_pass
+    assert highest.estimated_seconds == pytest.approx(
+        default.estimated_seconds + highest.est_precision_surcharge_seconds
+    )
+
+
+def _causal_scores(q, k, *, bq: int, clamp: bool, guard: bool):
+    """s[i] = sum over visible kv blocks j <= i of q_i @ k_j^T: the skeleton of causal attention."""
+    n_q, n_k = q.shape[0] // bq, k.shape[0] // bq
+
+    def kernel(q_ref, k_ref, o_ref):
+        qi, kj = pl.program_id(0), pl.program_id(1)
+
+        @pl.when(kj == 0)
+        def _init():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        def body():
+            o_ref[...] += jax.lax.dot_general(
+                q_ref[...], k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+
+        if guard:
+            pl.when(kj <= qi)(body)
+        else:
+            body()
+
+    def q_index_map(qi, kj):
+        return qi, 0
+
+    def k_index_map(qi, kj):
+        return (jnp.minimum(kj, qi) if clamp else kj), 0
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((q.shape[0], bq), jnp.float32),
+        grid=(n_q, n_k),
+        in_specs=[pl.BlockSpec((bq, q.shape[1]), q_index_map), pl.BlockSpec((bq, k.shape[1]), k_index_map)],
+        out_specs=pl.BlockSpec((bq, bq), q_index_map),
+    )(q, k)
+
+
+def test_masked_blocks_skip_compute_and_fetch() -> None:
+    """A pl.when guard on the grid position is charged only where it runs, and a K index map clamped to
+    the last visible block fetches nothing for the masked steps."""
+    spec = jax.ShapeDtypeStruct((1024, 128), jnp.bfloat16)
+    n = 1024 // 128
+
+    def est(**kw):
+        fn = functools.partial(_causal_scores, bq=128, **kw)
+        return estimate_pallas(jax.make_jaxpr(fn)(spec, spec), "v5e").pallas_calls[0]
+
+    full, guarded, clamped = (
+        est(clamp=False, guard=False),
+        est(clamp=False, guard=True),
+        est(clamp=True, guard=True),
+    )
+    visible = n * (n + 1) / 2
+    assert guarded.est_mxu_flops == pytest.approx(full.est_mxu_flops * visible / n**2)
+    assert any("fraction of grid steps" in note for note in guarded.notes)
+    k_full = next(o for o in full.operands if o.role == "input" and o.est_transfers == n * n)
+    k_clamped = [o for o in clamped.operands if o.role == "input"][1]
+    # clamped: within each q row the block index stops changing after the diagonal; the next row restarts at 0
+    assert k_clamped.est_transfers < k_full.est_transfers
+    assert k_clamped.est_transfers == 1 + sum(
+        1
+        for i in range(n)
+        for j in range(n)
+        if (i, j) != (0, 0) and (min(j, i) != (min(j - 1, i) if j else min(n - 1, i - 1)))
+    )
+
+
+def _scaled_tanh(x, *, semantics: tuple[str, ...] | None):
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.tanh(x_ref[...]) * 2.0
+
+    def index_map(i, j):
+        return i, j
+
+    params = pltpu.CompilerParams(dimension_semantics=semantics) if semantics else None
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(x.shape[0] // 256, x.shape[1] // 512),
+        in_specs=[pl.BlockSpec((256, 512), index_map)],
+        out_specs=pl.BlockSpec((256, 512), index_map),
+        compiler_params=params,
+    )(x)
+
+
+def test_megacore_splits_only_parallel_dimensions() -> None:
+    """v5p exposes two TensorCores as one device: 'parallel' grid steps are shared, others run on one core."""
+    shape = (4096, 4096)
+
+    def call(gen, semantics):
+        fn = functools.partial(_scaled_tanh, semantics=semantics)
+        return _estimate(fn, shape, gen=gen, dtype=jnp.float32).pallas_calls[0]
+
+    split = call("v5p", ("parallel", "parallel"))
+    alone = call("v5p", ("arbitrary", "arbitrary"))
+    assert alone.est_eup_seconds == pytest.approx(2 * split.est_eup_seconds)
+    assert alone.est_overhead_seconds == pytest.approx(2 * split.est_overhead_seconds)
+    assert alone.est_memory_seconds == pytest.approx(split.est_memory_seconds)  # HBM is shared
+    assert any("one of the 2 TensorCores" in n for n in alone.notes)
+    # single-core devices are unaffected by the semantics
+    assert call("v5e", ("parallel", "parallel")).est_eup_seconds == pytest.approx(
+        call("v5e", ("arbitrary", "arbitrary")).est_eup_seconds
+    )
+
+
+def _gather_rows(idx, x, w):
+    """out[i] = x[idx[i]] @ w: a scalar-prefetched row-block gather; w's index map ignores the table."""
+
+    def kernel(idx_ref, x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32).astype(o_ref.dtype)
+
+    def x_index_map(i, idx_ref):
+        return idx_ref[i], 0
+
+    def w_index_map(i, idx_ref):
+        return 0, 0
+
+    def o_index_map(i, idx_ref):
+        return i, 0
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((idx.shape[0] * 128, w.shape[1]), x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(idx.shape[0],),
+            in_specs=[pl.BlockSpec((128, 256), x_index_map), pl.BlockSpec((256, 256), w_index_map)],
+            out_specs=pl.BlockSpec((128, 256), o_index_map),
+        ),
+    )(idx, x, w)
+
+
+def test_scalar_prefetch_maps_that_ignore_the_table_are_exact() -> None:
+    jaxpr = jax.make_jaxpr(_gather_rows)(_sds((16,), jnp.int32), _sds((4096, 256)), _sds((256, 256)))
+    call = estimate_pallas(jaxpr, "v5e").pallas_calls[0]
+    x_op, w_op = [o for o in call.operands if o.role == "input"][-2:]
+    assert not x_op.index_map_exact and x_op.est_transfers == 16  # data-dependent: upper bound
+    assert w_op.index_map_exact and w_op.est_transfers == 1  # constant map: fetched once
+
+
+def test_reference_bytes_are_counted_like_the_block_model_counts_kernel_bytes() -> None:
+    """A memory-bound reference is re-priced with each op's operands and result moved once (the compiler's
+    byte count multiplies them by how often the fusion uses each element); compute-bound and plain
+    elementwise programs keep the compiler's own figure."""
+    spec = get_spec("v5e")
+    gemm = estimate_xla(
+        lambda x, w, b: jnp.maximum(x @ w + b, 0.0),
+        [((512, 1024), jnp.float32), ((1024, 1024), jnp.float32), ((1024,), jnp.float32)],
+        "v5e",
+    )
+    minimum = (512 * 1024 + 1024 * 1024 + 1024 + 512 * 1024) * 4
+    assert gemm.est_once_bytes == minimum
+    assert gemm.estimated_seconds == pytest.approx(minimum / spec.device_hbm_bytes_per_s)
+    assert gemm.est_compiler_seconds > 2 * gemm.estimated_seconds
+    big = estimate_xla(jnp.matmul, [((4096, 4096), jnp.bfloat16)] * 2, "v5e")
+    assert big.estimated_seconds == big.est_compiler_seconds  # compute-bound: the compiler's figure
+    ew = estimate_xla(lambda x: x * 2 + 1, [((1024, 1024), jnp.float32)], "v5e")
+    assert ew.estimated_seconds == pytest.approx(ew.est_compiler_seconds)

@@ -151,21 +151,17 @@ def test_without_bubblewrap_the_audit_hook_still_refuses(
     from maxkernel.tools import sandbox
 
     monkeypatch.setattr(sandbox, "bubblewrap_path", lambda: None)
-    r = run(matmul_task, candidate, tmp_path, EvalOptions(tpu=["v5e"], timeout_s=15))
-    assert r.isolation == "rlimits"
+    r = run(matmul_task, candidate, tmp_path, EvalOptions(tpu=["v5e"], timeout_s=15, allow_unsandboxed=True))
+    assert r.isolation == "fallback"
     assert r.error is not None and needle in r.error.message
     assert not Path("/var/tmp/maxkernel_escape_attempt.txt").exists()
 
 
-def test_reference_sets_are_cached_only_when_untouched(matmul_task: KernelTask, tmp_path: Path) -> None:
-    from maxkernel.tools.harness import reference_cache_path
-
-    cache = reference_cache_path(matmul_task, OPTS, tmp_path)
+def test_poisoning_the_reference_sets_changes_nothing(matmul_task: KernelTask, tmp_path: Path) -> None:
+    """There is no reference cache to poison: the judge computes expected outputs per evaluation, in a
+    process the candidate cannot reach, and a good kernel after the poisoner is still accepted."""
     r = run(matmul_task, "poisons_reference_cache.py", tmp_path)
     assert not r.accepted
-    assert not cache.exists()  # the file changed after the harness hashed it: not trusted
     good = run(matmul_task, "good_matmul.py", tmp_path)
-    assert good.accepted and good.stage_seconds["reference"] > 0
-    assert cache.exists()
-    again = run(matmul_task, "", tmp_path, source=(CANDIDATES / "good_matmul.py").read_text() + "\n# another\n")
-    assert again.accepted and [s.origin for s in again.correctness.sets] == ["task", "random", "random"]
+    assert good.accepted and [s.origin for s in good.correctness.sets] == ["task", "random", "random"]
+    assert not list((tmp_path / "evals").iterdir())  # run dirs are cleaned after read-back

@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 import maxkernel.authors.llm as llm_module
 from fake_chat import KERNEL, EventChatModel, ProviderError, gemini_429
 from maxkernel.authors.model_calls import ModelCallError
-from maxkernel.graph.agent import compile_graph, sqlite_checkpointer
-from maxkernel.graph.context import Context
+from maxkernel.checkpointing import sqlite_checkpointer
+from maxkernel.context import Context
+from maxkernel.graph.agent import compile_graph
 
 TASK = Path(__file__).parent / "data" / "tasks" / "small_matmul"
 STOP = '{"decision": "stop", "reason": "good enough"}'

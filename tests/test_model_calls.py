@@ -222,16 +222,15 @@ def test_tool_loop_looks_up_apis_and_checks_drafts_within_its_budget(actx: Autho
 def test_reflect_node_keeps_the_models_one_strategy(actx: AuthorContext, tmp_path: Path) -> None:
     from langgraph.runtime import Runtime
 
-    from maxkernel.graph.context import Context
-    from maxkernel.graph.state import AgentState, Attempt
+    from maxkernel.context import Context
     from maxkernel.nodes.reflect import reflect
+    from maxkernel.state import AgentState, Attempt
 
     best = Attempt(iteration=1, kind="implement", source_hash="ab" * 8, source_path=str(tmp_path / "k.py"),
                    stage="accepted", accepted=True, estimated_speedup=1.5, estimated_bound="memory")  # fmt: skip
     (tmp_path / "k.py").write_text(KERNEL)
     state = AgentState(task_path=str(TASK), task=actx.task, iteration=1, max_iterations=3, improved=True,
                        best=best, attempts=[best], strategy="full_k_panel")  # fmt: skip
-    state.budgets.max_iterations = 3
 
     def run(reply: str) -> dict:
         model = EventChatModel(events=[reply])

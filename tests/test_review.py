@@ -11,9 +11,7 @@ from typer.testing import CliRunner
 
 import maxkernel.cli_agent as cli_agent
 from maxkernel.cli_review import interactive_review, show_review
-from maxkernel.nodes.implement import CodeReview
-from maxkernel.nodes.on_failure import FailureReview
-from maxkernel.nodes.plan import PlanReview, validated
+from maxkernel.nodes.review import CodeReview, FailureReview, PlanReview, validated
 
 TASK = Path(__file__).parent / "data" / "tasks" / "small_matmul"
 TRICKY = "o_ref[...] = x_ref[i] + y_ref[pl.ds(0, 8)]  # [/] [bold]not markup[/bold]\n"

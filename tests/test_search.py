@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from fake_chat import Killed, RoutedChatModel
-from maxkernel.graph.agent import sqlite_checkpointer
-from maxkernel.graph.context import Context
-from maxkernel.graph.search import compile_search, latest_nodes
+from maxkernel.checkpointing import sqlite_checkpointer
+from maxkernel.context import Context
+from maxkernel.graph.search import compile_search
+from maxkernel.nodes.search import latest_nodes
 from maxkernel.tools.store import ResultsStore
 
 DATA = Path(__file__).parent / "data"
@@ -74,14 +75,26 @@ def check_outputs(out: Path) -> dict:
     return tree
 
 
-def test_parallel_search(tmp_path: Path) -> None:
+def test_parallel_search(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import maxkernel.graph.agent
+    from maxkernel.nodes.search import reset_agent_subgraph
+
+    builds = []
+    build_graph = maxkernel.graph.agent.build_graph
+    monkeypatch.setattr(maxkernel.graph.agent, "build_graph", lambda *a, **k: builds.append(1) or build_graph(*a, **k))
+    reset_agent_subgraph()
     model = routed()
     graph, ctx = setup(tmp_path, model)
     config = {"configurable": {"thread_id": "par"}, "max_concurrency": 2}
     final = graph.invoke(inputs(tmp_path, "parallel"), config, context=ctx)
+    reset_agent_subgraph()  # later tests build their own, unpatched
     nodes = latest_nodes(final["nodes"])
     assert sorted(n.strategy for n in nodes) == sorted(STRATEGIES)
     assert all(n.accepted for n in nodes)
+    assert len(builds) == 1  # both branches ran the one compiled agent subgraph
+    # concurrent branches each charge exactly their own model calls (no shared usage counter)
+    per_branch = [json.loads(Path(n.result_path).read_text())["model_calls"] for n in nodes]
+    assert sum(per_branch) == model.calls and all(c > 0 for c in per_branch)
     tree = check_outputs(tmp_path / "out")
     assert len(tree["nodes"]) == 2
     # each branch's plan prompt carried its own strategy's text

@@ -80,3 +80,39 @@ def test_topology_names_give_the_expected_device(gen: str) -> None:
     device = topologies.get_topology_desc(row.topology, "tpu").devices[0]
     assert device.device_kind == row.device_kind
     assert getattr(device, "num_cores", 1) == row.tensorcores_per_device
+
+
+def test_generation_names_have_one_source() -> None:
+    """The literal, the harness's list, the defaults and the fallback all come from the spec table."""
+    from typing import get_args
+
+    from maxkernel.tools import results, tpu_specs
+
+    assert tpu_specs.GENERATIONS == tuple(TPU_SPECS)
+    assert set(get_args(tpu_specs.TpuGeneration)) == set(tpu_specs.GENERATIONS)
+    assert results.TPU_GENERATIONS == tpu_specs.GENERATIONS
+    assert set(tpu_specs.DEFAULT_GENERATIONS) <= set(tpu_specs.GENERATIONS)
+    assert tpu_specs.first_generation([]) == tpu_specs.FALLBACK_GENERATION
+    assert tpu_specs.first_generation(["7x", "v4"]) == "7x"
+
+
+def test_context_normalises_and_checks_generations() -> None:
+    """Studio and Python callers build `Context` directly: they get the CLI's checks."""
+    from maxkernel.context import Context
+    from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, normalise_generations
+
+    assert Context(model="offline").tpu == list(DEFAULT_GENERATIONS)
+    assert Context(model="offline", tpu=["trillium", "v5e", "V6E"]).tpu == ["v6e", "v5e"]
+    with pytest.raises(ValueError, match="v9x.*choose from v4, v5e, v5p, v6e, 7x"):
+        Context(model="offline", tpu=["v9x"])
+    assert normalise_generations("ironwood, v5litepod-8") == ["7x", "v5e"]
+
+
+def test_importing_the_spec_table_leaves_the_environment_alone() -> None:
+    import subprocess
+    import sys
+
+    code = "import os, maxkernel.tools.tpu_specs; print(os.environ.get('ALLOW_MULTIPLE_LIBTPU_LOAD'))"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "ALLOW_MULTIPLE_LIBTPU_LOAD"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"

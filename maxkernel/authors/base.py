@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from maxkernel.tools.tasks import KernelTask
+from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS
 
 ParamValue = int | str
 
@@ -31,7 +32,9 @@ class AuthorContext(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     task: KernelTask
-    tpu: list[str] = Field(default_factory=lambda: ["v5e", "v6e"], description="TPU generations targeted")
+    tpu: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_GENERATIONS), description="TPU generations targeted"
+    )
     work_dir: Path = Field(Path(".maxkernel"), description="where sandbox run directories go")
     feedback: str = Field("", description="human or harness feedback the next step should take into account")
     starting_source: str | None = Field(None, description="a correct kernel to improve on, when one exists")
@@ -138,7 +141,11 @@ class Reflection(BaseModel):
     reasons: list[str] = Field(default_factory=list)
     plan_hint: str | None = Field(None, description="what the next plan should change (when continuing)")
     next_strategy: str | None = Field(
-        None, description="the ONE strategy the next round applies, when the author chose one"
+        None, description="the ONE strategy the next round applies, when the author chose one (wins)"
+    )
+    strategies: list[str] = Field(
+        default_factory=list,
+        description="strategies the author can still apply, best first (empty: no preference / any)",
     )
 
 

@@ -3,19 +3,23 @@
 prepare → plan → implement → validate → test → autotune → profile → reflect → (plan | finalize)
                                ▲   │ fail    │ fail
                                └ repair ◄────┘          (hitl: on_failure asks a human first)
+
+`validate` and `test` read ONE harness evaluation: `validate` runs it (load, trace, Pallas check, AOT
+compile, correctness, estimate and timing in one sandboxed job, cached in the results store) and routes on
+the compile stages; `test` re-reads the same `eval_result` and routes on correctness. They are two nodes so
+a human (hitl) and the router see "does it compile" and "is it right" as separate steps, not two runs.
+
+State: `maxkernel.state`; run settings: `maxkernel.context`; checkpoints: `maxkernel.checkpointing`.
 """
 
 from __future__ import annotations
 
-import sqlite3
-from pathlib import Path
 from typing import Any, Literal
 
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import RetryPolicy
 
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentInput, AgentState
+from maxkernel.context import Context
 from maxkernel.nodes.autotune import autotune
 from maxkernel.nodes.finalize import finalize
 from maxkernel.nodes.implement import implement
@@ -27,7 +31,7 @@ from maxkernel.nodes.reflect import reflect, route_after_reflect
 from maxkernel.nodes.repair import repair
 from maxkernel.nodes.test import route_after_test, test
 from maxkernel.nodes.validate import route_after_validate, validate
-from maxkernel.tools.store import enable_wal
+from maxkernel.state import AgentInput, AgentState
 
 
 def route_after_prepare(state: AgentState) -> Literal["plan", "finalize"]:
@@ -78,69 +82,9 @@ def build_graph(model_retry: RetryPolicy | None = MODEL_NODE_RETRY) -> StateGrap
     return g
 
 
-# The state's pydantic models, allowed by name in checkpoints (LangGraph refuses unknown types by default
-# in future versions; naming them keeps resume working and everything else blocked).
-STATE_TYPES: list[tuple[str, str]] = [
-    ("maxkernel.tools.tasks", "KernelTask"),
-    ("maxkernel.tools.results", "InputConfig"),
-    ("maxkernel.tools.results", "ArraySpec"),
-    ("maxkernel.tools.results", "EvalResult"),
-    ("maxkernel.tools.results", "StageError"),
-    ("maxkernel.tools.results", "PallasCheck"),
-    ("maxkernel.tools.results", "CorrectnessResult"),
-    ("maxkernel.tools.results", "SetCheck"),
-    ("maxkernel.tools.results", "CompileOutcome"),
-    ("maxkernel.tools.results", "MeasuredTiming"),
-    ("maxkernel.tools.results", "EstimateSummary"),
-    ("maxkernel.authors.base", "Plan"),
-    ("maxkernel.authors.base", "TileConfig"),
-    ("maxkernel.graph.state", "Budgets"),
-    ("maxkernel.graph.state", "Usage"),
-    ("maxkernel.graph.state", "Attempt"),
-    ("maxkernel.graph.state", "HumanFeedback"),
-    ("maxkernel.graph.state", "AgentState"),
-    ("maxkernel.graph.search", "BranchTask"),
-    ("maxkernel.graph.search", "SearchNode"),
-    ("maxkernel.graph.search", "SearchInput"),
-    ("maxkernel.graph.search", "SearchState"),
-]
-
-
-def serializer() -> Any:
-    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
-
-    return JsonPlusSerializer(allowed_msgpack_modules=STATE_TYPES)
-
-
-def sqlite_checkpointer(path: str | Path) -> Any:
-    from langgraph.checkpoint.sqlite import SqliteSaver
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(str(path), check_same_thread=False, timeout=60)
-    enable_wal(conn)
-    return SqliteSaver(conn, serde=serializer())
-
-
-def checkpointer_for(url_or_path: str) -> Any:
-    """SqliteSaver for a path (default `checkpoints/maxkernel.sqlite`), PostgresSaver for a postgres URL."""
-    if url_or_path.startswith(("postgres://", "postgresql://")):
-        try:
-            from langgraph.checkpoint.postgres import PostgresSaver
-        except ImportError as exc:
-            raise RuntimeError(
-                "a Postgres checkpoint URL needs `pip install langgraph-checkpoint-postgres psycopg[binary]`"
-            ) from exc
-        import psycopg
-
-        conn = psycopg.connect(url_or_path, autocommit=True)
-        saver = PostgresSaver(conn, serde=serializer())
-        saver.setup()
-        return saver
-    return sqlite_checkpointer(url_or_path)
-
-
 def compile_graph(checkpointer: Any = None, model_retry: RetryPolicy | None = MODEL_NODE_RETRY) -> Any:
+    """A compiled agent graph. With no checkpointer it inherits its caller's when run as a subgraph;
+    `model_retry` (None: off) re-runs a model node after a transient model failure."""
     return build_graph(model_retry).compile(checkpointer=checkpointer, name="maxkernel-agent")
 
 

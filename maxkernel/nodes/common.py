@@ -15,8 +15,8 @@ from langgraph.config import get_config
 
 from maxkernel.authors.base import Attempt as AuthorAttempt
 from maxkernel.authors.base import Author, AuthorContext, Plan
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState, Attempt
+from maxkernel.context import Context
+from maxkernel.state import AgentState, Attempt
 from maxkernel.tools.harness import EvalOptions, evaluate
 from maxkernel.tools.results import EvalResult
 from maxkernel.tools.store import ResultsStore
@@ -30,10 +30,13 @@ def store_at(path: str) -> ResultsStore:
 _AUTHORS: dict[tuple[Any, ...], Author] = {}
 
 
-def author_for(ctx: Context) -> Author:
-    """The run's author, built once per (model, store): the offline author when `model` is 'offline'."""
+def author_for(ctx: Context, label: str | None = None) -> Author:
+    """The run's author, built once per (model, store, call settings, branch label): the offline author when
+    `model` is 'offline'. Search branches run concurrently and the nodes charge usage as the difference of the
+    author's counters around a call, so each branch gets its own author (and counters) or one branch's tokens
+    would be charged to another."""
     settings = ctx.call_settings()
-    key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings, ctx.model_tools)
+    key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings, ctx.model_tools, label)
     if key not in _AUTHORS:
         if ctx.chat_model is not None:
             from maxkernel.authors.llm import LLMAuthor
@@ -121,7 +124,13 @@ def save_source(state: AgentState, source: str) -> tuple[str, str]:
 def run_eval(state: AgentState, ctx: Context, source: str) -> EvalResult:
     """Evaluate through the results store: a node re-run after a resume finds the earlier result."""
     assert state.task is not None
-    options = EvalOptions(tpu=list(ctx.tpu), input_sets=ctx.input_sets, timeout_s=ctx.eval_timeout_s)
+    # The offline author's own kernels may run without bubblewrap (fallback); a model's never do.
+    options = EvalOptions(
+        tpu=list(ctx.tpu),
+        input_sets=ctx.input_sets,
+        timeout_s=ctx.eval_timeout_s,
+        allow_unsandboxed=ctx.model == "offline",
+    )
     return evaluate(state.task, source, options, store=store_at(ctx.store_path), work_dir=Path(ctx.work_dir))
 
 

@@ -8,11 +8,41 @@ from typing import Any
 
 from langgraph.runtime import Runtime
 
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState
+from maxkernel.context import Context
 from maxkernel.nodes.common import run_eval, thread_id
 from maxkernel.nodes.profile import render_estimate
+from maxkernel.state import AgentState, Attempt
 from maxkernel.tools.results import EvalResult
+
+BEST_SO_FAR_STATUS = "in progress: best accepted kernel so far (if the run was interrupted, its best)"
+
+
+def output_dir(state: AgentState) -> Path:
+    task_id = state.task.task_id if state.task else Path(state.task_path).stem
+    return Path(state.out_dir or Path("out") / task_id)
+
+
+def write_best_so_far(state: AgentState, best: Attempt) -> None:
+    """Keep the best accepted kernel on disk as it improves, so a killed run still leaves it, with a
+    result.json that says what it is. `finalize` overwrites both when the run ends."""
+    if not best.accepted or not best.source_path or state.task is None:
+        return
+    out = output_dir(state)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernel.py.part").write_text(Path(best.source_path).read_text())
+    (out / "kernel.py.part").replace(out / "kernel.py")
+    result = {
+        "task_id": state.task.task_id,
+        "status": BEST_SO_FAR_STATUS,
+        "accepted": True,
+        "correct": best.correct,
+        "kernel_path": str(out / "kernel.py"),
+        "thread_id": thread_id(),
+        "iterations": state.iteration,
+        "best_attempt": best.model_dump(mode="json"),
+    }
+    (out / "result.json.part").write_text(json.dumps(result, indent=2))
+    (out / "result.json.part").replace(out / "result.json")
 
 
 def finalize(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
@@ -48,6 +78,7 @@ def finalize(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         "tokens": state.usage.tokens,
         "best_attempt": state.best.model_dump(mode="json") if state.best else None,
         "harness": best_result.summary_json() if best_result else None,
+        "verdict": verdict(best_result),
     }
     result_path = out / "result.json"
     result_path.write_text(json.dumps(result, indent=2))
@@ -55,10 +86,63 @@ def finalize(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     return {"status": status, "result_path": str(result_path)}
 
 
+FASTER_CLEARLY = 1.25
+"""An estimated speedup above this is outside the block model's error band (see benchmarks/)."""
+
+
+def verdict(best: EvalResult | None) -> dict[str, Any]:
+    """Is the result faster than XLA, by which kind of figure, and why (bound class, what dominated).
+
+    Only an accepted kernel gets a verdict; a rejected one is never a result. A measured speedup wins over
+    an estimate; an estimate is called an estimate. Slower is said plainly, with the reason.
+    """
+    if best is None or not best.accepted:
+        return {"outcome": "no result", "line": "no accepted kernel: nothing to compare with XLA"}
+    kind, speedup = None, None
+    if best.timing is not None and best.timing.measured_speedup:
+        kind, speedup = "measured", best.timing.measured_speedup
+    elif best.estimate is not None and best.estimate.estimated_speedup:
+        kind, speedup = "estimated", best.estimate.estimated_speedup
+    est = best.estimate
+    bound = est.bound if est else None
+    if speedup is None:
+        return {"outcome": "unknown", "kind": None, "speedup": None, "bound": bound,
+                "line": "correct, but no measured or estimated speedup is available"}  # fmt: skip
+    if speedup > FASTER_CLEARLY:
+        outcome = "faster"
+    elif speedup > 1.0:
+        outcome = "faster (within the estimate's error band)" if kind == "estimated" else "faster"
+    else:
+        outcome = "slower"
+    times = ""
+    if est and est.estimated_seconds and est.reference_estimated_seconds:
+        times = (
+            f"; kernel {est.estimated_seconds * 1e6:.1f} us vs XLA {est.reference_estimated_seconds * 1e6:.1f} us"
+            f" (estimates, {est.generation})"
+        )
+    why = f"{bound}-bound per the block model" if bound else "no bound class"
+    line = (
+        f"{'SLOWER than' if outcome == 'slower' else 'faster than'} XLA: {kind} {speedup:.2f}x ({why}{times})"
+    )
+    if outcome == "slower":
+        line += f"; {_slower_reason(bound)}"
+    return {"outcome": outcome, "kind": kind, "speedup": speedup, "bound": bound, "line": line}
+
+
+def _slower_reason(bound: str | None) -> str:
+    return {
+        "memory": "the kernel moves more HBM bytes than XLA's fusions do (re-fetched blocks or an extra pass)",
+        "compute": "MXU/VPU work dominates; XLA's matmul is hard to beat without removing work "
+        "(f32 operands cost extra MXU passes in a kernel)",
+        "overhead": "per-step overhead dominates: too many small grid steps",
+    }.get(bound or "", "the block model gives no bound class")
+
+
 def render_report(state: AgentState, ctx: Context, result: dict[str, Any], best: EvalResult | None) -> str:
     task = state.task
     lines = [f"# maxkernel report — {result['task_id']}", ""]
     lines += [
+        f"- result: **{result['verdict']['line']}**",
         f"- status: **{result['status']}** ({state.stop_reason or 'finished'})",
         f"- author: `{ctx.model}`, mode `{state.mode}`, TPU targets {', '.join(ctx.tpu)}",
         f"- rounds: {state.iteration}, evaluations: {len(state.attempts)}, model calls: {state.usage.model_calls}, "

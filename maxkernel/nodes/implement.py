@@ -5,12 +5,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from langgraph.runtime import Runtime
-from langgraph.types import Command, interrupt
-from pydantic import BaseModel
+from langgraph.types import Command
 
 from maxkernel.authors.base import AuthorError
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState, HumanFeedback
+from maxkernel.context import Context
 from maxkernel.nodes.common import (
     author_context,
     author_for,
@@ -19,20 +17,15 @@ from maxkernel.nodes.common import (
     usage_of,
     usage_update,
 )
-from maxkernel.nodes.plan import inbox_request, validated
-
-
-class CodeReview(BaseModel):
-    action: Literal["approve", "edit", "feedback"]
-    code: str | None = None
-    feedback: str | None = None
+from maxkernel.nodes.review import CodeReview, ask
+from maxkernel.state import AgentState, HumanFeedback
 
 
 def implement(
     state: AgentState, runtime: Runtime[Context]
 ) -> Command[Literal["validate", "implement", "reflect"]]:
     ctx = runtime.context
-    author = author_for(ctx)
+    author = author_for(ctx, state.label)
     before = usage_of(author)
     plan = current_plan(state)
     try:
@@ -49,27 +42,13 @@ def implement(
     update: dict[str, Any] = usage_update(state, author, before)
     source, kind = draft.source, "implement"
     if state.mode == "hitl":
-        review = validated(
-            interrupt(
-                {
-                    "kind": "code_review",
-                    "iteration": state.iteration,
-                    "plan": plan.summary,
-                    "code": source,
-                    "actions": {
-                        "approve": {"action": "approve"},
-                        "edit": {"action": "edit", "code": "<the whole module>"},
-                        "feedback": {"action": "feedback", "feedback": "<what to change>"},
-                    },
-                    **inbox_request(
-                        "CodeReview",
-                        f"Round {state.iteration} kernel ({plan.summary}): accept it, edit the module, or "
-                        "respond with what to change.\n\n```python\n" + source + "\n```",
-                        {"code": source},
-                    ),
-                }
-            ),
-            CodeReview,
+        review = ask(
+            "code_review",
+            f"Round {state.iteration} kernel ({plan.summary}): accept it, edit the module, or respond with what "
+            "to change.\n\n```python\n" + source + "\n```",
+            iteration=state.iteration,
+            plan=plan.summary,
+            code=source,
         )
         assert isinstance(review, CodeReview)
         record = HumanFeedback(at="code_review", action=review.action, text=review.feedback)
@@ -89,6 +68,7 @@ def implement(
             **update,
             "source_hash": digest,
             "source_path": path,
+            "source_config": draft.config.as_dict() if draft.config and kind == "implement" else None,
             "repairs": 0,
             "feedback": None,
             "attempt_kind": kind,

@@ -4,44 +4,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from langgraph.types import Command, interrupt
-from pydantic import BaseModel
+from langgraph.types import Command
 
-from maxkernel.graph.state import AgentState, HumanFeedback
-from maxkernel.nodes.plan import inbox_request, validated
-
-
-class FailureReview(BaseModel):
-    action: Literal["retry", "feedback", "stop"]
-    feedback: str | None = None
+from maxkernel.nodes.review import FailureReview, ask
+from maxkernel.state import AgentState, HumanFeedback
 
 
 def on_failure(state: AgentState) -> Command[Literal["repair", "finalize"]]:
     r = state.eval_result
     assert r is not None and r.error is not None
-    review = validated(
-        interrupt(
-            {
-                "kind": "failure",
-                "iteration": state.iteration,
-                "stage": r.error.stage,
-                "message": r.error.message,
-                "repairs_so_far": state.repairs,
-                "actions": {
-                    "retry": {"action": "retry"},
-                    "feedback": {"action": "feedback", "feedback": "<hint for the repair>"},
-                    "stop": {"action": "stop"},
-                },
-                **inbox_request(
-                    "FailureReview",
-                    f"Round {state.iteration}: the kernel failed at {r.error.stage} (repairs so far: "
-                    f"{state.repairs}). Accept to retry the repair, respond with a hint, or ignore to stop."
-                    f"\n\n```\n{r.error.message}\n```",
-                    {"stage": r.error.stage, "message": r.error.message},
-                ),
-            }
-        ),
-        FailureReview,
+    review = ask(
+        "failure",
+        f"Round {state.iteration}: the kernel failed at {r.error.stage} (repairs so far: {state.repairs}). "
+        f"Accept to retry the repair, respond with a hint, or ignore to stop.\n\n```\n{r.error.message}\n```",
+        iteration=state.iteration,
+        stage=r.error.stage,
+        message=r.error.message,
+        repairs_so_far=state.repairs,
     )
     assert isinstance(review, FailureReview)
     record = HumanFeedback(at="failure", action=review.action, text=review.feedback)

@@ -9,8 +9,7 @@ from typing import Any
 from langgraph.runtime import Runtime
 
 from maxkernel.authors.base import AuthorError
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState, Budgets, Usage
+from maxkernel.context import Context
 from maxkernel.nodes.common import (
     author_context,
     offline_author,
@@ -19,6 +18,7 @@ from maxkernel.nodes.common import (
     thread_id,
     to_attempt,
 )
+from maxkernel.state import AgentState, Usage
 from maxkernel.tools.tasks import TaskError, load_task
 
 
@@ -35,11 +35,8 @@ def prepare(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     update: dict[str, Any] = {
         "task": task,
         "run_dir": str(run_dir),
-        "budgets": Budgets(
-            max_iterations=state.max_iterations,
-            tune_max_configs=state.tune_max_configs,
-            **ctx.budget_overrides(),
-        ),
+        # The context's budgets (CLI flags, Studio settings) override the state's defaults.
+        "budgets": state.budgets.model_copy(update=ctx.budget_overrides()),
         "usage": Usage(started_at=time.time()),
     }
     if state.start_source_path:

@@ -8,9 +8,9 @@ from typing import Any
 
 from langgraph.runtime import Runtime
 
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState
+from maxkernel.context import Context
 from maxkernel.nodes.common import run_eval
+from maxkernel.state import AgentState
 from maxkernel.tools.results import EvalResult
 
 
@@ -40,27 +40,17 @@ def render_estimate(r: EvalResult) -> str:
 
 
 def profile(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
-    if state.best is None:
+    """Profile and summarise the best kernel (not the round's current one, which may be worse or wrong)."""
+    best = state.best
+    if best is None:
         return {}
-    source = Path(state.best.source_path).read_text()
-    r = run_eval(state, runtime.context, source)  # a store hit: the best kernel was evaluated already
-    summary = f"Best kernel so far: [{state.best.source_hash[:10]}] ({state.best.kind})\n" + render_estimate(
-        r
-    )
+    assert state.task is not None
+    ctx = runtime.context
+    r = run_eval(state, ctx, Path(best.source_path).read_text())  # a store hit: evaluated already
+    summary = f"Best kernel so far: [{best.source_hash[:10]}] ({best.kind})\n" + render_estimate(r)
     if r.estimate and r.estimate.detail_markdown:
         summary += "\n\n" + r.estimate.detail_markdown
-    try:
-        from maxkernel.tools.profiling import profile_summary
+    from maxkernel.tools.profiling import profile_summary  # imports JAX: only when a run profiles
 
-        assert state.task
-        # The best kernel's own trace, not the current one's: reflect reads this as the best's profile.
-        summary = (
-            profile_summary(
-                state.task, state.best.source_path, list(runtime.context.tpu), runtime.context.work_dir
-            )
-            + "\n\n"
-            + summary
-        )
-    except ImportError:
-        pass
-    return {"trace_summary": summary}
+    trace = profile_summary(state.task, best.source_path, list(ctx.tpu), ctx.work_dir)
+    return {"trace_summary": trace + "\n\n" + summary}

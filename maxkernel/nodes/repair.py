@@ -10,8 +10,7 @@ from langgraph.types import Command
 
 from maxkernel.authors.base import Attempt as AuthorAttempt
 from maxkernel.authors.base import AuthorError
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState
+from maxkernel.context import Context
 from maxkernel.nodes.common import (
     author_context,
     author_for,
@@ -20,11 +19,12 @@ from maxkernel.nodes.common import (
     usage_of,
     usage_update,
 )
+from maxkernel.state import AgentState
 
 
 def repair(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["validate", "reflect"]]:
     ctx = runtime.context
-    author = author_for(ctx)
+    author = author_for(ctx, state.label)
     before = usage_of(author)
     r = state.eval_result
     assert r is not None and state.source_path
@@ -55,6 +55,7 @@ def repair(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["val
     update = {
         "source_hash": digest,
         "source_path": path,
+        "source_config": draft.config.as_dict() if draft.config else None,
         "repairs": state.repairs + 1,
         "attempt_kind": "repair",
         **usage_update(state, author, before),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from maxkernel.graph.state import AgentState
 from maxkernel.nodes.validate import can_repair
+from maxkernel.state import AgentState
 
 
 def test(state: AgentState) -> dict[str, Any]:

@@ -12,22 +12,25 @@ from typing import Any, Literal
 
 from langgraph.runtime import Runtime
 
-from maxkernel.graph.context import Context
-from maxkernel.graph.state import AgentState
+from maxkernel.context import Context
 from maxkernel.nodes.common import better, budget_exhausted, run_eval, to_attempt
-
-COMPILE_STAGES = ("load", "trace", "pallas", "compile", "sandbox", "task")
+from maxkernel.nodes.finalize import write_best_so_far
+from maxkernel.state import AgentState
+from maxkernel.tools.results import COMPILE_STAGES
 
 
 def validate(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     assert state.source_path and state.source_hash
     source = Path(state.source_path).read_text()
     result = run_eval(state, runtime.context, source)
-    attempt = to_attempt(state, state.attempt_kind, state.source_hash, state.source_path, result)
+    attempt = to_attempt(
+        state, state.attempt_kind, state.source_hash, state.source_path, result, config=state.source_config
+    )
     update: dict[str, Any] = {"eval_result": result, "attempts": [attempt]}
     if better(attempt, state.best):
         update["best"] = attempt
         update["improved"] = True
+        write_best_so_far(state, attempt)
     return update
 
 

@@ -6,6 +6,11 @@ reduction, a loop, a sort — is rejected, and the rules are an allow-list, so a
 never heard of counts as heavy rather than slipping through. Host callbacks are rejected anywhere: they
 would let Python compute the answer behind the tracer's back.
 
+The check reads a `program_tree` tree (plain data from the candidate process), never a live jaxpr made by
+candidate code. Work inside a conditional earns no credit beyond its cheapest branch (a dead branch with
+a big dot in it pays for nothing), and kernels under a top-level conditional earn none at all. The same
+rules are applied once more, by `stablehlo_check`, to the program compiled for the TPU.
+
 Two more rules catch kernels that exist only for show: every kernel must do arithmetic (a kernel that only
 copies a jnp-computed result is rejected), and elementwise work outside kernels must not outweigh the work
 inside them.
@@ -13,9 +18,9 @@ inside them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
+from maxkernel.tools.program_tree import MAX_EQNS, Tree, size_of, to_tree
 from maxkernel.tools.results import PallasCheck
 
 LAYOUT_OUTSIDE = frozenset(
@@ -45,63 +50,51 @@ KERNEL_DATA_MOVEMENT = frozenset(
 )
 
 
-def _subjaxprs(params: dict[str, Any]) -> Iterator[Any]:
-    """Every jaxpr held in an equation's params (single, closed, or in tuples such as cond branches)."""
-    for value in params.values():
-        items = value if isinstance(value, list | tuple) else (value,)
-        for item in items:
-            inner = getattr(item, "jaxpr", None)
-            if hasattr(item, "eqns"):
-                yield item
-            elif inner is not None and hasattr(inner, "eqns"):
-                yield inner
-
-
-def _size(aval: Any) -> int:
+def _size(shape: list[int]) -> int:
     n = 1
-    for d in getattr(aval, "shape", ()):
-        n *= int(d) if isinstance(d, int) else 1
+    for d in shape:
+        n *= d if d > 0 else 1
     return n
 
 
-def _out_elems(eqn: Any) -> int:
-    return sum(_size(v.aval) for v in eqn.outvars)
+def _out_elems(eqn: Tree) -> int:
+    return sum(_size(o) for o in eqn.get("out", []))
 
 
-def _dot_flops(eqn: Any) -> float:
-    lhs = eqn.invars[0].aval
-    (contract_lhs, _), _ = eqn.params["dimension_numbers"]
-    k = 1
-    for axis in contract_lhs:
-        k *= int(lhs.shape[axis])
-    return 2.0 * _out_elems(eqn) * k
+def kernel_work(body: Tree) -> tuple[float, int]:
+    """(work, number of compute equations) of one kernel body, for a single grid step.
 
-
-def kernel_work(jaxpr: Any) -> tuple[float, int]:
-    """(work, number of compute equations) of one kernel body, for a single grid step."""
+    Work under a `cond` (which is what `pl.when` and `lax.cond` become) counts at its *cheapest* branch:
+    only work that runs whichever way the branch goes earns credit, so a large dot in a branch that is
+    never taken cannot pay for work done outside the kernel. Equations are counted in every branch (a
+    kernel whose arithmetic sits under `pl.when` is still not a copy-only kernel).
+    """
     work = 0.0
     ops = 0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        trips = 1
-        if name == "scan":
-            trips = int(eqn.params.get("length", 1))
-        for sub in _subjaxprs(eqn.params):
+    for eqn in body.get("eqns", []):
+        name = eqn.get("p", "")
+        if "branches" in eqn:
+            results = [kernel_work(b) for b in eqn["branches"]]
+            if results:
+                work += min(w for w, _ in results)
+                ops += max(n for _, n in results)
+            continue
+        trips = int(eqn.get("length", 1)) if name == "scan" else 1
+        for sub in eqn.get("subs", []):
             w, n = kernel_work(sub)
             work += trips * w
             ops += n
         if name in KERNEL_DATA_MOVEMENT or name in STRUCTURAL:
             continue
         ops += 1
-        work += _dot_flops(eqn) if name == "dot_general" else _out_elems(eqn)
+        work += 2.0 * _out_elems(eqn) * int(eqn.get("k", 1)) if name == "dot_general" else _out_elems(eqn)
     return work, ops
 
 
-def _grid_steps(eqn: Any) -> int:
-    grid = getattr(eqn.params.get("grid_mapping"), "grid", ()) or ()
+def _grid_steps(eqn: Tree) -> int:
     steps = 1
-    for g in grid:
-        steps *= int(g) if isinstance(g, int) else 1
+    for g in eqn.get("grid", []):
+        steps *= g if g > 0 else 1
     return steps
 
 
@@ -109,19 +102,23 @@ class _Walker:
     def __init__(self) -> None:
         self.check = PallasCheck(ok=True)
         self.copy_only_kernels = 0
+        self.conditional_kernels = 0
         self.warnings: list[str] = []
 
-    def walk(self, jaxpr: Any) -> None:
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
+    def walk(self, tree: Tree, conditional: bool = False) -> None:
+        for eqn in tree.get("eqns", []):
+            name = eqn.get("p", "")
             if name == "pallas_call":
                 self.check.pallas_calls += 1
-                body = eqn.params["jaxpr"]
+                body = eqn.get("body", {})
                 work, ops = kernel_work(body)
                 self._forbidden_inside(body)
                 if ops == 0:
                     self.copy_only_kernels += 1
-                self.check.work_inside += work * _grid_steps(eqn)
+                if conditional:
+                    self.conditional_kernels += 1  # may never run: no credit for its work
+                else:
+                    self.check.work_inside += work * _grid_steps(eqn)
                 continue
             if name in FORBIDDEN:
                 self.check.forbidden.append(name)
@@ -130,30 +127,37 @@ class _Walker:
                 self.warnings.append(f"{name} outside Pallas")
                 continue
             if name in STRUCTURAL:
-                for sub in _subjaxprs(eqn.params):
-                    self.walk(sub)
+                for sub in eqn.get("subs", []):
+                    self.walk(sub, conditional)
+                for sub in eqn.get("branches", []):
+                    self.walk(sub, True)
                 continue
             if name in LAYOUT_OUTSIDE:
                 continue
-            shapes = ", ".join(str(v.aval.str_short()) for v in eqn.outvars)
+            shapes = ", ".join("[" + ",".join(map(str, o)) + "]" for o in eqn.get("out", []))
             if name in ELEMENTWISE_OUTSIDE:
                 self.check.elementwise_outside.append(f"{name} -> {shapes}")
                 self.check.work_outside += _out_elems(eqn)
             else:
                 self.check.heavy_outside.append(f"{name} -> {shapes}")
 
-    def _forbidden_inside(self, jaxpr: Any) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in FORBIDDEN:
-                self.check.forbidden.append(f"{eqn.primitive.name} (inside a kernel)")
-            for sub in _subjaxprs(eqn.params):
+    def _forbidden_inside(self, tree: Tree) -> None:
+        for eqn in tree.get("eqns", []):
+            if eqn.get("p") in FORBIDDEN:
+                self.check.forbidden.append(f"{eqn.get('p')} (inside a kernel)")
+            for sub in [*eqn.get("subs", []), *eqn.get("branches", [])]:
                 self._forbidden_inside(sub)
 
 
-def check_pallas_does_work(closed_jaxpr: Any) -> tuple[PallasCheck, list[str]]:
-    """Classify a candidate's jaxpr. Returns the check and warnings to surface (e.g. debug prints)."""
+def check_pallas_does_work(program: Any) -> tuple[PallasCheck, list[str]]:
+    """Classify a candidate's program: a `program_tree` tree (what the judge gets) or a jaxpr (our own
+    code, e.g. tests and the offline author), which is converted first. Returns the check and warnings to
+    surface (e.g. debug prints)."""
+    tree = program if isinstance(program, dict) else to_tree(program)
+    if size_of(tree) > MAX_EQNS:
+        return PallasCheck(ok=False, reason=f"the program has more than {MAX_EQNS} equations"), []
     walker = _Walker()
-    walker.walk(getattr(closed_jaxpr, "jaxpr", closed_jaxpr))
+    walker.walk(tree)
     c = walker.check
     warnings = list(walker.warnings)
     if c.elementwise_outside:
@@ -168,6 +172,9 @@ def check_pallas_does_work(closed_jaxpr: Any) -> tuple[PallasCheck, list[str]]:
     elif c.heavy_outside:
         c.ok = False
         c.reason = "work outside Pallas kernels: " + "; ".join(c.heavy_outside[:6])
+    elif walker.conditional_kernels == c.pallas_calls:
+        c.ok = False
+        c.reason = "every pallas_call sits under a conditional (lax.cond/switch): no kernel surely runs"
     elif walker.copy_only_kernels == c.pallas_calls:
         c.ok = False
         c.reason = "the Pallas kernels only move data; the arithmetic happens outside them"
@@ -175,6 +182,6 @@ def check_pallas_does_work(closed_jaxpr: Any) -> tuple[PallasCheck, list[str]]:
         c.ok = False
         c.reason = (
             f"most elementwise work runs outside Pallas ({c.work_outside:.3g} element-ops outside vs "
-            f"{c.work_inside:.3g} inside)"
+            f"{c.work_inside:.3g} inside, counting only work that runs whichever way a branch goes)"
         )
     return c, warnings

@@ -1,64 +1,125 @@
-"""The evaluation harness, agent side: look the evaluation up, else run it in the sandbox and store it.
+"""The evaluation harness, agent side: look the evaluation up, else run it and decide the verdict here.
+
+One evaluation is three parties, and only one of them ever imports the candidate:
+
+```
+ agent (this module: decides, never runs task or candidate code)
+   ├── judge child (trusted, sandboxed: runs the reference and the TPU compiler)   maxkernel.tools.judge
+   │      secret input draws → inputs.npz, expected.npz → waits for TPU programs → inspect + compile
+   └── candidate child (untrusted, sandboxed, nobody)                              maxkernel.tools.candidate
+          load → trace (interpret / plain / production) → export for TPU → waits for inputs → outputs.npz
+```
+
+The order is what makes it hold: both children start at once; the agent reads the candidate's programs
+(trees and the TPU export) as soon as the candidate announces it is waiting, *then* hands it the judge's
+inputs, which were drawn from a secret the candidate's process never holds. The agent checks that Pallas
+does the work on the trees (`checks`), that the interpret-mode, plain and production traces are the same
+program (`program_tree.same_program`), forwards the exported TPU program to the judge, which checks the
+StableHLO (`stablehlo_check`) and compiles that very program per generation, and compares the outputs
+with the judge's expected outputs (numpy, here). Nothing the candidate can patch runs in a process that
+decides, and every file read back from its run dir goes through `readback` (type, size, count, shape).
 
 `evaluate()` never raises for anything the candidate does; it raises `TaskError` only when the task is
-unusable. Every outcome, including hangs and crashes, is an `EvalResult` with `error.stage` set.
+unusable. Every outcome, including hangs and crashes, is an `EvalResult` with `error.stage` set. An
+`infrastructure` failure (the sandbox or interpreter is broken) is returned but never stored.
 """
 
 from __future__ import annotations
 
-import hashlib
+import base64
 import json
-import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-from maxkernel.tools.results import STAGES, TPU_GENERATIONS, EvalResult, StageError
+from maxkernel.tools.candidate import (
+    OUTPUTS_FILE,
+    PROGRAMS_FILE,
+    STAGE_AWAIT_INPUTS,
+    output_name,
+    tpu_program_file,
+)
+from maxkernel.tools.checks import check_pallas_does_work
+from maxkernel.tools.evaluation import compare, summarise, with_reference
+from maxkernel.tools.judge import EXPECTED_FILE, INPUTS_FILE, STAGE_INPUTS_READY
+from maxkernel.tools.program_tree import same_program, skeleton
+from maxkernel.tools.readback import MAX_JSON_BYTES, ReadBackError, load_arrays, read_capped, remove_tree
+from maxkernel.tools.results import (
+    CANDIDATE_STAGES,
+    STAGE_INFO,
+    ArraySpec,
+    CompileOutcome,
+    CorrectnessResult,
+    EstimateSummary,
+    EvalResult,
+    InputConfig,
+    MeasuredTiming,
+    SetCheck,
+    StageError,
+)
 from maxkernel.tools.sandbox import (
+    SandboxedChild,
     SandboxLimits,
     SandboxOutcome,
     accelerator_present,
     fresh_run_dir,
-    run_sandboxed,
 )
-from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text, toolchain_versions
+from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text
 from maxkernel.tools.tasks import KernelTask
+from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, first_generation
 
-DEFAULT_TPUS: tuple[str, ...] = ("v5e", "v6e")
+TIMEOUT_FLOOR_S = 60.0
+TIMEOUT_CEILING_S = 600.0
+COMPILE_BUDGET_S = 20.0
+"""Seconds per TPU generation (trace, export and Mosaic compile) in the derived default timeout."""
+MAX_PROGRAM_BYTES = 64 << 20
+MAX_ARRAY_FILE_BYTES = 4 << 30
+POLL_S = 0.02
+CANDIDATE_PRELOAD = (
+    "numpy", "jax", "jax.numpy", "jax.export", "jax.experimental.pallas", "jax.experimental.pallas.tpu",
+    "ml_dtypes", "ctypes", "maxkernel.tools.candidate", "maxkernel.tools.program_tree",
+    "maxkernel.tools.taskcode", "maxkernel.tools.estimate",
+)
+"""Imported before the candidate's process may drop to nobody (fallback, root agent): after the drop the
+interpreter's own files can be out of reach."""
 
 
 class EvalOptions(BaseModel):
     """Everything that changes an evaluation's outcome is here, and so in its key."""
 
     tpu: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_TPUS), description="TPU generations to AOT-compile for"
+        default_factory=lambda: list(DEFAULT_GENERATIONS), description="TPU generations to AOT-compile for"
     )
     input_sets: int = Field(3, ge=1, description="input sets per configuration: the task's own + fresh draws")
-    seed: int = 0
+    seed: int = Field(
+        0, description="a salt in the key: another value forces a fresh evaluation. The draws themselves "
+        "come from a per-evaluation secret and are never reproducible from it",
+    )  # fmt: skip
     timing: bool = Field(True, description="measure on a real device when one is present")
     estimate: bool = Field(True, description="estimate TPU time (block model vs the compiler's cost model)")
-    timeout_s: float = Field(600.0, description="wall-clock limit for the whole evaluation")
+    timeout_s: float | None = Field(
+        None, description="wall-clock limit for the whole evaluation; None: derived from the task"
+    )
     memory_mb: int = 12_000
+    allow_unsandboxed: bool = Field(
+        False,
+        description="run the candidate even without bubblewrap (the offline author's kernels; a user's "
+        "explicit --allow-unsandboxed). Not part of the key: it decides whether it runs, not the outcome",
+    )
 
     def key_fields(self) -> dict[str, object]:
         # Limits do not change a finished result's content, only whether it finished; keep them in the key
         # anyway so a timeout under a short limit is not served to a caller with a longer one.
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", exclude={"allow_unsandboxed"})
 
 
-def normalise_generations(names: list[str]) -> list[str]:
-    """Canonical generation names (v4, v5e, v5p, v6e, 7x) from any spelling the spec table accepts."""
-    from maxkernel.tools.tpu_specs import get_spec
-
-    out = []
-    for raw in names:
-        name = get_spec(raw).name
-        if name not in TPU_GENERATIONS:
-            raise ValueError(f"unknown TPU generation {raw!r}; choose from {', '.join(TPU_GENERATIONS)}")
-        if name not in out:
-            out.append(name)
-    return out
+def default_timeout(task: KernelTask, options: EvalOptions) -> float:
+    """A hang should cost about a minute, not ten: the task's reference time (measured when it was
+    loaded, compile included) for every input set, plus a compile budget per generation, in [60, 600] s."""
+    derived = 30.0 + COMPILE_BUDGET_S * max(1, len(options.tpu)) + 10.0 * task.reference_seconds * options.input_sets
+    return float(min(TIMEOUT_CEILING_S, max(TIMEOUT_FLOOR_S, derived)))
 
 
 def evaluate(
@@ -68,6 +129,7 @@ def evaluate(
     *,
     store: ResultsStore | None = None,
     work_dir: Path | None = None,
+    keep_run_dir: bool = False,
 ) -> EvalResult:
     options = options or EvalOptions()
     source_hash = sha256_text(source)
@@ -78,95 +140,421 @@ def evaluate(
             hit.cached = True
             return hit
         store.put_candidate(source_hash, task.task_id, source, origin="eval")
-    run_dir = fresh_run_dir(Path(work_dir or Path.cwd() / ".maxkernel") / "evals", key[:16])
-    candidate_path = run_dir / "candidate.py"
-    candidate_path.write_text(source)
-    worker_opts = options.model_dump(mode="json")
-    ref_cache = reference_cache_path(task, options, work_dir)
-    if ref_cache.exists():
-        worker_opts["reference_cache"] = str(ref_cache)
-    gen = options.tpu[0] if options.tpu else "v5e"
-    if store is not None and options.estimate:
-        worker_opts["reference_estimated_seconds"] = store.get_reference_estimate(task.fingerprint, gen)
-    payload = {
-        "task": task.model_dump(mode="json"),
-        "candidate_path": str(candidate_path),
-        "source_hash": source_hash,
-        "options": worker_opts,
-    }
+    timeout = options.timeout_s or default_timeout(task, options)
+    eval_dir = fresh_run_dir(Path(work_dir or Path.cwd() / ".maxkernel") / "evals", key[:16])
     t0 = time.monotonic()
-    outcome = run_sandboxed(
-        "maxkernel.tools.evaluation:evaluate_job",
-        payload,
-        run_dir,
-        SandboxLimits(
-            timeout_s=options.timeout_s,
-            memory_mb=options.memory_mb,
-            allow_device=options.timing and accelerator_present(),
-        ),
-        read_paths=[Path(task.reference_path).parent, ref_cache.parent],
+    gen = first_generation(options.tpu)
+    cached_ref_estimate = (
+        store.get_reference_estimate(task.fingerprint, gen) if store is not None and options.estimate else None
     )
-    _keep_reference_sets(outcome, run_dir, ref_cache)
-    result = _to_result(task, source_hash, outcome)
+    try:
+        result = _run(task, source, source_hash, options, timeout, eval_dir, cached_ref_estimate)
+    finally:
+        if not keep_run_dir:
+            remove_tree(eval_dir)
     if store is not None and result.estimate and result.estimate.reference_estimated_seconds:
         store.put_reference_estimate(task.fingerprint, gen, result.estimate.reference_estimated_seconds)
-    if store is not None:
+    if store is not None and STAGE_INFO[result.error.stage if result.error else "timing"].cached:
         store.put_evaluation(key, task.fingerprint, options.key_fields(), result, time.monotonic() - t0)
         store.log_execution(key, task.task_id)
     return result
 
 
-def reference_cache_path(task: KernelTask, options: EvalOptions, work_dir: Path | None) -> Path:
-    """Input sets and reference outputs depend only on the task, the draw and the toolchain: one file per
-    such key, reused by every later candidate of the task (the reference stage then costs a file read)."""
-    key = sha256_text(json.dumps([task.fingerprint, options.input_sets, options.seed, toolchain_versions()]))
-    path = Path(work_dir or Path.cwd() / ".maxkernel").resolve() / "reference_sets" / f"{key[:24]}.npz"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
+def _output_cap(task: KernelTask, options: EvalOptions) -> int:
+    """RLIMIT_FSIZE for both children: room for every input or output set, and for logs."""
+    per_set = sum(c.input_bytes() + c.output_bytes() for c in task.validation_configs)
+    return max(64, (2 * per_set * options.input_sets >> 20) + 32)
 
 
-def _keep_reference_sets(outcome: SandboxOutcome, run_dir: Path, cache: Path) -> None:
-    """Cache the child's reference sets only if the file is byte-for-byte what the harness wrote before the
-    candidate was imported (its hash is in the signed result)."""
+def _run(
+    task: KernelTask,
+    source: str,
+    source_hash: str,
+    options: EvalOptions,
+    timeout: float,
+    eval_dir: Path,
+    cached_ref_estimate: float | None,
+) -> EvalResult:
+    cand_dir, judge_dir = eval_dir / "candidate", eval_dir / "judge"
+    cand_dir.mkdir()
+    judge_dir.mkdir(mode=0o700)
+    candidate_path = cand_dir / "candidate.py"
+    candidate_path.write_text(source)
+    device = options.timing and accelerator_present()
+    file_mb = _output_cap(task, options)
+    task_json = task.model_dump(mode="json")
+    judge = SandboxedChild(
+        "maxkernel.tools.judge:judge_job",
+        {"task": task_json, "input_sets": options.input_sets, "seed": options.seed},
+        judge_dir,
+        SandboxLimits(timeout_s=timeout, memory_mb=options.memory_mb, file_mb=file_mb, allow_device=device,
+                      fallback_as_nobody=False),
+        read_paths=[Path(task.reference_path).parent],
+        stdin=True,
+    )
+    cand = SandboxedChild(
+        "maxkernel.tools.candidate:candidate_job",
+        {
+            "candidate_path": str(candidate_path),
+            "configs": task_json["configs"],
+            "validation_configs": task_json["validation_configs"],
+            "input_sets": [options.input_sets] * len(task.validation_configs),
+            "estimate_generation": (first_generation(options.tpu)) if options.estimate else None,
+        },
+        cand_dir,
+        SandboxLimits(
+            timeout_s=timeout,
+            memory_mb=options.memory_mb,
+            file_mb=file_mb,
+            allow_unsandboxed=options.allow_unsandboxed,
+        ),
+        stdin=True,
+        preload=CANDIDATE_PRELOAD,
+    )
+    result = EvalResult(task_id=task.task_id, source_hash=source_hash)
+    judge.start()
+    cand.start()
+    try:
+        return _orchestrate(task, options, judge, cand, result, time.monotonic() + timeout + 5,
+                            cached_ref_estimate, device)  # fmt: skip
+    finally:
+        cand.kill()
+        judge.kill()
+
+
+def _fail(result: EvalResult, stage: str, message: str) -> EvalResult:
+    result.error = StageError(stage=stage, message=message)  # type: ignore[arg-type]
+    result.accepted = False
+    return result
+
+
+def _orchestrate(
+    task: KernelTask,
+    options: EvalOptions,
+    judge: SandboxedChild,
+    cand: SandboxedChild,
+    result: EvalResult,
+    deadline: float,
+    cached_ref_estimate: float | None,
+    device: bool,
+) -> EvalResult:
+    # Phase 1: the judge draws and computes the reference while the candidate loads and traces.
+    while time.monotonic() < deadline:
+        judge_ready = judge.reached(STAGE_INPUTS_READY)
+        if not judge_ready and not judge.running():
+            break
+        cand_ready = cand.reached(STAGE_AWAIT_INPUTS)
+        if not cand_ready and not cand.running():
+            break  # the candidate failed before it had a program: no need to wait for the reference
+        if judge_ready and cand_ready:
+            break
+        time.sleep(POLL_S)
+    judge_ready = judge.reached(STAGE_INPUTS_READY)
+    result.isolation = cand.isolation or judge.isolation
+    if not cand.reached(STAGE_AWAIT_INPUTS) and (judge_ready or not cand.running()):
+        judge.kill()
+        return _candidate_failure(result, cand.wait(deadline), timeout=cand.limits.timeout_s)
+    if not judge_ready:
+        cand.kill()
+        return _judge_failure(result, judge.wait(deadline))
+
+    # Phase 2: the candidate's programs are fixed now; read them before it gets any input.
+    try:
+        programs = _read_programs(cand.run_dir, task)
+        blobs = [
+            read_capped(cand.run_dir / tpu_program_file(i), MAX_PROGRAM_BYTES) if err is None else None
+            for i, err in enumerate(programs["export_errors"])
+        ]
+    except (ReadBackError, ValueError, KeyError, TypeError) as exc:
+        cand.kill()
+        judge.send(b"")
+        return _fail(result, "sandbox", f"malformed read-back from the candidate's process: {exc}")
+    checks = _check_trees(task, programs, result)
+    expected_kernels = checks[0].pallas_calls if checks else None
+    gen = first_generation(options.tpu)
+    request = {
+        "programs": [base64.b64encode(b).decode() if b is not None else None for b in blobs],
+        "tpu": options.tpu,
+        "expected_kernels": expected_kernels,
+        "reference_estimate_generation": gen if options.estimate and cached_ref_estimate is None else None,
+        "timing": device,
+    }
+    judge.send(json.dumps(request).encode() + b"\n", close=False)
+    try:
+        inputs = read_capped(judge.run_dir / INPUTS_FILE, MAX_ARRAY_FILE_BYTES)
+    except ReadBackError as exc:
+        return _fail(result, "infrastructure", f"the judge's inputs could not be read: {exc}")
+    cand.send(inputs)
+    cand_out = cand.wait(deadline)
+    cand.kill()  # its reaper is gone only when every descendant is: nothing of it outlives this line
+    judge.send(b"release\n")
+    judge_out = judge.wait(deadline)
+    if not judge_out.ok or judge_out.value is None or not judge_out.value.get("ok"):
+        return _judge_failure(result, judge_out)
+    return _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
+                    cached_ref_estimate)  # fmt: skip
+
+
+def _judge_failure(result: EvalResult, outcome: SandboxOutcome) -> EvalResult:
+    if outcome.infrastructure:
+        return _fail(result, "infrastructure", f"the judge could not run: {outcome.error}")
     value = outcome.value or {}
-    digest = value.pop("_reference_sets_sha256", None)
-    produced = run_dir / "reference_sets.npz"
-    if digest and produced.exists() and hashlib.sha256(produced.read_bytes()).hexdigest() == digest:
-        tmp = cache.with_suffix(f".{run_dir.name}.part")
-        shutil.copyfile(produced, tmp)
-        tmp.replace(cache)
-    produced.unlink(missing_ok=True)
+    if outcome.ok and value.get("stage") == "task":
+        return _fail(result, "task", str(value.get("message")))
+    if outcome.violations:
+        return _fail(result, "task", "the task's code did something the sandbox forbids: "
+                     + "; ".join(outcome.violations))  # fmt: skip
+    if outcome.timed_out:
+        return _fail(result, "task", f"the reference did not finish in time: {outcome.error}")
+    return _fail(result, "task", f"the judge (reference) failed: {outcome.error or value}")
 
 
-def _stage_of(progress_stage: str | None) -> str:
-    if progress_stage in STAGES:
-        return progress_stage
-    if progress_stage == "reference":
-        return "task"
+def _candidate_stage(outcome: SandboxOutcome) -> str:
+    stage = outcome.stage
+    if stage in CANDIDATE_STAGES:
+        return stage
+    if stage == STAGE_AWAIT_INPUTS:
+        return "correctness"
     return "load"
 
 
-def _to_result(task: KernelTask, source_hash: str, outcome: SandboxOutcome) -> EvalResult:
-    if outcome.ok and outcome.value is not None:
-        value = dict(outcome.value)
-        violations = value.pop("_violations", None)
-        result = EvalResult.model_validate(value)
-        if violations:
-            result.accepted = False
-            result.error = StageError(stage="sandbox", message="sandbox violation: " + "; ".join(violations))
-    else:
-        stage = _stage_of(outcome.stage)
-        if outcome.violations:
-            message = "sandbox violation: " + "; ".join(outcome.violations)
-            stage = "sandbox"
-        elif outcome.timed_out:
-            message = f"{stage} stage {outcome.error}"
+def _candidate_failure(result: EvalResult, outcome: SandboxOutcome, *, timeout: float) -> EvalResult:
+    if outcome.violations:
+        return _fail(result, "sandbox", "sandbox violation: " + "; ".join(outcome.violations))
+    if outcome.infrastructure:
+        return _fail(result, "infrastructure", outcome.error or "the candidate's process could not start")
+    stage = _candidate_stage(outcome)
+    value = outcome.value or {}
+    if outcome.ok and value.get("stage") in ("load", "trace"):  # the only stages it may name itself
+        return _fail(result, str(value["stage"]), str(value.get("message", ""))[:4000])
+    if outcome.timed_out:
+        return _fail(result, stage, f"{stage} stage {outcome.error}")
+    return _fail(result, stage, outcome.error or "the candidate's process failed")
+
+
+def _read_programs(run_dir: Path, task: KernelTask) -> dict[str, Any]:
+    data = json.loads(read_capped(run_dir / PROGRAMS_FILE, MAX_JSON_BYTES))
+    if not isinstance(data, dict):
+        raise ValueError("programs.json is not an object")
+    val, prod, errs = data.get("validation"), data.get("production"), data.get("export_errors")
+    if not (isinstance(val, list) and isinstance(prod, list) and isinstance(errs, list)):
+        raise ValueError("programs.json lacks its lists")
+    if len(val) != len(task.validation_configs) or len(prod) != len(task.configs) or len(errs) != len(prod):
+        raise ValueError("programs.json has the wrong number of programs")
+    for entry in [*val, *prod]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("plain"), dict):
+            raise ValueError("a program entry is malformed")
+    for entry in val:
+        if not isinstance(entry.get("interpret"), dict) or not isinstance(entry.get("out"), list):
+            raise ValueError("a validation program entry is malformed")
+    data["export_errors"] = [None if e is None else str(e)[:20_000] for e in errs]
+    return data
+
+
+def _check_trees(task: KernelTask, programs: dict[str, Any], result: EvalResult) -> list[Any]:
+    """Pallas-does-the-work on every interpret-mode trace; the first failing check is the one reported."""
+    checks = []
+    for entry in programs["validation"]:
+        check, warnings = check_pallas_does_work(entry["interpret"])
+        checks.append(check)
+        for w in warnings:
+            if w not in result.warnings:
+                result.warnings.append(w)
+    failing = [c for c in checks if not c.ok]
+    result.pallas = failing[0] if failing else (checks[0] if checks else None)
+    result.uses_pallas = bool(checks) and not failing
+    return checks
+
+
+def _verdict(
+    task: KernelTask,
+    options: EvalOptions,
+    result: EvalResult,
+    programs: dict[str, Any],
+    checks: list[Any],
+    cand: SandboxedChild,
+    cand_out: SandboxOutcome,
+    judge: dict[str, Any],
+    cached_ref_estimate: float | None,
+) -> EvalResult:
+    for name, secs in list((programs.get("seconds") or {}).items()) + list((judge.get("seconds") or {}).items()):
+        if isinstance(secs, int | float):
+            result.stage_seconds[str(name)[:40]] = round(float(secs), 4)
+    if cand_out.violations:
+        return _fail(result, "sandbox", "sandbox violation: " + "; ".join(cand_out.violations))
+
+    # The outputs' shapes, then Pallas on the traces, then one program across modes and shapes.
+    for ci, (cfg, entry) in enumerate(zip(task.validation_configs, programs["validation"], strict=True)):
+        got = [_spec(o) for o in entry["out"]]
+        if got != list(cfg.outputs):
+            return _fail(result, "trace", "output shapes/dtypes differ from the reference: got "
+                         + ", ".join(map(str, got)) + "; expected " + ", ".join(map(str, cfg.outputs))
+                         + (f" (config {ci})" if ci else ""))  # fmt: skip
+    if result.pallas is not None and not result.pallas.ok:
+        return _fail(result, "pallas", result.pallas.reason or "Pallas does not do the work")
+    for ci, entry in enumerate(programs["validation"]):
+        diff = same_program(skeleton(entry["interpret"]), skeleton(entry["plain"]), exact=True)
+        if diff:
+            return _fail(result, "consistency", "the program traced in TPU interpret mode is not the one "
+                         f"traced for the TPU ({diff}): a kernel must not depend on interpret mode")  # fmt: skip
+        prod = programs["production"][ci]["plain"]
+        diff = same_program(skeleton(entry["plain"]), skeleton(prod), exact=False)
+        if diff:
+            return _fail(result, "consistency", "the program at the validation shapes is not the one at the "
+                         f"task's own shapes ({diff}): a kernel must not branch on shape")  # fmt: skip
+        prod_check, _ = check_pallas_does_work(prod)
+        if not prod_check.ok:
+            return _fail(result, "pallas", f"at the task's own shapes: {prod_check.reason}")
+
+    # What ships: the judge's reading of the exported TPU program, and its compile.
+    for ci, tc in enumerate(judge.get("tpu_checks") or []):
+        if isinstance(tc, dict) and not tc.get("ok") and programs["export_errors"][ci] is None:
+            result.uses_pallas = False
+            return _fail(result, "pallas", f"in the program compiled for the TPU: {tc.get('reason')}")
+    export_error = next((e for e in programs["export_errors"] if e), None)
+    for gen in options.tpu:
+        if export_error:
+            result.tpu_compile[gen] = CompileOutcome(ok=False, error=f"lowering for the TPU failed: {export_error}")
         else:
-            message = outcome.error or "the evaluation process failed"
-        result = EvalResult(
-            task_id=task.task_id,
-            source_hash=source_hash,
-            error=StageError(stage=stage, message=message),  # type: ignore[arg-type]
-        )
-    result.isolation = outcome.isolation
+            result.tpu_compile[gen] = CompileOutcome.model_validate(
+                (judge.get("tpu_compile") or {}).get(gen) or {"ok": False, "error": "the judge did not compile it"}
+            )
+    result.compiled = all(o.ok for o in result.tpu_compile.values())
+    if not options.tpu:
+        result.warnings.append("no TPU generation requested: compiled means lowered for interpret mode only")
+
+    _correctness(task, options, result, cand, cand_out, judge)
+    failed = [g for g, o in result.tpu_compile.items() if not o.ok]
+    if result.error is not None:
+        return result
+    if failed:
+        first = result.tpu_compile[failed[0]].error or ""
+        return _fail(result, "compile", f"Mosaic compile failed for {', '.join(failed)}: {_first_lines(first, 6)}")
+    assert result.correctness is not None
+    if not result.correctness.ok:
+        bad = next(s for s in result.correctness.sets if not s.ok)
+        return _fail(result, "correctness",
+                     f"config {bad.config} input set {bad.input_set} ({bad.origin}): {bad.message}")  # fmt: skip
+
+    if options.estimate:
+        result.estimate = _estimate_summary(options, programs.get("estimate"), judge, cached_ref_estimate)
+    if options.timing:
+        timing = judge.get("timing")
+        if timing:
+            result.timing = MeasuredTiming.model_validate(timing)
+            if not result.timing.rechecked_correct:
+                return _fail(result, "timing", "on the device, the TPU program's outputs do not match the reference")
+        else:
+            result.warnings.append("timing: no TPU/GPU here, nothing was measured")
+    result.accepted = result.correct and result.uses_pallas and result.compiled
+    if not result.accepted:
+        return _fail(result, "compile", "not compiled for every requested TPU generation")
     return result
+
+
+def _spec(o: Any) -> ArraySpec:
+    if not isinstance(o, dict):
+        raise ValueError("an output spec is malformed")
+    return ArraySpec(shape=tuple(int(d) for d in o.get("shape", [])), dtype=str(o.get("dtype")))
+
+
+def _correctness(
+    task: KernelTask,
+    options: EvalOptions,
+    result: EvalResult,
+    cand: SandboxedChild,
+    cand_out: SandboxOutcome,
+    judge: dict[str, Any],
+) -> None:
+    """Compare the candidate's outputs with the judge's, here, in numpy. A malformed read-back or a dead
+    candidate is a failed set, never an exception."""
+    val: list[InputConfig] = task.validation_configs
+    origins = judge.get("origins") or [["task"] + ["random"] * (options.input_sets - 1)] * len(val)
+    correctness = CorrectnessResult(ok=True, scale=task.validation_note)
+    correctness.shapes_used = [c.describe() for c in val]
+    result.correctness = correctness
+    n_sets = options.input_sets
+    wanted = {output_name(ci, si, k): spec for ci, cfg in enumerate(val)
+              for si in range(n_sets) for k, spec in enumerate(cfg.outputs)}  # fmt: skip
+    value = cand_out.value or {}
+    run_error = value.get("run_error") if cand_out.ok else None
+    if not cand_out.ok:
+        stage = _candidate_stage(cand_out)
+        msg = cand_out.error or "the candidate's process failed"
+        if stage != "correctness":
+            _fail(result, stage, msg)
+            return
+        correctness.sets.append(SetCheck(config=0, input_set=0, origin="task", ok=False, message=msg))
+        summarise(correctness)
+        return
+    stop = None
+    if isinstance(run_error, dict):
+        try:
+            stop = (int(run_error["config"]), int(run_error["input_set"]))
+        except (KeyError, TypeError, ValueError):
+            stop = (0, 0)
+        wanted = {k: v for k, v in wanted.items() if _index(k) < stop}
+    try:
+        got = load_arrays(cand.run_dir / OUTPUTS_FILE, MAX_ARRAY_FILE_BYTES, wanted)
+        want = load_arrays(
+            Path(judge_dir_of(cand)) / EXPECTED_FILE,
+            MAX_ARRAY_FILE_BYTES,
+            {output_name(ci, si, k): spec for ci, cfg in enumerate(val)
+             for si in range(n_sets) for k, spec in enumerate(cfg.outputs)},
+        )  # fmt: skip
+    except ReadBackError as exc:
+        correctness.sets.append(
+            SetCheck(config=0, input_set=0, origin="task", ok=False, message=f"unusable outputs: {exc}")
+        )
+        summarise(correctness)
+        result.correct = False
+        return
+    for ci, cfg in enumerate(val):
+        for si in range(n_sets):
+            origin = origins[ci][si] if ci < len(origins) and si < len(origins[ci]) else "random"
+            if stop is not None and (ci, si) >= stop:
+                msg = str(run_error.get("message", "the candidate failed on this input set"))[:4000]
+                correctness.sets.append(SetCheck(config=ci, input_set=si, origin=origin, ok=False, message=msg))
+                break
+            g = [got[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
+            w = [want[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
+            correctness.sets.append(compare(g, w, cfg, ci, si, origin))
+        if stop is not None and ci >= stop[0]:
+            break
+    summarise(correctness)
+    result.max_abs_err, result.max_rel_err = correctness.max_abs_err, correctness.max_rel_err
+    result.correct = correctness.ok
+
+
+def judge_dir_of(cand: SandboxedChild) -> Path:
+    return cand.run_dir.parent / "judge"
+
+
+def _index(name: str) -> tuple[int, int]:
+    c, rest = name[1:].split("s", 1)
+    return int(c), int(rest.split("o", 1)[0])
+
+
+def _estimate_summary(
+    options: EvalOptions, cand_est: Any, judge: dict[str, Any], cached_ref: float | None
+) -> EstimateSummary:
+    gen = first_generation(options.tpu)
+    summary = EstimateSummary(generation=gen, method="")
+    notes = []
+    if isinstance(cand_est, dict) and "error" not in cand_est:
+        v = cand_est.get("estimated_seconds")
+        summary.estimated_seconds = float(v) if isinstance(v, int | float) else None
+        summary.bound = str(cand_est.get("bound"))[:40] if cand_est.get("bound") else None
+        summary.method = str(cand_est.get("method", ""))[:400] + " (computed in the candidate's process)"
+        summary.detail_markdown = str(cand_est.get("detail_markdown", ""))[:20_000]
+    elif isinstance(cand_est, dict):
+        notes.append(str(cand_est["error"])[:400])
+    reference_s = cached_ref if cached_ref is not None else judge.get("reference_estimated_seconds")
+    if reference_s is None:
+        notes.append("reference cost model failed")
+    return with_reference(summary, reference_s, notes)
+
+
+def _first_lines(text: str, n: int = 12) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")

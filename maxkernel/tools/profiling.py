@@ -14,10 +14,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from maxkernel.tools.profile_trace import TraceSummary
 from maxkernel.tools.results import EstimateSummary
 from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
 from maxkernel.tools.tasks import KernelTask
-from maxkernel.tools.trace import TraceSummary
+from maxkernel.tools.tpu_specs import first_generation
 
 
 class ProfileReport(BaseModel):
@@ -91,7 +92,7 @@ def profile_summary(task: KernelTask, source_path: str, tpu: list[str], work_dir
     """Markdown for the reflect prompt and the report (the profile node's tool)."""
     # One traced run each: on CPU the trace shows where the interpreted program's time goes, which one run
     # tells as well as three, and interpreted kernels are slow.
-    report = profile_kernel(task, Path(source_path).read_text(), tpu[:1] or ["v5e"], work_dir, repeats=1)
+    report = profile_kernel(task, Path(source_path).read_text(), [first_generation(tpu)], work_dir, repeats=1)
     return report.to_markdown(detail=False)
 
 
@@ -104,20 +105,14 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     from jax.experimental.pallas import tpu as pltpu
 
     from maxkernel.tools import taskcode
-    from maxkernel.tools.evaluation import _bind_static, _estimate
+    from maxkernel.tools.evaluation import bind_static, estimate_summary
+    from maxkernel.tools.profile_trace import capture_trace, summarize_trace
     from maxkernel.tools.results import InputConfig
-    from maxkernel.tools.trace import capture_trace, summarize_trace
 
     ctx.guard()
     task = payload["task"]
     ctx.stage("task")
-    ref = taskcode.Reference(
-        {
-            "format": task["format"],
-            "reference_path": task["reference_path"],
-            "input_gen_code": task.get("input_gen_code"),
-        }
-    )
+    ref = taskcode.Reference.of_task(task)
     own = [InputConfig.model_validate(c) for c in task["configs"]]
     val = InputConfig.model_validate(task["validation_configs"][0])
     mode = task["validation_mode"]
@@ -132,7 +127,7 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     repeats = int(payload.get("repeats", 3))
     ctx.stage("trace")
     ref_dir = capture_trace(
-        _bind_static(ref.computation, val.static),
+        bind_static(ref.computation, val.static),
         inputs,
         traces,
         label="cpu (XLA reference)",
@@ -140,11 +135,13 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     )
     ctx.stage("load")
     module = taskcode.load_module(Path(payload["candidate_path"]), "maxkernel_candidate")
-    candidate = module.computation
+    candidate = taskcode.candidate_entry(module)
+    if candidate is None:
+        raise taskcode.TaskCodeError("the candidate module has no `computation` or `workload`")
     ctx.stage("trace")
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         cand_dir = capture_trace(
-            _bind_static(candidate, val.static),
+            bind_static(candidate, val.static),
             inputs,
             traces,
             label="cpu (Pallas TPU interpret)",
@@ -157,5 +154,5 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     )
     ctx.stage("estimate")
     for gen in payload["tpu"]:
-        report.estimates[gen] = _estimate(ref, candidate, own, gen, None)
+        report.estimates[gen] = estimate_summary(ref, candidate, own, gen, None)
     return report.model_dump(mode="json")

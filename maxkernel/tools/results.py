@@ -11,13 +11,55 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-Stage = Literal["task", "sandbox", "load", "trace", "pallas", "correctness", "compile", "timing"]
-"""Stages of one evaluation, in the order they run. `sandbox` is a policy violation or a process death
-that cannot be attributed to a later stage."""
+from maxkernel.tools.tpu_specs import GENERATIONS
 
-STAGES: tuple[str, ...] = ("load", "trace", "pallas", "correctness", "compile", "timing")
 
-TPU_GENERATIONS: tuple[str, ...] = ("v4", "v5e", "v5p", "v6e", "7x")
+class StageInfo(BaseModel, frozen=True):
+    """One stage of an evaluation: the single entry that adding a check takes (see `STAGE_TABLE`)."""
+
+    name: str
+    compile_class: bool = Field(description="a failure here goes back to the author as a build failure")
+    in_progress: bool = Field(
+        description="the candidate process announces it as it runs (so a hang or death is attributed to it)"
+    )
+    cached: bool = Field(True, description="a verdict at this stage may be stored and served again")
+    doc: str = ""
+
+
+STAGE_TABLE: tuple[StageInfo, ...] = (
+    StageInfo(name="task", compile_class=True, in_progress=False, doc="the task itself is unusable"),
+    StageInfo(
+        name="infrastructure",
+        compile_class=True,
+        in_progress=False,
+        cached=False,
+        doc="the harness could not run (environment broken, sandbox failed to start): never a verdict",
+    ),
+    StageInfo(name="sandbox", compile_class=True, in_progress=False, doc="a policy violation or escape"),
+    StageInfo(name="load", compile_class=True, in_progress=True, doc="importing the candidate"),
+    StageInfo(name="trace", compile_class=True, in_progress=True, doc="tracing and lowering it"),
+    StageInfo(name="pallas", compile_class=True, in_progress=False, doc="Pallas does the work (judge)"),
+    StageInfo(name="consistency", compile_class=True, in_progress=False,
+              doc="interpret/TPU and validation/production traces are the same program (judge)"),
+    StageInfo(name="compile", compile_class=True, in_progress=False, doc="Mosaic AOT compile (judge)"),
+    StageInfo(name="correctness", compile_class=False, in_progress=True, doc="outputs vs the reference"),
+    StageInfo(name="timing", compile_class=False, in_progress=False, doc="measured on a real device"),
+)  # fmt: skip
+"""Every stage, in the order a verdict is decided. `Stage`, `STAGES` and the compile stages derive from it."""
+
+STAGE_INFO: dict[str, StageInfo] = {s.name: s for s in STAGE_TABLE}
+Stage = Literal[tuple(s.name for s in STAGE_TABLE)]  # type: ignore[valid-type]
+STAGES: tuple[str, ...] = tuple(s.name for s in STAGE_TABLE)
+COMPILE_STAGES: tuple[str, ...] = tuple(s.name for s in STAGE_TABLE if s.compile_class)
+CANDIDATE_STAGES: tuple[str, ...] = tuple(s.name for s in STAGE_TABLE if s.in_progress)
+
+TPU_GENERATIONS: tuple[str, ...] = GENERATIONS  # the one table is tools/tpu_specs.py
+
+ScoreKind = Literal["measured", "estimated", "none"]
+SCORE_KINDS: dict[int, ScoreKind] = {2: "measured", 1: "estimated", 0: "none"}
+"""How a candidate ranks (the agent's `Attempt.score()`, search nodes, tuning rows) ↔ the kind of figure
+it ranks by: a measured figure outranks any estimate, an estimate outranks none. The one mapping."""
+SCORE_RANKS: dict[str, int] = {kind: rank for rank, kind in SCORE_KINDS.items()}
 
 
 def np_dtype(name: str) -> Any:

@@ -1,13 +1,25 @@
-"""Run untrusted code (candidate kernels, task references) in a child process and get JSON back.
+"""Run untrusted code (candidate kernels, task references) in a child process and get data back.
 
-The child is `python -m maxkernel.tools.worker RUN_DIR`, started under bubblewrap when it is installed
-(no network, read-only file system except the run directory, private /tmp, dies with its parent) and
-always with a wall-clock timeout and an address-space limit. Inside, the worker also installs an audit
-hook that refuses sockets, subprocesses and writes outside the run directory, so a violation is reported
-by name even on machines without bubblewrap.
+The child is `python -m maxkernel.tools.worker RUN_DIR` under `maxkernel.tools.reaper` (rlimits, new
+session, every descendant killed at the end even if it called `setsid`), and under bubblewrap when it works:
 
-Nothing here raises for anything the child does: a hang, a crash, `os._exit`, an exception or an escape
-attempt all come back as a `SandboxOutcome` with the stage the child had reached.
+* the file system is built from nothing: the interpreter's prefixes, the `maxkernel` package, system
+  libraries (/usr, /lib*), a short list of /etc files (no /etc/shadow), the paths the caller names
+  (task files) read-only, and the run dir read-write. /run, /var and the host's /tmp are absent, so no
+  host UNIX socket can be reached; the network namespace is private, so no abstract socket or TCP either;
+* the child runs as `nobody` (uid 65534): through `setpriv` when the agent is root (a user namespace
+  would map 65534 back onto root for file access), through `--unshare-user --uid 65534` otherwise;
+* the environment is rebuilt from an allow-list (`--clearenv`): no API keys ever reach the child.
+
+Without bubblewrap (the *fallback*), the same reaper, rlimits and scrubbed environment apply, and a root
+agent's child still drops to `nobody`; but the file system and network are the host's. Candidates written
+by a model therefore refuse to run in the fallback unless `SandboxLimits.allow_unsandboxed` is set (the
+offline author's own kernels may). What the fallback cannot prevent is listed in the README.
+
+Nothing here raises for anything the child does: a hang, a crash, `os._exit`, an exception, a forged or
+malformed result, a flood of output or files all come back as a `SandboxOutcome`. What the child leaves
+in its run dir is read through `maxkernel.tools.readback` (type, size and count checked) and the run dir
+is deleted afterwards unless the caller keeps it.
 """
 
 from __future__ import annotations
@@ -27,6 +39,15 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from maxkernel.tools.readback import (
+    MAX_JSON_BYTES,
+    MAX_RUN_DIR_ENTRIES,
+    ReadBackError,
+    count_entries,
+    file_size,
+    read_capped,
+    tail_text,
+)
 from maxkernel.tools.worker import sign
 
 log = logging.getLogger(__name__)
@@ -34,15 +55,36 @@ log = logging.getLogger(__name__)
 PROGRESS_FILE = "progress.jsonl"
 RESULT_FILE = "result.json"
 JOB_FILE = "job.json"
+NOBODY = 65534
+MAX_PROGRESS_BYTES = 1 << 20
+
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "passwd", "group")
+"""The only /etc entries a child sees: the dynamic loader's and user names; never shadow, keys or hosts."""
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32")
+ENV_PASSED = ("LANG", "LC_ALL", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+"""Host variables a child may inherit. Everything else (API keys above all) is dropped."""
 
 _warned_no_bwrap = False
+_bwrap_checked: bool | None = None
 
 
 class SandboxLimits(BaseModel):
     timeout_s: float = Field(600.0, description="wall-clock limit for the whole child process")
     memory_mb: int = Field(12_000, description="address-space limit (RLIMIT_AS); JAX reserves a lot of it")
+    file_mb: int = Field(256, description="largest file the child may write (RLIMIT_FSIZE): logs, outputs")
+    max_entries: int = Field(MAX_RUN_DIR_ENTRIES, description="files+dirs the run dir may hold at the end")
     allow_device: bool = Field(
         False, description="pass accelerator device nodes through and let JAX use them (device timing)"
+    )
+    fallback_as_nobody: bool = Field(
+        True,
+        description="without bubblewrap, a root agent's child drops to nobody. The judge keeps root there, "
+        "so that a candidate (nobody) can neither trace it nor read its run dir",
+    )
+    allow_unsandboxed: bool = Field(
+        True,
+        description="run even without bubblewrap (fallback: rlimits, scrubbed env, nobody when root); "
+        "False for code a model wrote, which then refuses to run where bubblewrap is missing",
     )
 
 
@@ -55,6 +97,9 @@ class SandboxOutcome(BaseModel):
     error: str | None = None
     returncode: int | None = None
     timed_out: bool = False
+    infrastructure: bool = Field(
+        False, description="the child never got to run the job (sandbox or interpreter broken): not a verdict"
+    )
     violations: list[str] = Field(default_factory=list)
     wall_s: float = 0.0
     isolation: str = ""
@@ -77,7 +122,7 @@ def _bwrap_usable(bwrap: str) -> bool:
     if _bwrap_checked is None:
         try:
             r = subprocess.run(
-                [bwrap, "--ro-bind", "/", "/", "--unshare-net", "--dev", "/dev", "--proc", "/proc", "true"],
+                [bwrap, *_system_binds(), "--unshare-net", "--dev", "/dev", "--proc", "/proc", "true"],
                 capture_output=True,
                 timeout=20,
             )
@@ -90,56 +135,74 @@ def _bwrap_usable(bwrap: str) -> bool:
     return _bwrap_checked
 
 
-_bwrap_checked: bool | None = None
+def isolation_available() -> str:
+    """'bubblewrap' or 'fallback': what a child started now would run under."""
+    bwrap = bubblewrap_path()
+    return "bubblewrap" if bwrap and _bwrap_usable(bwrap) else "fallback"
 
 
-def _under_tmp(p: Path) -> bool:
-    try:
-        p.resolve().relative_to("/tmp")
-        return True
-    except ValueError:
-        return False
+def _system_binds() -> list[str]:
+    args: list[str] = []
+    for d in SYSTEM_DIRS:
+        p = Path(d)
+        if p.is_symlink():
+            args += ["--symlink", os.readlink(p), d]
+        elif p.is_dir():
+            args += ["--ro-bind", d, d]
+    for name in ETC_FILES:
+        p = Path("/etc") / name
+        if p.exists():
+            args += ["--ro-bind", str(p), str(p)]
+    return args
 
 
-def _bwrap_command(bwrap: str, run_dir: Path, ro_paths: list[Path], allow_device: bool) -> list[str]:
-    cmd = [
-        bwrap,
-        "--ro-bind",
-        "/",
-        "/",
-        "--unshare-net",
-        "--unshare-pid",
-        "--die-with-parent",
-        "--new-session",
-    ]
+def _bwrap_command(
+    bwrap: str, run_dir: Path, ro_paths: list[Path], env: dict[str, str], allow_device: bool
+) -> list[str]:
+    cmd = [bwrap, "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid", "--unshare-ipc"]
+    cmd += ["--unshare-uts", "--unshare-cgroup-try", *_system_binds()]
+    cmd += ["--proc", "/proc", "--size", str(64 << 20), "--tmpfs", "/tmp"]
     cmd += ["--dev-bind", "/dev", "/dev"] if allow_device else ["--dev", "/dev"]
-    cmd += ["--proc", "/proc", "--tmpfs", "/tmp"]
-    # /tmp is private in the child; anything the child must read that lives under /tmp (a venv, a clone
-    # of this repo, a task) is bound back read-only, and the run dir read-write.
+    if allow_device:
+        cmd += ["--ro-bind", "/sys", "/sys"]
+    made: set[str] = {"/", "/tmp", *SYSTEM_DIRS}
+
+    def parents(path: Path) -> list[str]:
+        # bwrap creates missing mount points 0700, which `nobody` cannot traverse: make them 0755 first.
+        args: list[str] = []
+        for anc in reversed(path.parents):
+            a = str(anc)
+            if a not in made:
+                made.add(a)
+                args += ["--perms", "0755", "--dir", a]
+        return args
+
+    cpus = Path("/sys/devices/system/cpu")
+    if not allow_device and cpus.is_dir():
+        cmd += [*parents(cpus), "--ro-bind", str(cpus), str(cpus)]  # tcmalloc (libtpu) counts CPUs there
     seen: set[str] = set()
     for p in ro_paths:
         rp = p.resolve()
-        if _under_tmp(rp) and rp.exists() and str(rp) not in seen:
-            seen.add(str(rp))
-            cmd += ["--ro-bind", str(rp), str(rp)]
-    cmd += ["--bind", str(run_dir), str(run_dir), "--chdir", str(run_dir)]
+        if not rp.exists() or str(rp) in seen or any(str(rp).startswith(s + "/") for s in seen | set(SYSTEM_DIRS)):
+            continue
+        seen.add(str(rp))
+        cmd += [*parents(rp), "--ro-bind", str(rp), str(rp)]
+    cmd += [*parents(run_dir), "--bind", str(run_dir), str(run_dir), "--chdir", str(run_dir)]
+    cmd += ["--clearenv"]
+    for k, v in env.items():
+        cmd += ["--setenv", k, v]
+    if os.geteuid() == 0:
+        # As root a user namespace maps the child's 65534 back onto root for file access; drop for real.
+        cmd += ["--", shutil.which("setpriv") or "/usr/bin/setpriv", "--reuid", str(NOBODY), "--regid",
+                str(NOBODY), "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]  # fmt: skip
+    else:
+        cmd[1:1] = ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY)]
+        cmd += ["--"]
     return cmd
 
 
 def _package_root() -> Path:
     return Path(__file__).resolve().parents[2]
-
-
-def _with_limits(cmd: list[str], memory_mb: int) -> list[str]:
-    """Apply rlimits through the shell rather than a preexec_fn: forking a process that has JAX's threads
-    running is unsafe, while plain spawn (what subprocess uses without preexec_fn) is fine."""
-    return [
-        "/bin/sh",
-        "-c",
-        f'ulimit -v {memory_mb * 1024} && ulimit -c 0 && exec "$@"',
-        "maxkernel-sandbox",
-        *cmd,
-    ]
 
 
 def fresh_run_dir(parent: Path, stem: str) -> Path:
@@ -153,16 +216,262 @@ def fresh_run_dir(parent: Path, stem: str) -> Path:
 
 
 def read_progress(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / PROGRESS_FILE
-    if not path.exists():
+    """Stage and violation events, parsed leniently; the file is the child's, so it is size-capped."""
+    try:
+        text = read_capped(run_dir / PROGRESS_FILE, MAX_PROGRESS_BYTES).decode(errors="replace")
+    except ReadBackError:
         return []
     events = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a crash mid-write
+        if isinstance(event, dict):
+            events.append(event)
     return events
+
+
+def _give_to_nobody(run_dir: Path) -> None:
+    """When the agent is root the child runs as nobody and must own its run dir to write there."""
+    if os.geteuid() != 0:
+        return
+    for root, dirs, files in os.walk(run_dir):
+        os.chown(root, NOBODY, NOBODY)
+        for name in dirs + files:
+            os.lchown(os.path.join(root, name), NOBODY, NOBODY)
+
+
+class SandboxedChild:
+    """One child process: started, optionally fed on stdin, waited for; its run dir read defensively.
+
+    `trusted_result=False` (candidate processes) still checks the signature, but callers must treat the
+    value as untrusted data either way: the candidate runs in the process that signs.
+    """
+
+    def __init__(
+        self,
+        entry: str,
+        payload: dict[str, Any],
+        run_dir: Path,
+        limits: SandboxLimits | None = None,
+        read_paths: list[Path] | None = None,
+        *,
+        stdin: bool = False,
+        preload: tuple[str, ...] = ("numpy", "jax"),
+    ) -> None:
+        self.entry, self.payload = entry, payload
+        self.run_dir = Path(run_dir).resolve()
+        self.limits = limits or SandboxLimits()
+        self.read_paths = list(read_paths or [])
+        self.use_stdin = stdin
+        self.preload = list(preload)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.isolation = ""
+        self.refused: str | None = None
+        self._key = secrets.token_bytes(32)
+        self._t0 = 0.0
+
+    # --- start ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        global _warned_no_bwrap
+        run_dir, limits = self.run_dir, self.limits
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in (PROGRESS_FILE, RESULT_FILE):
+            (run_dir / name).unlink(missing_ok=True)
+        (run_dir / "tmp").mkdir(exist_ok=True)
+        (run_dir / JOB_FILE).write_text(json.dumps({"entry": self.entry, "payload": self.payload, "preload": self.preload}))
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(run_dir),
+            # The child's temp dir is inside the run dir, the only place it may write.
+            "TMPDIR": str(run_dir / "tmp"),
+            "PYTHONPATH": str(_package_root()),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+            "XLA_FLAGS": os.environ.get("MAXKERNEL_CHILD_XLA_FLAGS", ""),
+        }
+        if not limits.allow_device:
+            env["JAX_PLATFORMS"] = "cpu"
+            # libtpu takes a machine-wide lock file on start-up; with no TPU here, compile-only clients in
+            # several children at once must be allowed (on a TPU host the lock is real and stays).
+            env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+        for key in ENV_PASSED:
+            if key in os.environ:
+                env[key] = os.environ[key]
+
+        key_r, key_w = os.pipe()
+        os.write(key_w, self._key)
+        os.close(key_w)
+        env["MAXKERNEL_KEY_FD"] = str(key_r)
+        python_cmd = [sys.executable, "-m", "maxkernel.tools.worker", str(run_dir)]
+        bwrap = bubblewrap_path()
+        as_nobody = os.geteuid() == 0
+        if bwrap and _bwrap_usable(bwrap):
+            pkg = _package_root() / "maxkernel"
+            ro = [Path(sys.prefix), Path(sys.base_prefix), pkg, *self.read_paths]
+            inner = _bwrap_command(bwrap, run_dir, ro, env, limits.allow_device) + python_cmd
+            self.isolation = "bubblewrap"
+        else:
+            if not limits.allow_unsandboxed:
+                os.close(key_r)
+                self.refused = (
+                    "bubblewrap is not available and this candidate was written by a model: refusing to run "
+                    "it unsandboxed (install bubblewrap, or pass --allow-unsandboxed to accept the risk)"
+                )
+                return
+            if not _warned_no_bwrap:
+                log.warning(
+                    "bubblewrap (bwrap) is not available: children run under rlimits, a scrubbed environment "
+                    "and a reaper, but without file-system or network isolation. "
+                    "Install it with `apt-get install bubblewrap`."
+                )
+                _warned_no_bwrap = True
+            inner = python_cmd
+            as_nobody = os.geteuid() == 0 and limits.fallback_as_nobody
+            if as_nobody:
+                env["MAXKERNEL_DROP_TO_NOBODY"] = "1"  # the worker drops once its modules are loaded
+            self.isolation = "fallback"
+        if as_nobody:
+            _give_to_nobody(run_dir)
+        reaper = [sys.executable, "-m", "maxkernel.tools.reaper", "--timeout", f"{limits.timeout_s:g}"]
+        reaper += ["--memory-mb", str(limits.memory_mb), "--fsize-mb", str(limits.file_mb)]
+        reaper_env = dict(env, MAXKERNEL_PASS_FDS=str(key_r))
+        self._t0 = time.monotonic()
+        try:
+            with open(run_dir / "stderr.log", "wb") as err, open(run_dir / "stdout.log", "wb") as out:
+                self.proc = subprocess.Popen(
+                    [*reaper, "--", *inner],
+                    cwd=run_dir,
+                    env=reaper_env,
+                    stdin=subprocess.PIPE if self.use_stdin else subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                    pass_fds=(key_r,),
+                )
+        except OSError as exc:
+            self.refused = f"the sandbox could not start: {exc}"
+        finally:
+            os.close(key_r)
+
+    # --- while it runs -------------------------------------------------------------------------------
+    def events(self) -> list[dict[str, Any]]:
+        return read_progress(self.run_dir)
+
+    def reached(self, stage: str) -> bool:
+        return any(e.get("stage") == stage for e in self.events())
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def send(self, data: bytes, *, close: bool = True) -> bool:
+        """Write to the child's stdin (and close it); False if the child is gone or stopped reading."""
+        if self.proc is None or self.proc.stdin is None:
+            return False
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+            if close:
+                self.proc.stdin.close()
+            return True
+        except (BrokenPipeError, OSError, ValueError):
+            return False
+
+    def kill(self) -> None:
+        """Ask the reaper to kill everything it started; force it if it does not go."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    # --- the end -------------------------------------------------------------------------------------
+    def wait(self, deadline: float | None = None) -> SandboxOutcome:
+        """Wait for the child (at most until `deadline`, monotonic) and read what it left."""
+        if self.refused is not None:
+            return SandboxOutcome(
+                ok=False, error=self.refused, infrastructure=True, isolation=self.isolation or "none"
+            )
+        assert self.proc is not None
+        if deadline is None:
+            deadline = self._t0 + self.limits.timeout_s + 10
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+        except BaseException:
+            self.kill()  # Ctrl-C in the agent must not leave a child behind
+            raise
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        return self._outcome(time.monotonic() - self._t0)
+
+    def _outcome(self, wall: float) -> SandboxOutcome:
+        assert self.proc is not None
+        code = self.proc.returncode
+        run_dir = self.run_dir
+        stderr_tail = tail_text(run_dir / "stderr.log")
+        events = self.events()
+        stage = next((e["stage"] for e in reversed(events) if isinstance(e.get("stage"), str)), None)
+        violations = [str(e["violation"])[:500] for e in events if "violation" in e]
+        timed_out = code in (124, -signal.SIGTERM, 128 + signal.SIGTERM) or code is None
+        base: dict[str, Any] = dict(
+            returncode=code,
+            stage=stage,
+            wall_s=wall,
+            isolation=self.isolation,
+            stderr_tail=stderr_tail,
+            violations=violations,
+            timed_out=timed_out,
+        )
+        entries = count_entries(run_dir, self.limits.max_entries)
+        if entries > self.limits.max_entries:
+            base["violations"] = [*violations, f"left more than {self.limits.max_entries} files"]
+            return SandboxOutcome(ok=False, error="the run dir held too many files: rejected", **base)
+        for log_name in ("stdout.log", "stderr.log"):
+            if file_size(run_dir / log_name) >= (self.limits.file_mb << 20):
+                base["violations"] = [*violations, f"filled {log_name} to the {self.limits.file_mb} MiB cap"]
+        if stage is None and not timed_out:
+            # Not even the worker's first announcement: the interpreter or the sandbox is broken.
+            return SandboxOutcome(
+                ok=False, infrastructure=True, error=_death_message(code, stderr_tail, "the sandbox"), **base
+            )
+        if timed_out:
+            return SandboxOutcome(ok=False, error=f"timed out after {self.limits.timeout_s:g} s", **base)
+        try:
+            envelope = json.loads(read_capped(run_dir / RESULT_FILE, MAX_JSON_BYTES))
+            body = envelope["body"]
+            forged = not hmac.compare_digest(str(envelope["mac"]), sign(self._key, body))
+            result = json.loads(body)
+            if not isinstance(result, dict):
+                raise TypeError("the result is not an object")
+        except ReadBackError as exc:
+            if (run_dir / RESULT_FILE).exists() or (run_dir / RESULT_FILE).is_symlink():
+                return SandboxOutcome(ok=False, error=f"the child left an unreadable result: {exc}", **base)
+            return SandboxOutcome(ok=False, error=_death_message(code, stderr_tail, "process"), **base)
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            return SandboxOutcome(ok=False, error=f"the child wrote an unreadable result: {exc}", **base)
+        if forged:
+            base["violations"] = [*base["violations"], "forged the result file"]
+            return SandboxOutcome(
+                ok=False, error="result file not written by the harness (forged): rejected", **base
+            )
+        if result.get("infrastructure"):
+            return SandboxOutcome(ok=False, infrastructure=True, error=str(result.get("error")), **base)
+        if result.get("ok") and isinstance(result.get("value"), dict):
+            return SandboxOutcome(ok=True, value=result["value"], **base)
+        return SandboxOutcome(ok=False, error=str(result.get("error", "unknown error"))[:4000], **base)
 
 
 def run_sandboxed(
@@ -172,133 +481,17 @@ def run_sandboxed(
     limits: SandboxLimits | None = None,
     read_paths: list[Path] | None = None,
 ) -> SandboxOutcome:
-    """Run `entry` ("maxkernel.module:function") on `payload` in a sandboxed child.
+    """Run `entry` ("maxkernel.module:function") on `payload` in a sandboxed child and wait for it.
 
-    `read_paths` are files or folders the child must be able to read (task and candidate files); they
-    matter only when they live under /tmp, which is private inside bubblewrap.
+    `read_paths` are files or folders the child must be able to read (task files), bound read-only.
     """
-    global _warned_no_bwrap
-    limits = limits or SandboxLimits()
-    run_dir = Path(run_dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for name in (PROGRESS_FILE, RESULT_FILE):
-        (run_dir / name).unlink(missing_ok=True)
-    (run_dir / "tmp").mkdir(exist_ok=True)
-    (run_dir / JOB_FILE).write_text(json.dumps({"entry": entry, "payload": payload}))
-
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(run_dir),
-        # The child's temp dir is inside the run dir, the only place it may write (see worker's audit hook).
-        "TMPDIR": str(run_dir / "tmp"),
-        "PYTHONPATH": str(_package_root()),
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONHASHSEED": "0",
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-        "XLA_FLAGS": os.environ.get("MAXKERNEL_CHILD_XLA_FLAGS", ""),
-    }
-    if not limits.allow_device:
-        env["JAX_PLATFORMS"] = "cpu"
-        # libtpu takes a machine-wide lock file on start-up; with no TPU here, compile-only clients in
-        # several children at once must be allowed (on a TPU host the lock is real and stays).
-        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
-    for key in ("LANG", "LC_ALL", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
-        if key in os.environ:
-            env[key] = os.environ[key]
-
-    python_cmd = [sys.executable, "-m", "maxkernel.tools.worker", str(run_dir)]
-    bwrap = bubblewrap_path()
-    if bwrap and _bwrap_usable(bwrap):
-        ro = [Path(sys.prefix), Path(sys.base_prefix), _package_root(), *(read_paths or [])]
-        cmd = _bwrap_command(bwrap, run_dir, ro, limits.allow_device) + python_cmd
-        isolation = "bubblewrap"
-    else:
-        if not _warned_no_bwrap:
-            log.warning(
-                "bubblewrap (bwrap) is not available: candidates run as plain subprocesses with rlimits, a "
-                "timeout and an audit hook, but without file-system or network isolation. "
-                "Install it with `apt-get install bubblewrap`."
-            )
-            _warned_no_bwrap = True
-        cmd = python_cmd
-        isolation = "rlimits"
-
-    key = secrets.token_bytes(32)
-    key_r, key_w = os.pipe()
-    os.write(key_w, key)
-    os.close(key_w)
-    env["MAXKERNEL_KEY_FD"] = str(key_r)
-
-    t0 = time.monotonic()
-    stderr_path = run_dir / "stderr.log"
-    with open(stderr_path, "wb") as err, open(run_dir / "stdout.log", "wb") as out:
-        proc = subprocess.Popen(
-            _with_limits(cmd, limits.memory_mb),
-            cwd=run_dir,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
-            start_new_session=True,
-            pass_fds=(key_r,),
-        )
-        timed_out = False
-        try:
-            proc.wait(timeout=limits.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-        except BaseException:
-            _kill_group(proc)  # Ctrl-C in the agent must not leave a child behind
-            raise
-        finally:
-            os.close(key_r)
-    wall = time.monotonic() - t0
-    stderr_tail = stderr_path.read_text(errors="replace")[-4000:]
-    events = read_progress(run_dir)
-    stage = next((e["stage"] for e in reversed(events) if "stage" in e), None)
-    violations = [e["violation"] for e in events if "violation" in e]
-    base: dict[str, Any] = dict(
-        returncode=proc.returncode,
-        stage=stage,
-        wall_s=wall,
-        isolation=isolation,
-        stderr_tail=stderr_tail,
-        violations=violations,
-        timed_out=timed_out,
-    )
-    if timed_out:
-        return SandboxOutcome(ok=False, error=f"timed out after {limits.timeout_s:g} s", **base)
-    result_path = run_dir / RESULT_FILE
-    if not result_path.exists():
-        return SandboxOutcome(ok=False, error=_death_message(proc.returncode, stderr_tail), **base)
-    try:
-        envelope = json.loads(result_path.read_text())
-        body = envelope["body"]
-        forged = not hmac.compare_digest(envelope["mac"], sign(key, body))
-        result = json.loads(body)
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        return SandboxOutcome(ok=False, error=f"the child wrote an unreadable result: {exc}", **base)
-    if forged:
-        base["violations"] = [*violations, "forged the result file"]
-        return SandboxOutcome(
-            ok=False, error="result file not written by the harness (forged): rejected", **base
-        )
-    if result.get("ok"):
-        return SandboxOutcome(ok=True, value=result.get("value"), **base)
-    return SandboxOutcome(ok=False, error=result.get("error", "unknown error"), **base)
+    child = SandboxedChild(entry, payload, run_dir, limits, read_paths)
+    child.start()
+    return child.wait()
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def _death_message(returncode: int | None, stderr_tail: str) -> str:
-    # A signal shows as a negative code from a direct child, and as 128+N through bubblewrap's init.
+def _death_message(returncode: int | None, stderr_tail: str, what: str) -> str:
+    # A signal shows as a negative code from a direct child, and as 128+N through the reaper/bubblewrap.
     signum = -returncode if (returncode is not None and returncode < 0) else None
     if returncode is not None and 128 < returncode < 128 + 65:
         signum = returncode - 128
@@ -307,11 +500,13 @@ def _death_message(returncode: int | None, stderr_tail: str) -> str:
             name = signal.Signals(signum).name
         except ValueError:
             name = f"signal {signum}"
-        msg = f"process killed by {name}"
+        msg = f"{what} killed by {name}"
         if name == "SIGKILL":
             msg += " (memory limit or external kill)"
+        if name == "SIGXFSZ":
+            msg += " (wrote a file past the size cap)"
     else:
-        msg = f"process exited with status {returncode} without reporting a result"
+        msg = f"{what} exited with status {returncode} without reporting a result"
     tail = [ln for ln in stderr_tail.strip().splitlines() if ln.strip()][-3:]
     if tail:
         msg += ": " + " | ".join(tail)

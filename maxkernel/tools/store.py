@@ -124,21 +124,6 @@ class ResultsStore:
             self.db["reference_estimates"].create(
                 {"key": str, "estimated_seconds": float, "created_at": str}, pk="key", if_not_exists=True
             )
-        if "tuning" not in self.db.table_names():
-            self.db["tuning"].create(
-                {
-                    "task_id": str,
-                    "shapes": str,
-                    "generations": str,
-                    "config": str,
-                    "source_hash": str,
-                    "score_kind": str,
-                    "score": float,
-                    "created_at": str,
-                },
-                pk=("task_id", "shapes", "generations"),
-                if_not_exists=True,
-            )
         if "runs" not in self.db.table_names():
             self.db["runs"].create(
                 {
@@ -223,35 +208,6 @@ class ResultsStore:
         self.db["reference_estimates"].upsert(
             {"key": key, "estimated_seconds": seconds, "created_at": _now()}, pk="key"
         )
-
-    def put_tuning(
-        self,
-        *,
-        task_id: str,
-        shapes: str,
-        generations: str,
-        config: dict[str, Any],
-        source_hash: str,
-        score_kind: str,
-        score: float,
-    ) -> None:
-        """The winning config per (task, shapes, generations); ranked by `score_kind` (measured or estimated)."""
-        self.db["tuning"].upsert(
-            {
-                "task_id": task_id,
-                "shapes": shapes,
-                "generations": generations,
-                "config": json.dumps(config, sort_keys=True),
-                "source_hash": source_hash,
-                "score_kind": score_kind,
-                "score": score,
-                "created_at": _now(),
-            },
-            pk=("task_id", "shapes", "generations"),
-        )
-
-    def get_tuning(self, task_id: str) -> list[dict[str, Any]]:
-        return list(self.db.query("select * from tuning where task_id = ?", [task_id]))
 
     def upsert_run(self, thread_id: str, **fields: Any) -> None:
         row = {"thread_id": thread_id, "updated_at": _now(), **fields}

@@ -6,7 +6,9 @@ Three task formats are read as they are:
   (`task_id`, `description`, `input_gen_code`, `atol`, `rtol`). `get_inputs(dtype=...)` returns
   `(dynamic_args, static_args)` or a list of such pairs (several input configurations).
 * A bare `reference.py` with `get_inputs` and `computation`.
-* A JAXBench workload module: `CONFIG`, `create_inputs(dtype=...)`, `workload(*inputs)`.
+* A JAXBench workload (`benchmark/<id>/baseline.py`, or any module with them): `CONFIG`,
+  `create_inputs(dtype=...)`, `workload(*inputs)`. Candidates may export `workload` instead of
+  `computation` (JAXBench's hand-written `optimized.py` kernels do).
 
 If `get_inputs` accepts a `scale` keyword (this project's suite does), `scale="cpu"` gives the small shapes
 used for correctness in interpret mode and `scale="tpu"` the production shapes.
@@ -14,6 +16,7 @@ used for correctness in interpret mode and `scale="tpu"` the production shapes.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import math
@@ -47,8 +50,21 @@ def load_module(path: Path, name: str) -> types.ModuleType:
     return module
 
 
+SOURCE_FIELDS: tuple[str, ...] = ("format", "reference_path", "input_gen_code")
+"""What `Reference` needs to load a task's code: the one definition of a task's "source"."""
+
+
+def task_source(task: dict[str, Any]) -> dict[str, Any]:
+    """The source fields of a task dict (a `KernelTask` dump, or the loader's own fields)."""
+    return {k: task.get(k) for k in SOURCE_FIELDS}
+
+
 class Reference:
     """The task's reference: how to make inputs, and the computation itself."""
+
+    @classmethod
+    def of_task(cls, task: dict[str, Any]) -> Reference:
+        return cls(task_source(task))
 
     def __init__(self, source: dict[str, Any]) -> None:
         self.format: str = source["format"]
@@ -67,8 +83,8 @@ class Reference:
                 raise TaskCodeError(
                     f"{ref_path.name}: a JAXBench workload needs `create_inputs` and `workload`"
                 )
-            self.computation: Callable[..., Any] = m.workload
             self._get_inputs = m.create_inputs
+            self.computation: Callable[..., Any] = config_follows_shapes(m, m.workload, self._get_inputs)
         else:
             if not callable(getattr(m, "computation", None)):
                 raise TaskCodeError(f"{ref_path.name} has no function `computation`")
@@ -104,6 +120,73 @@ class Reference:
         except Exception as exc:
             raise TaskCodeError(f"get_inputs raised {type(exc).__name__}: {exc}") from exc
         return normalise_inputs(produced, self.format)
+
+
+# What a candidate module may export, in order of preference: our own name, then JAXBench's.
+CANDIDATE_ENTRY_POINTS = ("computation", "workload")
+
+
+def candidate_entry(module: types.ModuleType) -> Callable[..., Any] | None:
+    """The candidate's function: `computation`, or `workload` (a JAXBench hand-written kernel)."""
+    for name in CANDIDATE_ENTRY_POINTS:
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def config_follows_shapes(
+    module: types.ModuleType, workload: Callable[..., Any], create_inputs: Callable[..., Any]
+) -> Callable[..., Any]:
+    """Wrap a JAXBench `workload` so that, while it runs (or traces) at shapes other than the workload's
+    own, the integers in its module's `CONFIG` that name a changed dimension follow the inputs.
+
+    JAXBench workloads often read sizes from `CONFIG` (`x.reshape(CONFIG["seq_len"], ...)`), which would
+    make them untraceable at shrunk validation shapes. The map from own to actual sizes is taken dimension
+    by dimension from the inputs; a size that maps two ways is left alone, as are non-integer entries. At
+    the workload's own shapes nothing changes.
+    """
+    own_shapes: list[tuple[int, ...]] = []
+
+    def own() -> list[tuple[int, ...]]:
+        if not own_shapes:
+            import jax
+
+            produced = jax.eval_shape(lambda: normalise_inputs(create_inputs(), "jaxbench")[0][0])
+            own_shapes.extend(tuple(int(d) for d in a.shape) for a in produced)
+        return own_shapes
+
+    @functools.wraps(workload)
+    def run(*inputs: Any) -> Any:
+        config = getattr(module, "CONFIG", None)
+        if not isinstance(config, dict):
+            return workload(*inputs)
+        mapping: dict[int, int] = {}
+        clashes: set[int] = set()
+        for before, arg in zip(own(), inputs, strict=False):
+            after = tuple(int(d) for d in getattr(arg, "shape", ()))
+            if len(after) != len(before):
+                continue
+            for b, a in zip(before, after, strict=True):
+                if b != a:
+                    if mapping.get(b, a) != a:
+                        clashes.add(b)
+                    mapping[b] = a
+        for b in clashes:
+            mapping.pop(b, None)
+        if not mapping:
+            return workload(*inputs)
+        saved = dict(config)
+        for key, value in saved.items():
+            if isinstance(value, int) and not isinstance(value, bool) and value in mapping:
+                config[key] = mapping[value]
+        try:
+            return workload(*inputs)
+        finally:
+            config.clear()
+            config.update(saved)
+
+    return run
 
 
 def normalise_inputs(produced: Any, fmt: str) -> list[tuple[list[Any], list[Any]]]:
@@ -172,22 +255,60 @@ def output_specs(ref: Reference, dynamic: list[ArraySpec], static: list[Any]) ->
 # --- shrinking shapes for CPU validation ------------------------------------------------------------------
 
 
-def shrink_dim(d: int, factor: float) -> int:
-    """Shrink one dimension, keeping TPU tile multiples: lanes (128) stay 128-multiples, sublanes (8) stay
-    8-multiples. Dimensions under 256 are left alone (heads, head_dim, batch and the like)."""
+# The finest granularity a shrunk dimension keeps, per task format. 128 keeps lane/sublane tile multiples.
+# JAXBench workloads come with hand-written kernels tuned at their real shapes (blocks up to 2048 wide), so
+# their dims keep every power of two up to 2048 that divided them: a block that divided the real dim still
+# divides the shrunk one, and the hand-written kernel is judged on its numerics, not on a broken grid.
+TILE_MULTIPLE = 128
+SHRINK_KEEP_MULTIPLE: dict[str, int] = {
+    "maxkernel": TILE_MULTIPLE,
+    "reference": TILE_MULTIPLE,
+    "jaxbench": 2048,
+}
+
+
+# `--scale cpu` shrinks a task with no CPU-scale inputs by this factor; SHRINK_KEEP_MULTIPLE is for it.
+CPU_SHRINK_FACTOR = 0.25
+
+
+def _pow2_part(d: int) -> int:
+    return d & -d
+
+
+def keep_multiple_for(fmt: str, factor: float) -> int:
+    """The multiple a format's shrunk dims keep at `factor`: the table's value at `--scale cpu`, scaled with
+    the factor below it (a smaller requested size cannot hold 2048-wide blocks), never under 128."""
+    base = SHRINK_KEEP_MULTIPLE.get(fmt, TILE_MULTIPLE)
+    scaled = int(base * min(1.0, factor / CPU_SHRINK_FACTOR))
+    keep = TILE_MULTIPLE
+    while keep * 2 <= scaled:
+        keep *= 2
+    return min(base, keep)
+
+
+def shrink_dim(d: int, factor: float, keep_multiple: int = TILE_MULTIPLE) -> int:
+    """Shrink one dimension, keeping TPU tile multiples: a 128-multiple stays a multiple of the largest power
+    of two that divides it, capped at `keep_multiple` (128 by default: lanes stay 128-multiples); an
+    8-multiple stays an 8-multiple. Dimensions under 256 are left alone (heads, head_dim, batch and the like).
+    """
     if d < 256 or factor >= 1:
         return d
     target = d * factor
-    for tile in (128, 8):
-        if d % tile == 0:
-            return max(tile, int(math.floor(target / tile)) * tile)
+    if d % TILE_MULTIPLE == 0:
+        grain = max(TILE_MULTIPLE, min(_pow2_part(d), keep_multiple))
+        return max(grain, int(math.floor(target / grain)) * grain)
+    if d % 8 == 0:
+        return max(8, int(math.floor(target / 8)) * 8)
     return max(1, int(round(target)))
 
 
-def shrink_map(configs: list[tuple[list[ArraySpec], list[Any]]], factor: float) -> dict[int, int]:
+def shrink_map(
+    configs: list[tuple[list[ArraySpec], list[Any]]], factor: float, keep_multiple: int = TILE_MULTIPLE
+) -> dict[int, int]:
     """One consistent old→new size map for every dimension seen, so equal dims stay equal (K of x and w)."""
     sizes = {d for dyn, _ in configs for a in dyn for d in a.shape}
-    return {d: shrink_dim(d, factor) for d in sizes if shrink_dim(d, factor) != d}
+    shrunk = {d: shrink_dim(d, factor, keep_multiple) for d in sizes}
+    return {d: n for d, n in shrunk.items() if n != d}
 
 
 def shrink_config(

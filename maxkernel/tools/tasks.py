@@ -10,15 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field
 
+from maxkernel.tools import jaxbench
+from maxkernel.tools.readback import remove_tree
 from maxkernel.tools.results import InputConfig
 from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
+from maxkernel.tools.taskcode import task_source
 
 TaskFormat = Literal["maxkernel", "reference", "jaxbench"]
 
@@ -45,19 +48,15 @@ class KernelTask(BaseModel):
     validation_mode: Literal["task", "cpu", "shrink"]
     validation_factor: float = 1.0
     validation_note: str = ""
+    reference_seconds: float = Field(
+        0.0, description="one jitted reference run per validation config, compile included (measured at load)"
+    )
 
     def source_payload(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
-            "reference_path": self.reference_path,
-            "input_gen_code": self.input_gen_code,
-        }
+        return task_source(self.model_dump(mode="json"))
 
     def validation_bytes(self) -> int:
         return sum(c.input_bytes() + c.output_bytes() for c in self.validation_configs)
-
-    def own_bytes(self) -> int:
-        return sum(c.input_bytes() + c.output_bytes() for c in self.configs)
 
 
 def _locate(path: Path) -> tuple[TaskFormat, Path, dict[str, Any]]:
@@ -75,13 +74,29 @@ def _locate(path: Path) -> tuple[TaskFormat, Path, dict[str, Any]]:
             if not isinstance(meta, dict):
                 raise TaskError(f"{meta_path} must be a mapping")
         if not ref.exists():
-            raise TaskError(f"{path} has no reference.py")
+            if jaxbench.is_workload_dir(path):
+                baseline = path / jaxbench.BASELINE_FILE
+                return "jaxbench", baseline, jaxbench.task_meta(baseline)
+            raise TaskError(
+                f"{path} has no reference.py (a MaxKernel problem dir) and no {jaxbench.BASELINE_FILE} "
+                "defining create_inputs and workload (a JAXBench workload dir)"
+            )
         return ("maxkernel" if meta else "reference"), ref, meta
     if path.suffix != ".py":
-        raise TaskError(f"a task is a problem dir or a .py module; got {path}")
-    text = path.read_text(errors="replace")
-    fmt: TaskFormat = "jaxbench" if ("def workload" in text and "def create_inputs" in text) else "reference"
-    return fmt, path, {}
+        raise TaskError(f"a task is a problem dir, a JAXBench workload dir or a .py module; got {path}")
+    if jaxbench.is_workload_module(path):
+        return "jaxbench", path, jaxbench.task_meta(path)
+    return "reference", path, {}
+
+
+_SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def safe_task_id(raw: str) -> str:
+    """A task id usable as one path component: `../../x` must not put outputs outside the output dir.
+    Anything but letters, digits, `.`, `_` and `-` becomes `_`; leading dots go; never empty."""
+    cleaned = _SAFE_ID.sub("_", raw).lstrip(".")[:120]
+    return cleaned or "task"
 
 
 def _fingerprint(files: list[Path], scale: str) -> str:
@@ -115,23 +130,26 @@ def load_task(
     timeout_s: float = 300.0,
     memory_budget: int | None = None,
 ) -> KernelTask:
-    """Load a task in any supported format. Raises `TaskError` with a message for a person."""
+    """Load a task in any supported format. Raises `TaskError` with a message for a person.
+
+    `timeout_s` bounds the sandboxed describe (the CLI passes its --timeout). A reference whose loading
+    trips the sandbox (writes outside its run dir, opens a socket, ...) is refused here: the task is bad.
+    """
     path = Path(path).resolve()
     fmt, ref_path, meta = _locate(path)
     scale = scale or "auto"
-    task_id = str(meta.get("task_id") or (path.name if path.is_dir() else path.stem))
+    task_id = safe_task_id(str(meta.get("task_id") or (path.name if path.is_dir() else path.stem)))
     files = [ref_path] + ([path / "kernel_task.yaml"] if path.is_dir() else [])
+    if fmt == "jaxbench":
+        files.append(ref_path.parent / jaxbench.OPTIMIZED_FILE)  # its CONFIG may carry the tolerances
     fingerprint = _fingerprint(files, scale)
     work_dir = Path(work_dir or Path.cwd() / ".maxkernel").resolve()
     tolerances = {k: meta[k] for k in ("atol", "rtol") if k in meta}
     payload = {
-        "source": {
-            "format": fmt,
-            "reference_path": str(ref_path),
-            "input_gen_code": meta.get("input_gen_code"),
-        },
+        "source": task_source({**meta, "format": fmt, "reference_path": str(ref_path)}),
         "scale": scale,
         "tolerances": tolerances,
+        "memory_budget": memory_budget if memory_budget is not None else memory_budget_bytes(),
     }
     # The description depends only on the task's files and the scale: cache it next to the run dirs.
     cache = work_dir / "describe" / f"{fingerprint}.json"
@@ -150,14 +168,20 @@ def load_task(
             SandboxLimits(timeout_s=timeout_s),
             read_paths=[ref_path.parent],
         )
+        if outcome.violations:
+            remove_tree(run_dir)
+            raise TaskError(
+                "the task's code did something the sandbox forbids when loaded: " + "; ".join(outcome.violations)
+            )
         if not outcome.ok:
+            remove_tree(run_dir)
             raise TaskError(f"loading the task failed ({outcome.stage}): {outcome.error}")
         value = outcome.value or {}
         if value.get("ok"):
             tmp = cache.with_suffix(f".{run_dir.name}.part")
             tmp.write_text(json.dumps(value))
             tmp.replace(cache)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        remove_tree(run_dir)
     if not value.get("ok"):
         raise TaskError(str(value.get("error")))
     task = KernelTask(
@@ -176,6 +200,7 @@ def load_task(
         validation_mode=value["validation_mode"],
         validation_factor=value["validation_factor"],
         validation_note=value["validation_note"],
+        reference_seconds=float(value.get("reference_seconds") or 0.0),
     )
     budget = memory_budget if memory_budget is not None else memory_budget_bytes()
     need = 4 * task.validation_bytes()

@@ -27,11 +27,13 @@ from __future__ import annotations
 import glob
 import os
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 TpuGeneration = Literal["v4", "v5e", "v5p", "v6e", "7x"]
+"""Canonical generation names, for type checkers; checked against the rows of `TPU_SPECS` below, the one
+place a generation is added (a row, plus its spellings in `_ALIASES`)."""
 
 
 def allow_concurrent_compile_only_libtpu() -> bool:
@@ -44,13 +46,22 @@ def allow_concurrent_compile_only_libtpu() -> bool:
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 to skip the lock. On a TPU host (/dev/accel* or /dev/vfio groups
     present) the lock protects the device and is left alone. Must run before JAX initialises backends;
     `setdefault` so an explicit setting wins. Returns whether the variable is now "1".
+
+    Called where a compile-only topology is created (`estimate.topology_device`, the harness's AOT
+    compile) and by the test suite's conftest, never on import: importing the spec table must not change
+    the environment of whoever imports it.
     """
     if not (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return os.environ.get("ALLOW_MULTIPLE_LIBTPU_LOAD") == "1"
 
 
-allow_concurrent_compile_only_libtpu()
+PER_STEP_OVERHEAD_S: float = 0.27e-6
+"""Fixed cost of one grid step of a pipelined pallas_call. Fitted to the measured v5e times the JAX Pallas
+TPU matmul guide publishes for 128x128x128 tiles (4096^3: 11.77 ms over 32768 steps; 8192^3: 91.8 ms over
+262144 steps): after the block model's memory/compute terms, 0.26-0.27 us per step remain (the guides quote
+~0.35 us including the step's own work). benchmarks/calibrate_published.py prints the agreement. Lives here
+(not in the estimator) because the offline author's config ranking uses it too and must not import JAX."""
 
 _CLOUD_DOCS = "Google Cloud TPU docs"
 _VMEM_SOURCE = (
@@ -239,6 +250,20 @@ _ROWS: tuple[TpuSpec, ...] = (
 TPU_SPECS: MappingProxyType[str, TpuSpec] = MappingProxyType({row.name: row for row in _ROWS})
 """Read-only table keyed by canonical generation name."""
 
+GENERATIONS: tuple[str, ...] = tuple(TPU_SPECS)
+"""Canonical generation names in table order: what the harness, CLI help and `Context` accept."""
+
+DEFAULT_GENERATIONS: tuple[str, ...] = ("v5e", "v6e")
+"""Generations every kernel must compile for when the caller names none (CLI, `Context`, harness)."""
+
+FALLBACK_GENERATION: str = DEFAULT_GENERATIONS[0]
+"""The generation a one-generation step (estimate, profile) uses when given an empty list."""
+
+if set(get_args(TpuGeneration)) != set(GENERATIONS):  # pragma: no cover - a table edit without the literal
+    raise RuntimeError(
+        f"TpuGeneration {get_args(TpuGeneration)} does not match the TPU_SPECS rows {GENERATIONS}"
+    )
+
 _ALIASES: dict[str, str] = {
     "v4": "v4",
     "tpuv4": "v4",
@@ -306,3 +331,27 @@ def spec_for_device_kind(device_kind: str) -> TpuSpec | None:
         return get_spec(device_kind)
     except ValueError:
         return None
+
+
+def normalise_generations(names: list[str] | tuple[str, ...] | str) -> list[str]:
+    """Canonical generation names, deduplicated in order, from any spelling `get_spec` accepts.
+
+    The one check every entry point shares (CLI `--tpu`, `Context`, the harness's `EvalOptions`): an
+    unknown name raises ValueError naming the valid ones. A comma-separated string is split.
+    """
+    if isinstance(names, str):
+        names = [t for t in names.split(",") if t.strip()]
+    out: list[str] = []
+    for raw in names:
+        try:
+            name = get_spec(raw).name
+        except ValueError as exc:
+            raise ValueError(f"unknown TPU generation {raw!r}; choose from {', '.join(GENERATIONS)}") from exc
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def first_generation(names: list[str] | tuple[str, ...]) -> str:
+    """The generation a one-generation step uses: the first named, else `FALLBACK_GENERATION`."""
+    return names[0] if names else FALLBACK_GENERATION

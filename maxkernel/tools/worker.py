@@ -6,6 +6,14 @@ RUN_DIR/progress.jsonl as they happen so that the parent can say where a child t
 
 Only entries inside the `maxkernel` package can be called: the job file is written by the agent, but
 nothing the candidate writes into the run dir should be able to redirect it.
+
+The audit hook installed by `WorkerContext.guard` names violations (a socket, a subprocess, a write outside
+the run dir) so the report says what was tried; it is *not* the wall. Code in the same interpreter can get
+past it (ctypes calls libc directly), so containment is the sandbox's job (see `sandbox`), and a verdict
+is never computed in a process that imports a candidate (see `harness`).
+
+If the worker cannot even import what the job needs (`job["preload"]`, e.g. jax), that is reported as an
+infrastructure failure, which the harness never stores as a verdict.
 """
 
 from __future__ import annotations
@@ -15,13 +23,12 @@ import hmac
 import importlib
 import json
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
-_BLOCKED_EVENTS = {
+_BLOCKED_EVENTS: dict[str, str] = {
     "socket.__new__": "opened a socket",
     "socket.connect": "connected a socket",
     "socket.bind": "bound a socket",
@@ -46,8 +53,12 @@ class SandboxViolation(PermissionError):
 class WorkerContext:
     """Handed to entry functions: where to write, and how to announce stages."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, secret: bytes = b"") -> None:
         self.run_dir = run_dir
+        """Where job files are read and written; `.` once dropped to nobody (see `_drop_to_nobody`)."""
+        self.guard_root = run_dir
+        self.secret = secret
+        """Per-run secret from the parent (trusted entries derive their private random draws from it)."""
         self.current_stage: str | None = None
         self.violations: list[str] = []
         self._progress = open(run_dir / "progress.jsonl", "a", buffering=1)  # noqa: SIM115
@@ -66,7 +77,9 @@ class WorkerContext:
         """Start refusing sockets, subprocesses and writes outside the run dir (cannot be undone)."""
         if not self._guard_on:
             self._guard_on = True
-            sys.addaudithook(self._audit)
+            blocked = dict(_BLOCKED_EVENTS)  # a private copy: clearing the module's table changes nothing
+            audit = self._audit
+            sys.addaudithook(lambda event, args: audit(event, args, blocked))
 
     def _allowed_write(self, path: Any) -> bool:
         if isinstance(path, int):
@@ -75,7 +88,7 @@ class WorkerContext:
             p = os.path.realpath(os.fsdecode(path))
         except (TypeError, ValueError):
             return False
-        roots = (str(self.run_dir), "/dev/null")
+        roots = (str(self.guard_root), "/dev/null")
         return any(p == r or p.startswith(r.rstrip("/") + "/") for r in roots)
 
     def _violation(self, what: str) -> None:
@@ -84,11 +97,11 @@ class WorkerContext:
             self._emit({"violation": what})
         raise SandboxViolation(f"maxkernel sandbox: {what} is not allowed")
 
-    def _audit(self, event: str, args: tuple[Any, ...]) -> None:
-        if event in _BLOCKED_EVENTS:
-            if event == "socket.__new__" and args and args[1] == socket.AF_UNIX:
-                return  # local IPC (e.g. a multiprocessing resource tracker) cannot reach a network
-            self._violation(_BLOCKED_EVENTS[event])
+    def _audit(self, event: str, args: tuple[Any, ...], blocked: dict[str, str]) -> None:
+        if event in blocked:
+            if event == "socket.__new__" and len(args) > 1 and args[1] == 1:  # AF_UNIX: local IPC only;
+                return  # connecting it anywhere is still refused (socket.connect)
+            self._violation(blocked[event])
         elif event == "open":
             path, mode, flags = (list(args) + [None, None, None])[:3]
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
@@ -121,6 +134,17 @@ def _read_key() -> bytes:
         return f.read()
 
 
+def _drop_to_nobody() -> None:
+    """Fallback mode under a root agent: become `nobody` once the interpreter and the job's modules are
+    loaded (as root, because the interpreter may live where nobody cannot read, e.g. /root/.pyenv) and
+    before any job code runs. The working directory (the run dir, owned by nobody) stays usable through
+    relative paths even where its ancestors are not searchable. From here on: no /etc/shadow, no signals to root processes, no writes to
+    root-owned files such as the results store."""
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+
+
 def sign(key: bytes, body: str) -> str:
     return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
@@ -129,12 +153,24 @@ def main(run_dir_arg: str) -> int:
     key = _read_key()
     run_dir = Path(run_dir_arg).resolve()
     job = json.loads((run_dir / "job.json").read_text())
-    ctx = WorkerContext(run_dir)
+    ctx = WorkerContext(run_dir, secret=key)
     ctx.stage("start")
     try:
+        for name in job.get("preload", []):
+            importlib.import_module(name)
         func = _resolve(job["entry"])
+        if os.environ.pop("MAXKERNEL_DROP_TO_NOBODY", None) == "1":
+            _drop_to_nobody()
+            # The run dir's ancestors may not be searchable by nobody (a 0700 temp dir): from here on every
+            # path is relative to it (it is the working directory).
+            run_dir = ctx.run_dir = Path(".")
+    except Exception as exc:  # noqa: BLE001 - the environment, not the job, is broken
+        result: dict[str, Any] = {"ok": False, "infrastructure": True, "error": f"{type(exc).__name__}: {exc}"}
+        _write_result(run_dir, key, result)
+        return 0
+    try:
         value = func(job["payload"], ctx)
-        result: dict[str, Any] = {"ok": True, "value": value}
+        result = {"ok": True, "value": value}
     except BaseException as exc:  # noqa: BLE001 - everything becomes a structured result
         tb = traceback.format_exc(limit=8)
         result = {
@@ -147,11 +183,15 @@ def main(run_dir_arg: str) -> int:
         value = result.get("value") or {}
         value["_violations"] = list(ctx.violations)
         result["value"] = value
+    _write_result(run_dir, key, result)
+    return 0
+
+
+def _write_result(run_dir: Path, key: bytes, result: dict[str, Any]) -> None:
     body = json.dumps(result, default=str)
     tmp = run_dir / "result.json.part"
     tmp.write_text(json.dumps({"body": body, "mac": sign(key, body)}))
     tmp.replace(run_dir / "result.json")
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from maxkernel.authors.offline.axes import Axes, Conflict
-from maxkernel.authors.offline.graph import is_literal, reduced_axes
+from maxkernel.authors.offline.dataflow import is_literal, reduced_axes
 from maxkernel.authors.offline.partition import AttentionInfo, Partition
 
 MAX_HEAD_DIM = 768
@@ -143,7 +143,7 @@ def match_attention(part: Partition, d1: int) -> AttentionInfo | None:
             ax2.add(g.eqns[k])
     except Conflict:
         return None
-    region = part._new("attention")
+    region = part.new_region("attention")
     region.axes = ax2
     region.owned = sorted(chain_set)
     region.pulled = set(pulls)

@@ -1,21 +1,36 @@
-"""Flash attention (online softmax over key blocks) and its no-softmax variant (chained matmuls)."""
+"""Flash attention (online softmax over key blocks) and its no-softmax variant (chained matmuls).
+
+Transforms applied here, each because it removes work a TPU would otherwise do:
+
+* static masks (causal, sliding window, `tril` of a constant, anything built from positions and static
+  scalars) become a *schedule*: the wrapper evaluates the kernel's own mask code per (q block, key block)
+  while tracing and the grid walks only the live pairs, read from scalar-prefetched tables, so a masked key
+  block is neither fetched nor computed nor stepped over (`plan_schedule`); a mask read from an operand
+  keeps the per-block `pl.when` skip (compute only);
+* an f32 HIGHEST probs @ v whose v is a widened bf16 runs as three exact bf16 MXU passes (`pv_product`),
+  and a HIGHEST score dot of two widened bf16 operands as one, so the kernel pays for the precision the
+  reference has and no more.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
-from maxkernel.authors.offline.emit import dtype_code, dtype_name, is_float
-from maxkernel.authors.offline.graph import is_literal
+from maxkernel.authors.offline.dataflow import is_literal
+from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name, is_float
 from maxkernel.authors.offline.kernels import (
     Builder,
+    LowerError,
     Scope,
     Space,
     SpaceDim,
+    StepSchedule,
     _constant_value,
-    _nelems,
-    _op_summary,
-    _precision,
+    nelems,
+    op_summary,
+    precision_arg,
 )
 from maxkernel.authors.offline.spec import BufferSpec
 
@@ -104,7 +119,17 @@ class AttentionBuilder(Builder):
         assert info is not None
         main = Scope(lines=[], indent="    ")
         kv_index = self.program_id(self.kv.axis)  # type: ignore[arg-type]
-        main.add(f"@pl.when({kv_index} == 0)")
+        self.mask_select: tuple[Any, Any] | None = None  # (masked value, its unmasked input), see block_mask
+        pred = self.block_mask(info.logits if info.softmax else info.probs, "-inf" if info.softmax else "0")
+        scheduled = pred is not None and self.plan_schedule(pred)
+        step = f"pl.program_id({getattr(self, 'step_axis', 0)})"
+        first = f"(step_flags_ref[{step}] & 1) != 0" if scheduled else f"{kv_index} == 0"
+        last = (
+            f"(step_flags_ref[{step}] & 2) != 0"
+            if scheduled
+            else f"{kv_index} == pl.num_programs({self.kv.axis}) - 1"
+        )
+        main.add(f"@pl.when({first})")
         main.add("def _init():")
         if info.softmax:
             main.add("    m_ref[...] = jnp.full_like(m_ref, -jnp.inf)")
@@ -119,6 +144,11 @@ class AttentionBuilder(Builder):
                 ks = Space(f"k{i}", [self.kv, self.dq[i]])
                 side = self.q_side(e)
                 qv, kvv = e.invars[side], e.invars[1 - side]
+                prec = precision_arg(e)
+                narrow_q, narrow_k = self.widened_bf16(qv), self.widened_bf16(kvv)
+                if prec and narrow_q is not None and narrow_k is not None:
+                    # f32 widenings of bf16 on both sides: one bf16 MXU pass is exact, HIGHEST adds nothing
+                    qv, kvv, prec = narrow_q, narrow_k, ""
                 a, am = self.value(qv, qs, scope)
                 b, bm = self.value(kvv, ks, scope)
                 a, _ = self.materialise(
@@ -136,7 +166,7 @@ class AttentionBuilder(Builder):
                 mat = frozenset({self.q.key, self.kv.key}) if self.q.classes else frozenset({self.kv.key})
                 cast = "" if dt == "float32" else f".astype({dtype_code(dt)})"
                 scope.add(
-                    f"{nm} = lax.dot_general({a}, {b}, (((1,), (1,)), ((), ())), preferred_element_type={pref}{_precision(e)}){cast}"
+                    f"{nm} = lax.dot_general({a}, {b}, (((1,), (1,)), ((), ())), preferred_element_type={pref}{prec}){cast}"
                     + self.comment(dt, space, mat)
                 )
                 return nm, mat
@@ -150,8 +180,7 @@ class AttentionBuilder(Builder):
         pdt = dtype_name(pv.invars[info.probs_side].aval)
         v_var = pv.invars[1 - info.probs_side]
         outer = main
-        pred = self.block_mask(info.logits if info.softmax else info.probs, "-inf" if info.softmax else "0")
-        if pred is not None:
+        if pred is not None and not scheduled:
             pcode, _ = self.value(pred, self.score, main)
             main.add(f"live = jnp.any({pcode})  # key blocks the mask removes entirely are skipped")
             main.add("")
@@ -161,61 +190,68 @@ class AttentionBuilder(Builder):
             self.notes.append(
                 "key blocks whose mask is all false are skipped (pl.when), e.g. above a causal diagonal"
             )
-        if info.softmax:
-            logits = info.logits
-            gcode, gm = self.value(logits, self.score, main)
-            gcode, gm = self.materialise(gcode, gm, need, self.score, main, dtype_name(logits.aval))
-            main.add(f"if n_kv % {self.kv.blk}:  # padded keys exist: keep them out of the softmax")
-            main.add(
-                f"    kv_pos = {kv_index} * {self.kv.blk} + lax.broadcasted_iota(jnp.int32, (1, {self.kv.blk}), 1)"
+
+        def emit_update(main: Scope) -> None:
+            if info.softmax:
+                logits = info.logits
+                gcode, gm = self.value(logits, self.score, main)
+                gcode, gm = self.materialise(gcode, gm, need, self.score, main, dtype_name(logits.aval))
+                main.add(f"if n_kv % {self.kv.blk}:  # padded keys exist: keep them out of the softmax")
+                main.add(
+                    f"    kv_pos = {kv_index} * {self.kv.blk} + lax.broadcasted_iota(jnp.int32, (1, {self.kv.blk}), 1)"
+                )
+                main.add(f"    {gcode} = jnp.where(kv_pos < n_kv, {gcode}, -jnp.inf)")
+                main.add("m_prev = m_ref[...]  # f32[bq, 1]: row max over the key blocks seen so far")
+                main.add(f"m_next = jnp.maximum(m_prev, jnp.max({gcode}, axis=1, keepdims=True))")
+                main.add(
+                    "m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows whose keys are all masked so far"
+                )
+                main.add(f"probs = jnp.exp({gcode} - m_safe)  # f32[bq, bkv], unnormalised")
+                main.add(
+                    "rescale = jnp.exp(m_prev - m_safe)  # corrects what was accumulated under the old max"
+                )
+                main.add("l_ref[...] = rescale * l_ref[...] + jnp.sum(probs, axis=1, keepdims=True)")
+                main.add("m_ref[...] = m_next")
+                pcast = "probs" if pdt == "float32" else f"probs.astype({dtype_code(pdt)})"
+                pv_expr = self.pv_product(pcast, pdt, v_var, vspace, main)
+                main.add(f"acc_ref[...] = rescale * acc_ref[...] + {pv_expr}")
+                self.transcendentals = 2  # exp of the scores and of the rescale, once per update
+            else:
+                pcode, pm = self.value(info.probs, self.score, main)
+                pcode, pm = self.materialise(pcode, pm, need, self.score, main, pdt)
+                main.add(f"if n_kv % {self.kv.blk}:  # padded keys exist: they must add nothing")
+                main.add(
+                    f"    kv_pos = {kv_index} * {self.kv.blk} + lax.broadcasted_iota(jnp.int32, (1, {self.kv.blk}), 1)"
+                )
+                main.add(f"    {pcode} = jnp.where(kv_pos < n_kv, {pcode}, 0)")
+                main.add(f"acc_ref[...] += {self.pv_product(pcode, pdt, v_var, vspace, main)}")
+
+        if scheduled and self.mask_select is not None:
+            # blocks wholly inside the mask skip its VPU work (iotas, compares, select): most live blocks of a
+            # causal or banded mask; only blocks the mask cuts through run the masked version
+            masked = f"(step_flags_ref[{step}] & 4) != 0"
+            sel_out, sel_true = self.mask_select
+            for name, skip in (("_masked", False), ("_unmasked", True)):
+                main.add("")
+                main.add(f"def {name}():")
+                inner = Scope(
+                    lines=main.lines, indent="        ", cache=dict(main.cache), special=dict(main.special)
+                )
+                if skip:
+                    inner.special[sel_out] = lambda scope, space, v=sel_true: self.value(v, space, scope)
+                emit_update(inner)
+            main.add("")
+            # one cond, not two exclusive pl.when: each step runs one body (and the block model, which charges
+            # a cond's dearest branch, sees one)
+            main.add(f"lax.cond({masked}, _masked, _unmasked)")
+            self.notes.append(
+                "key blocks wholly inside the mask skip the mask's VPU work (a second, mask-free body)"
             )
-            main.add(f"    {gcode} = jnp.where(kv_pos < n_kv, {gcode}, -jnp.inf)")
-            main.add("m_prev = m_ref[...]  # f32[bq, 1]: row max over the key blocks seen so far")
-            main.add(f"m_next = jnp.maximum(m_prev, jnp.max({gcode}, axis=1, keepdims=True))")
-            main.add(
-                "m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows whose keys are all masked so far"
-            )
-            main.add(f"probs = jnp.exp({gcode} - m_safe)  # f32[bq, bkv], unnormalised")
-            main.add("rescale = jnp.exp(m_prev - m_safe)  # corrects what was accumulated under the old max")
-            main.add("l_ref[...] = rescale * l_ref[...] + jnp.sum(probs, axis=1, keepdims=True)")
-            main.add("m_ref[...] = m_next")
-            v, vm = self.value(v_var, vspace, main)
-            v, _ = self.materialise(
-                v,
-                vm,
-                {self.kv.key, self.dv.key} if self.dv.classes else {self.kv.key},
-                vspace,
-                main,
-                dtype_name(v_var.aval),
-            )
-            pcast = "probs" if pdt == "float32" else f"probs.astype({dtype_code(pdt)})"
-            main.add(
-                f"acc_ref[...] = rescale * acc_ref[...] + jnp.dot({pcast}, {v}, preferred_element_type=jnp.float32{_precision(pv)})"
-            )
-            self.transcendentals += 2
         else:
-            pcode, pm = self.value(info.probs, self.score, main)
-            pcode, pm = self.materialise(pcode, pm, need, self.score, main, pdt)
-            main.add(f"if n_kv % {self.kv.blk}:  # padded keys exist: they must add nothing")
-            main.add(
-                f"    kv_pos = {kv_index} * {self.kv.blk} + lax.broadcasted_iota(jnp.int32, (1, {self.kv.blk}), 1)"
-            )
-            main.add(f"    {pcode} = jnp.where(kv_pos < n_kv, {pcode}, 0)")
-            v, vm = self.value(v_var, vspace, main)
-            v, _ = self.materialise(
-                v,
-                vm,
-                {self.kv.key, self.dv.key} if self.dv.classes else {self.kv.key},
-                vspace,
-                main,
-                dtype_name(v_var.aval),
-            )
-            main.add(
-                f"acc_ref[...] += jnp.dot({pcode}, {v}, preferred_element_type=jnp.float32{_precision(pv)})"
-            )
+            emit_update(main)
         main = outer
         main.add("")
-        main.add(f"@pl.when({kv_index} == pl.num_programs({self.kv.axis}) - 1)")
+        main.add(f"@pl.when({last})")
         main.add("def _finalize():")
         fin = Scope(lines=[], indent="        ")
         out = pv.outvars[0]
@@ -248,6 +284,164 @@ class AttentionBuilder(Builder):
         for v, nm in zip(self.outputs, names, strict=True):
             self.store(v, f"{nm}_ref", self.epi, fin)
         return main.lines + fin.lines
+
+    def note(self, text: str) -> None:
+        """Add a note once (the update body may be emitted twice: masked and mask-free blocks)."""
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def widened_bf16(self, var: Any) -> Any | None:
+        """The bf16 value that `var` is an f32 widening of (cast inside the region), else None."""
+        p = self.g.producer.get(var)
+        if is_literal(var) or p is None or p not in set(self.region.eqns()):
+            return None
+        e = self.g.eqns[p]
+        src = e.invars[0]
+        if e.primitive.name != "convert_element_type" or is_literal(src):
+            return None
+        if dtype_name(src.aval) != "bfloat16" or dtype_name(var.aval) != "float32":
+            return None
+        return src
+
+    def pv_product(self, pcode: str, pdt: str, v_var: Any, vspace: Space, scope: Scope) -> str:
+        """probs @ v as an f32 expression, at the reference's precision and no more.
+
+        A HIGHEST-precision f32 dot whose v is a widened bf16 needs no f32 x f32 MXU work: the f32
+        probabilities split exactly into three bf16 terms (8 + 8 + 8 mantissa bits), and each term times
+        the bf16 v is exact on the MXU with f32 accumulation. Three bf16 passes compute what HIGHEST's six
+        compute here (the three that multiply v's low bits are zero), so the result keeps f32 accuracy.
+        When every output is rounded to bf16/f16, the third term (bits 17-24) cannot change it: two.
+        """
+        pv = self.g.eqns[self.region.attention.pv_dot]  # type: ignore[union-attr]
+        prec = precision_arg(pv)
+        narrow = self.widened_bf16(v_var) if prec and pdt == "float32" else None
+        src = narrow if narrow is not None else v_var
+        v, vm = self.value(src, vspace, scope)
+        v, _ = self.materialise(
+            v,
+            vm,
+            {self.kv.key, self.dv.key} if self.dv.classes else {self.kv.key},
+            vspace,
+            scope,
+            dtype_name(src.aval),
+        )
+        if narrow is None:
+            return f"jnp.dot({pcode}, {v}, preferred_element_type=jnp.float32{prec})"
+        p = self.fresh("p")
+        # Every output rounded to 16 bits: two terms (16 mantissa bits of the probabilities, error 2^-17)
+        # are far below the output's own rounding (2^-9); an f32 output keeps all three.
+        terms = (
+            ("lo", "hi")
+            if all(dtype_name(o.aval) in ("bfloat16", "float16") for o in self.outputs)
+            else (
+                "lo",
+                "mid",
+                "hi",
+            )
+        )
+        scope.add(f"{p}_hi = {pcode}.astype(jnp.bfloat16)  # f32 probs = hi + lo (+ mid), each bf16")
+        if len(terms) == 2:
+            scope.add(f"{p}_lo = ({pcode} - {p}_hi.astype(jnp.float32)).astype(jnp.bfloat16)")
+        else:
+            scope.add(f"{p}_rest = {pcode} - {p}_hi.astype(jnp.float32)")
+            scope.add(f"{p}_mid = {p}_rest.astype(jnp.bfloat16)")
+            scope.add(f"{p}_lo = ({p}_rest - {p}_mid.astype(jnp.float32)).astype(jnp.bfloat16)")
+        self.note(
+            f"the f32 (HIGHEST) probs @ v runs as {len(terms)} bf16 MXU passes: v is a widened bf16 and the f32 "
+            + (
+                "probabilities split exactly into three bf16 terms"
+                if len(terms) == 3
+                else "probabilities split into two bf16 terms (16 bits, below the 16-bit output's rounding)"
+            )
+        )
+        return " + ".join(f"jnp.dot({p}_{t}, {v}, preferred_element_type=jnp.float32)" for t in terms)
+
+    def plan_schedule(self, pred: Any) -> bool:
+        """Walk only the (q block, key block) pairs the mask leaves alive, when the mask is static.
+
+        A mask built from positions and static scalars (causal, sliding window, a block layout computed
+        from iotas) is known at trace time, so the wrapper evaluates it once per block pair with the very
+        code the kernel uses, and the grid walks a flat list of live pairs read from scalar-prefetched
+        tables. Masked-out key blocks then cost no DMA, no compute and no grid step (a `pl.when` guard
+        alone would still pay the copy and the step). A mask that reads an operand stays a per-block
+        `pl.when` skip.
+        """
+        if not self.q.classes or self.q.axis is None or self.kv.axis is None:
+            return False
+        scope = Scope(lines=[], indent="    ")
+        axes_before = set(self.axis_used)
+        kw_before = dict(self.kernel_kw)
+        try:
+            code, _ = self.value(pred, self.score, scope)
+        except (LowerError, EmitError):
+            self.kernel_kw = kw_before
+            self.axis_used = axes_before
+            return False
+        if any("_ref" in line for line in scope.lines) or not (self.axis_used - axes_before) <= {
+            self.q.axis,
+            self.kv.axis,
+        }:
+            self.kernel_kw = kw_before
+            self.axis_used = axes_before | {self.q.axis, self.kv.axis}
+            return False
+        self.axis_used |= {self.q.axis, self.kv.axis}
+        text = "\n".join(scope.lines)
+        names = sorted(k for k in self.kernel_kw if re.search(rf"\b{re.escape(k)}\b", text))
+        stem = self.stem
+        sig = "q_index, kv_index" + (", *, " + ", ".join(names) if names else "")
+        live_fn = (
+            f"def {stem}_block_live({sig}):\n"
+            '    """Whether any / every score of the (q block, key block) tile survives the mask: the kernel\'s own\n'
+            '    mask code, evaluated at trace time to build the schedule."""\n'
+            f"{text}\n"
+            f"    return jnp.any({code}), jnp.all({code})\n"
+        )
+        sched_fn = (
+            f"def {stem}_schedule(n_q_blocks, n_kv_blocks, **scalars):\n"
+            '    """The live (q block, key block) pairs in q-major order, as int32 tables (q block, key block,\n'
+            "    flags: 1 = first key block of its q block, 2 = last, 4 = the mask cuts through the block). Every q\n"
+            "    block keeps at least one pair so its\n"
+            "    output is written (a row whose keys are all masked gives what the reference gives). Depends only on\n"
+            '    shapes and static arguments, so it is computed once while tracing and lands in SMEM."""\n'
+            "    q_ids, kv_ids, flags = [], [], []\n"
+            "    with jax.ensure_compile_time_eval():\n"
+            "        kv_blocks = jnp.arange(n_kv_blocks, dtype=jnp.int32)\n"
+            "        for i in range(n_q_blocks):\n"
+            f"            live, full = jax.vmap(functools.partial({stem}_block_live, i, **scalars))(kv_blocks)\n"
+            "            live, full = live.tolist(), full.tolist()\n"
+            "            keep = [j for j, alive in enumerate(live) if alive] or [0]\n"
+            "            for n, j in enumerate(keep):\n"
+            "                q_ids.append(i)\n"
+            "                kv_ids.append(j)\n"
+            "                flags.append((n == 0) | (2 if n == len(keep) - 1 else 0) | (0 if full[j] else 4))\n"
+            "        return tuple(jnp.asarray(t, jnp.int32) for t in (q_ids, kv_ids, flags))\n"
+        )
+        call_kw = ", ".join(f"{k}={self.kernel_kw[k]}" for k in names)
+        step_axis = len(self.grid_dims())
+        self.schedule = StepSchedule(
+            prefetch=["q_ids", "kv_ids", "step_flags"],
+            grid=[
+                *((d.key, d.ext, "parallel") for d in self.grid_dims()),
+                ("step", "q_ids.shape[0]", "arbitrary"),
+            ],
+            axis_code={
+                self.q.axis: (f"q_ids_ref[pl.program_id({step_axis})]", "q_ids_ref[step_index]"),
+                self.kv.axis: (f"kv_ids_ref[pl.program_id({step_axis})]", "kv_ids_ref[step_index]"),
+            },
+            wrapper_lines=[
+                "# only the (q block, key block) pairs the mask leaves alive become grid steps",
+                f"q_ids, kv_ids, step_flags = {stem}_schedule({self.q.padded} // {self.q.blk}, "
+                f"{self.kv.padded} // {self.kv.blk}{', ' + call_kw if call_kw else ''})",
+            ],
+            defs=[live_fn, sched_fn],
+        )
+        self.step_axis = step_axis
+        self.notes.append(
+            "the grid walks only the (q block, key block) pairs the static mask leaves alive (tables built at "
+            "trace time, scalar-prefetched): masked key blocks are neither fetched nor computed nor stepped over; "
+            "the grid figures above are the dense logical grid"
+        )
+        return True
 
     def block_mask(self, var: Any, neutral: str) -> Any | None:
         """The predicate of a final `where(pred, x, neutral)` on the scores, if there is one: a key block
@@ -283,6 +477,8 @@ class AttentionBuilder(Builder):
             return None
         if _constant_value(g, e.invars[1], own) != (-math.inf if neutral == "-inf" else 0.0):
             return None
+        if not is_literal(e.invars[2]):
+            self.mask_select = (e.outvars[0], e.invars[2])
         return e.invars[0]
 
     def title(self) -> str:
@@ -298,7 +494,7 @@ class AttentionBuilder(Builder):
                 else "two chained matmuls in one kernel (the hidden activation never leaves VMEM)"
             )
         )
-        extra = _op_summary(self.g, self.region, skip_dots=True, limit=6)
+        extra = op_summary(self.g, self.region, skip_dots=True, limit=6)
         return (
             f"{what}"
             + (f" ({n} score matmuls summed)" if n > 1 else "")
@@ -334,7 +530,7 @@ class AttentionBuilder(Builder):
             k = 1
             for a in lc:
                 k *= int(e.invars[0].aval.shape[a])
-            total += 2.0 * _nelems(e.outvars[0]) * k
+            total += 2.0 * nelems(e.outvars[0]) * k
         return total
 
     def flops_code(self) -> str:

@@ -3,7 +3,11 @@
 The analysis (tracing the reference, partitioning its jaxpr into kernels, writing kernel bodies) runs in
 the sandbox, because the reference is task code; it returns a `ProgramSpec` of plain data. Everything after
 that happens here and needs no JAX: choosing block sizes, rendering the module at any config, the plan
-text, the tuning space. Deterministic: the same task gives the same kernel.
+text, the tuning space. Deterministic: the same task, strategy and history give the same kernel.
+
+Each round after the first applies a different transform (`transforms.TRANSFORMS`: a strategy realised as a
+choice in the tuning space); `reflect` goes on while a transform still leads to a config the run has not
+evaluated, and says which ones, so the graph's reflect node can pick among them by the bound class.
 
 Repairs have two levers: smaller blocks (when a compile ran out of VMEM) and less fusion (each fusion level
 is a more conservative partition of the same jaxpr; the last one puts every matmul and every reduction in
@@ -28,9 +32,11 @@ from maxkernel.authors.base import (
 from maxkernel.authors.offline.partition import FUSION_LEVELS
 from maxkernel.authors.offline.render import plan_text, render
 from maxkernel.authors.offline.spec import ProgramSpec
+from maxkernel.authors.offline.transforms import applicable, pick, ranked_space, transform_for
 from maxkernel.authors.offline.tuning import (
     default_config,
     kernel_values,
+    predicted_seconds,
     tuning_space,
     validate,
     vmem_estimate,
@@ -78,7 +84,7 @@ class OfflineAuthor:
         # A run dir of its own: search branches analyse the same task concurrently.
         run_dir = fresh_run_dir(Path(ctx.work_dir) / "offline", f"{task.fingerprint[:16]}-{level}")
         outcome = run_sandboxed(
-            "maxkernel.authors.offline.worker:analyse_job",
+            "maxkernel.authors.offline.analysis_job:analyse_job",
             payload,
             run_dir,
             SandboxLimits(timeout_s=self.timeout_s),
@@ -121,13 +127,23 @@ class OfflineAuthor:
         program.task_id = ctx.task.task_id
         config = default_config(program, ctx.tpu)
         space = tuning_space(program, ctx.tpu)
+        transform = transform_for(ctx.strategy)
+        if transform is not None:
+            chosen = pick(transform, program, space, ctx.tpu, _tried_configs(ctx.history))
+            if chosen is not None:
+                config = chosen
+                hints.append(f"transform {transform.strategy}: {transform.why} -> {chosen.label()}")
+            else:
+                hints.append(f"transform {transform.strategy}: no untried config left; kept the default")
+        elif ctx.strategy:
+            hints.append(f"strategy {ctx.strategy} has no offline transform; kept the default config")
         return Plan(
             family=program.family,
             summary=program.summary,
             text=plan_text(program, config, ctx.tpu, len(space), hints),
             default_config=config,
             hints=hints,
-            data={"program": program.model_dump(mode="json"), "level": level, "tpu": list(ctx.tpu)},
+            data={"program": program.model_dump(mode="json"), "level": level},
         )
 
     def implement(self, ctx: AuthorContext, plan: Plan) -> Draft:
@@ -177,16 +193,40 @@ class OfflineAuthor:
             "the offline author has nothing left to try: smallest blocks and least fusion tried"
         )
 
+    def predict_seconds(self, ctx: AuthorContext, plan: Plan, configs: list[TileConfig]) -> list[float]:
+        """Coarse predicted TPU time per config (for ranking and pruning the tuning space; not an estimate
+        of record: the harness's block model is)."""
+        program = self._program(plan)
+        return [predicted_seconds(program, c, ctx.tpu) for c in configs]
+
     def reflect(self, ctx: AuthorContext, history: list[Attempt]) -> Reflection:
-        if any(a.accepted for a in history):
-            return Reflection(
-                action="stop",
-                reasons=[
-                    "an accepted kernel exists; the offline author is deterministic and has no further "
-                    "strategy beyond the block sizes the autotuner already explores"
-                ],
-            )
         levels = {int(m.group(1)) for a in history for m in [LEVEL_HINT.search(a.message or "")] if m}
+        if any(a.accepted for a in history):
+            m = LEVEL_HINT.search(ctx.feedback or "")
+            level = min(int(m.group(1)), len(FUSION_LEVELS) - 1) if m else max(levels, default=0)
+            result = self.analyse(ctx, level)
+            if not result.get("ok"):
+                return Reflection(action="stop", reasons=["the analysis is no longer available"])
+            program = ProgramSpec.model_validate(result["program"])
+            space = tuning_space(program, ctx.tpu)
+            tried = _tried_configs(history)
+            left = applicable(program, space, ctx.tpu, tried)
+            if not left:
+                evaluated = sum(1 for c, _ in ranked_space(program, space, ctx.tpu) if c in tried)
+                return Reflection(
+                    action="stop",
+                    reasons=[
+                        f"every offline transform leads to a kernel already evaluated ({evaluated} of the "
+                        f"{len(space)} configs that are not predicted hopeless were tried)"
+                    ],
+                )
+            hint = f"fusion_level={level}" if level else None
+            return Reflection(
+                action="continue",
+                reasons=[f"untried transforms apply: {', '.join(left)}"],
+                plan_hint=hint,
+                strategies=left,
+            )
         nxt = max(levels, default=0) + 1
         if history and nxt < len(FUSION_LEVELS):
             return Reflection(
@@ -204,6 +244,10 @@ class OfflineAuthor:
 
     def _draft(self, ctx: AuthorContext, program: ProgramSpec, config: TileConfig, notes: str) -> Draft:
         return Draft(source=render(program, config, ctx.tpu), notes=notes, config=config)
+
+
+def _tried_configs(history: list[Attempt]) -> set[TileConfig]:
+    return {TileConfig.of(a.config) for a in history if a.config}
 
 
 def _half(c: TileConfig, ref: TileConfig) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxkernel.authors.offline.graph import Graph, is_literal, reduced_axes
+from maxkernel.authors.offline.dataflow import Graph, is_literal, reduced_axes
 
 Node = tuple[Any, int]
 

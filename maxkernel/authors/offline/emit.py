@@ -189,6 +189,14 @@ def elementwise_expr(
         if len(cases) == 1:
             return cases[0]
         if len(cases) == 2:
+            if in_dtypes[0] == "bool" and out_dtype == "bool":
+                # a select between masks: Mosaic cannot relayout an i1 select (`Invalid relayout ...
+                # vector<...xi1>`), so write it as logic (tril/triu of a constant lands here)
+                if (cases[1], cases[0]) == ("True", "False"):
+                    return pred
+                if (cases[1], cases[0]) == ("False", "True"):
+                    return f"~{paren(pred)}"
+                return f"({paren(pred)} & {paren(cases[1])}) | (~{paren(pred)} & {paren(cases[0])})"
             if in_dtypes[0] == "bool":
                 return f"jnp.where({pred}, {cases[1]}, {cases[0]})"
             return f"jnp.where({paren(pred)} != 0, {cases[1]}, {cases[0]})"

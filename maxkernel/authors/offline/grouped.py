@@ -10,10 +10,10 @@ group and K block. Rows past the last group stay zero, as `ragged_dot` defines.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from maxkernel.authors.offline.emit import dtype_code, dtype_name
-from maxkernel.authors.offline.kernels import SUBLANE, LowerError, _nbytes, _precision
+from maxkernel.authors.offline.kernels import SUBLANE, KernelBuilder, LowerError, nbytes, precision_arg
 from maxkernel.authors.offline.partition import Region
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
 
@@ -21,17 +21,12 @@ if TYPE_CHECKING:
     from maxkernel.authors.offline.lower import Lowering
 
 
-class GroupedMatmulBuilder:
+class GroupedMatmulBuilder(KernelBuilder):
     family = "grouped_matmul"
 
     def __init__(self, low: Lowering, region: Region, index: int, n_kernels: int) -> None:
-        self.low = low
-        self.g = low.g
-        self.region = region
-        self.stem = f"_grouped_matmul_{index}" if n_kernels > 1 else "_grouped_matmul"
-        self.cprefix = f"K{index}_" if n_kernels > 1 else ""
+        super().__init__(low, region, index, n_kernels)
         self.eqn = self.g.eqns[min(region.owned)]
-        self.outputs: list[Any] = low.part.region_outputs(region)
         if len(self.outputs) != 1:
             raise LowerError("a grouped matmul whose raw and cast results are both needed")
 
@@ -63,7 +58,7 @@ class GroupedMatmulBuilder:
         names = [self.low.name_of(v) for v in (lhs, rhs, sizes)]
         ln, rn, sn = names
         lsub = SUBLANE.get(lhs.aval.dtype.itemsize, 8)
-        prec = _precision(e)
+        prec = precision_arg(e)
         code = f'''def {s}_lhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
     return (m_index, k_index)
 
@@ -174,7 +169,7 @@ def {s}({ln}, {rn}, {sn}):
                 itemsize=isz_l,
                 kind="input",
                 axes=[0, 3],
-                hbm_bytes=_nbytes(lhs),
+                hbm_bytes=nbytes(lhs),
             ),
             BufferSpec(
                 what=f"{rn} block",
@@ -182,7 +177,7 @@ def {s}({ln}, {rn}, {sn}):
                 itemsize=isz_r,
                 kind="input",
                 axes=[1, 2, 3],
-                hbm_bytes=_nbytes(rhs),
+                hbm_bytes=nbytes(rhs),
             ),
             BufferSpec(
                 what="output block",
@@ -190,7 +185,7 @@ def {s}({ln}, {rn}, {sn}):
                 itemsize=out.aval.dtype.itemsize,
                 kind="output",
                 axes=[0, 1],
-                hbm_bytes=_nbytes(out),
+                hbm_bytes=nbytes(out),
             ),
             BufferSpec(what="acc_ref", dims=[pm, pn], itemsize=4, copies=1, kind="scratch"),
         ]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from maxkernel.authors.offline.axes import Node
+from maxkernel.authors.offline.dataflow import is_literal, reduced_axes
 from maxkernel.authors.offline.emit import (
     EmitError,
     dtype_code,
@@ -37,7 +38,6 @@ from maxkernel.authors.offline.emit import (
     literal_code,
     shape_comment,
 )
-from maxkernel.authors.offline.graph import is_literal, reduced_axes
 from maxkernel.authors.offline.partition import Region
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
 from maxkernel.authors.offline.trace import Atom
@@ -51,6 +51,23 @@ class LowerError(Exception):
 
 
 SUBLANE = {4: 8, 2: 16, 1: 32}
+
+
+@dataclass
+class StepSchedule:
+    """A grid whose logical axes are read from scalar-prefetched tables instead of walked densely.
+
+    The pallas grid becomes `grid` (name, extent expression, semantics); each logical axis listed in
+    `axis_code` is read, in the kernel and in every index map, from a table indexed by the new grid's step
+    (`(kernel expression, index-map expression)`). Skipped blocks thus never become grid steps: no fetch,
+    no compute, no per-step overhead.
+    """
+
+    prefetch: list[str]  # wrapper arrays passed as scalar prefetch (the kernel sees `<name>_ref`)
+    grid: list[tuple[str, str, str]]  # (index name, wrapper extent expression, "parallel" | "arbitrary")
+    axis_code: dict[int, tuple[str, str]]  # logical axis -> (kernel expr, index-map expr)
+    wrapper_lines: list[str] = field(default_factory=list)  # wrapper code that builds the tables
+    defs: list[str] = field(default_factory=list)  # module-level helpers the wrapper calls
 
 
 @dataclass(eq=False)
@@ -98,8 +115,28 @@ class Scope:
         self.lines.append(self.indent + line)
 
 
-class Builder:
-    """Shared machinery; subclasses choose the space, the phases and the accumulation."""
+@dataclass
+class Layout:
+    """What every emitter of one kernel shares: grid axes, operand/output views and tile params."""
+
+    grid_axes: list[int]
+    axis_dims: dict[int, SpaceDim]
+    index_args: str
+    in_vars: list[Any]
+    out_view: list[SpaceDim]
+    params: list[ParamSpec]
+    names_in: list[str]
+    out_names: list[str]
+
+
+class KernelBuilder:
+    """The public base of every kernel family's builder (see `families.FAMILIES`).
+
+    A builder turns one region into a `KernelSpec` (index maps, kernel body and wrapper as code, plus the
+    figures the tuner needs) and the call expression `computation()` uses. Template families (a grouped
+    matmul, a scan) subclass this directly; families re-emitted from the region's equations on a space of
+    tile dims subclass `Builder`.
+    """
 
     family = "kernel"
 
@@ -108,12 +145,24 @@ class Builder:
         self.g = low.g
         self.part = low.part
         self.region = region
-        self.ax = region.axes
         self.index = index
         self.stem = f"_{self.family}_{index}" if n_kernels > 1 else f"_{self.family}"
         self.cprefix = f"K{index}_" if n_kernels > 1 else ""
         self.inputs: list[Any] = self.part.region_inputs(region)
         self.outputs: list[Any] = self.part.region_outputs(region)
+
+    def build(self) -> tuple[KernelSpec, str]:
+        """The kernel spec and the call expression for computation()."""
+        raise NotImplementedError
+
+
+class Builder(KernelBuilder):
+    """Kernels re-emitted from the region's equations; subclasses choose the space, the phases and the
+    accumulation."""
+
+    def __init__(self, low: Lowering, region: Region, index: int, n_kernels: int) -> None:
+        super().__init__(low, region, index, n_kernels)
+        self.ax = region.axes
         self.input_set = set(self.inputs)
         self.dims: list[SpaceDim] = []
         self.input_view: dict[Any, list[SpaceDim]] = {}
@@ -123,6 +172,7 @@ class Builder:
         self.counter = 0
         self.notes: list[str] = []
         self.transcendentals = 0.0
+        self.schedule: StepSchedule | None = None  # set by a subclass that walks a data-driven grid
 
     # --- naming ---------------------------------------------------------------------------------------
     def local(self, var: Any) -> str:
@@ -344,7 +394,7 @@ class Builder:
             ):
                 self.transcendentals += 1
             mat = frozenset(mats)
-            nm = self.fresh(_stem(name))
+            nm = self.fresh(stem_of(name))
             scope.add(f"{nm} = {expr}" + self.comment(dt, space, mat, scalar and not mats))
             return nm, mat
         if kind == "reduce" and name == "top_k":
@@ -445,7 +495,7 @@ class Builder:
         else:
             raise LowerError(f"no kernel code for {name}")
         newmat = frozenset(mat - need)
-        nm = self.fresh(_stem(name))
+        nm = self.fresh(stem_of(name))
         scope.add(f"{nm} = {expr}" + self.comment(dt, space, newmat))
         return nm, newmat
 
@@ -626,10 +676,25 @@ class Builder:
         return self.family
 
     def assemble(self, body: list[str]) -> tuple[KernelSpec, str]:
-        low = self.low
+        """The kernel's code and spec around its body. Each piece has its own emitter on one shared
+        `Layout` (grid axes, operand views, tile params), so a family can override one of them."""
+        lay = self.layout()
+        maps, map_of = self.emit_index_maps(lay)
+        kernel = self.emit_kernel_function(lay, body)
+        wrapper = self.emit_wrapper(lay, map_of)
+        spec = self.kernel_spec(lay, "\n\n".join([*maps, kernel, wrapper]))
+        return spec, self.call_expression(lay)
+
+    def layout(self) -> Layout:
+        """Grid axes, operand and output views, and the tile params with their alignment."""
         grid_axes = sorted({d.axis for d in self.dims if d.axis is not None})
         axis_dims = {a: next(d for d in self.dims if d.axis == a) for a in grid_axes}
+        sched = self.schedule
         index_args = ", ".join(f"{axis_dims[a].key}_index" for a in grid_axes)
+        if sched is not None:
+            index_args = ", ".join(
+                [f"{n}_index" for n, _, _ in sched.grid] + [f"{n}_ref" for n in sched.prefetch]
+            )
         in_vars = [v for v in self.inputs if v in self.input_view]
         unused = [v for v in self.inputs if v not in self.input_view]
         if unused:
@@ -669,16 +734,35 @@ class Builder:
                         doc=self.param_doc(d),
                     )
                 )
-        # index maps
-        code: list[str] = []
         names_in = [self.local(v) for v in in_vars]
         out_names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
+        return Layout(
+            grid_axes=grid_axes,
+            axis_dims=axis_dims,
+            index_args=index_args,
+            in_vars=in_vars,
+            out_view=out_view,
+            params=params,
+            names_in=names_in,
+            out_names=out_names,
+        )
+
+    def emit_index_maps(self, lay: Layout) -> tuple[list[str], dict[str, str]]:
+        """Named index maps, one per distinct operand view (identical maps are shared)."""
+        in_vars, out_view, names_in, out_names = lay.in_vars, lay.out_view, lay.names_in, lay.out_names
+        index_args = lay.index_args
+        sched = self.schedule
+        # index maps
+        code: list[str] = []
 
         def index_map(view: list[SpaceDim], var: Any, fname: str) -> str:
             entries = []
             for d in view:
                 if d.axis is not None and d.role != "full" and self.spans(var, d):
-                    entries.append(f"{self.axis_name(d.axis)}_index")
+                    if sched is not None and d.axis in sched.axis_code:
+                        entries.append(sched.axis_code[d.axis][1])
+                    else:
+                        entries.append(f"{self.axis_name(d.axis)}_index")
                 else:
                     entries.append("0")
             return f"def {fname}({index_args}):\n    return ({', '.join(entries)}{',' if len(entries) == 1 else ''})\n"
@@ -703,18 +787,37 @@ class Builder:
                 seen_maps[text] = fname
                 map_of[nm] = fname
                 code.append(text.replace("FNAME", fname))
-        # kernel function
+        return code, map_of
+
+    def emit_kernel_function(self, lay: Layout, body: list[str]) -> str:
+        """The kernel: refs, then keyword sizes, the grid indices it reads, and the body."""
+        names_in, out_names = lay.names_in, lay.out_names
+        sched = self.schedule
         refs = (
-            [f"{n}_ref" for n in names_in] + [f"{n}_ref" for n in out_names] + [s[0] for s in self.scratch()]
+            [f"{n}_ref" for n in (sched.prefetch if sched is not None else [])]
+            + [f"{n}_ref" for n in names_in]
+            + [f"{n}_ref" for n in out_names]
+            + [s[0] for s in self.scratch()]
         )
         kw = sorted(self.kernel_kw)
         sig = ", ".join(refs) + (", *, " + ", ".join(kw) if kw else "")
         doc = f'    """{self.kernel_doc()}"""'
         kernel = [f"def {self.stem}_kernel({sig}):", doc]
         for a in sorted(self.axis_used):
-            kernel.append(f"    {self.axis_name(a)}_index = pl.program_id({a})")
+            if sched is not None and a in sched.axis_code:
+                kernel.append(f"    {self.axis_name(a)}_index = {sched.axis_code[a][0]}")
+            else:
+                kernel.append(f"    {self.axis_name(a)}_index = pl.program_id({a})")
         kernel += body
-        code.append("\n".join(kernel) + "\n")
+        # module-level helpers a data-driven grid's tables need come just before the kernel
+        return "\n\n".join([*(sched.defs if sched is not None else []), "\n".join(kernel) + "\n"])
+
+    def emit_wrapper(self, lay: Layout, map_of: dict[str, str]) -> str:
+        """The wrapper: extents from the inputs, block sizes, views and padding, the pallas_call, crops."""
+        kw = sorted(self.kernel_kw)
+        grid_axes, axis_dims, in_vars = lay.grid_axes, lay.axis_dims, lay.in_vars
+        out_view, params, names_in, out_names = lay.out_view, lay.params, lay.names_in, lay.out_names
+        sched = self.schedule
         # wrapper
         w: list[str] = []
         extent_lines = self.extent_lines(in_vars)
@@ -747,7 +850,12 @@ class Builder:
             view = self.input_view[v]
             for line in self.to_view_code(v, view, nm):
                 w.append("    " + line)
-            target = [d.padded if (d.role in ("tiled", "seq") and self.spans(v, d)) else None for d in view]
+            target = [
+                d.padded
+                if (d.role in ("tiled", "seq") and self.spans(v, d) and not self.overhang_ok(d))
+                else None
+                for d in view
+            ]
             if any(t is not None for t in target):
                 shape = ", ".join(t if t is not None else f"{nm}.shape[{i}]" for i, t in enumerate(target))
                 w.append(f"    {nm} = _pad_to({nm}, ({shape},))")
@@ -779,7 +887,10 @@ class Builder:
         out_shapes = []
         for v, nm in zip(self.outputs, out_names, strict=True):
             out_specs.append(f"pl.BlockSpec({block(out_view, v)}, {map_of[nm]})")
-            shape = [("1" if not self.spans(v, d) else d.padded) for d in out_view]
+            shape = [
+                ("1" if not self.spans(v, d) else d.ext if self.overhang_ok(d) else d.padded)
+                for d in out_view
+            ]
             dt = dtype_name(v.aval)
             dt = "int32" if dt == "bool" else dt
             out_shapes.append(
@@ -790,6 +901,12 @@ class Builder:
             for _, dt, dims in self.scratch()
         ]
         sem = ", ".join('"arbitrary"' if axis_dims[a].role == "seq" else '"parallel"' for a in grid_axes)
+        n_grid = len(grid_axes)
+        if sched is not None:
+            grid = ", ".join(ext for _, ext, _ in sched.grid)
+            sem = ", ".join(f'"{s}"' for _, _, s in sched.grid)
+            n_grid = len(sched.grid)
+            w.extend("    " + line for line in sched.wrapper_lines)
         partial = self.stem + "_kernel"
         if kw:
             partial = (
@@ -814,28 +931,38 @@ class Builder:
         w.append("    )")
         w.append("    outs = pl.pallas_call(" if not one else "    out = pl.pallas_call(")
         w.append(f"        {partial},")
-        w.append(f"        grid=({grid}{',' if len(grid_axes) == 1 else ''}),")
-        w.append("        in_specs=[")
+        pad = "        "
+        if sched is not None:
+            w.append("        grid_spec=pltpu.PrefetchScalarGridSpec(")
+            w.append(f"            num_scalar_prefetch={len(sched.prefetch)},")
+            pad = "            "
+        w.append(f"{pad}grid=({grid}{',' if n_grid == 1 else ''}),")
+        w.append(f"{pad}in_specs=[")
         for sp in in_specs:
-            w.append(f"            {sp},")
-        w.append("        ],")
+            w.append(f"{pad}    {sp},")
+        w.append(f"{pad}],")
         if one:
-            w.append(f"        out_specs={out_specs[0]},")
+            w.append(f"{pad}out_specs={out_specs[0]},")
         else:
-            w.append("        out_specs=[" + ", ".join(out_specs) + "],")
-        w.append("        out_shape=out_shape,")
+            w.append(f"{pad}out_specs=[" + ", ".join(out_specs) + "],")
         if scratch:
-            w.append(f"        scratch_shapes=[{', '.join(scratch)}],")
+            w.append(f"{pad}scratch_shapes=[{', '.join(scratch)}],")
+        if sched is not None:
+            w.append("        ),")
+        w.append("        out_shape=out_shape,")
         w.append("        compiler_params=pltpu.CompilerParams(")
-        w.append(f"            dimension_semantics=({sem}{',' if len(grid_axes) == 1 else ''}),")
+        w.append(f"            dimension_semantics=({sem}{',' if n_grid == 1 else ''}),")
         w.append(f"            vmem_limit_bytes={self.cprefix}VMEM_LIMIT_BYTES,")
         w.append("        ),")
         w.append("        cost_estimate=cost,")
-        w.append(f"    )({', '.join(names_in)})")
+        w.append(f"    )({', '.join([*(sched.prefetch if sched is not None else []), *names_in])})")
         results = []
         for i, (v, nm) in enumerate(zip(self.outputs, out_names, strict=True)):
             src = "out" if one else f"outs[{i}]"
-            crop = [d.ext if self.spans(v, d) and d.role in ("tiled", "seq") else None for d in out_view]
+            crop = [
+                d.ext if self.spans(v, d) and d.role in ("tiled", "seq") and not self.overhang_ok(d) else None
+                for d in out_view
+            ]
             if one:
                 cur = "out"
             else:
@@ -848,13 +975,18 @@ class Builder:
                 w.append("    " + line)
             results.append(cur)
         w.append(f"    return {', '.join(results)}")
-        code.append("\n".join(w) + "\n")
+        return "\n".join(w) + "\n"
+
+    def kernel_spec(self, lay: Layout, code: str) -> KernelSpec:
+        """The spec the tuner and the block model read."""
+        grid_axes, axis_dims, in_vars = lay.grid_axes, lay.axis_dims, lay.in_vars
+        out_view, params = lay.out_view, lay.params
         # spec
         spec = KernelSpec(
             name=self.stem,
             family=self.family,
             title=self.title(),
-            code="\n\n".join(code),
+            code=code,
             params=params,
             grid=[
                 GridAxis(
@@ -871,10 +1003,24 @@ class Builder:
             notes=self.notes,
             structure=self.structure(),
         )
+        return spec
+
+    def call_expression(self, lay: Layout) -> str:
+        """How computation() calls the wrapper."""
+        low = self.low
+        in_vars = lay.in_vars
+        ckw = sorted(self.call_kw)
         call_args = ", ".join(low.name_of(v) for v in in_vars)
         call_kw = ", ".join(f"{k}={self.call_kw[k]}" for k in ckw)
         call = f"{self.stem}({call_args}{', ' if call_kw and call_args else ''}{call_kw})"
-        return spec, call
+        return call
+
+    def overhang_ok(self, d: SpaceDim) -> bool:
+        """May the last block along `d` overhang the array edge instead of padding the operands in HBM
+        (and cropping the results)? Pallas reads unspecified values past the edge and drops writes there,
+        so this holds when padded positions only ever reach padded outputs or are masked in the kernel;
+        a contraction (K) needs real zeros. Padding and cropping are whole-array copies in HBM."""
+        return False
 
     def flops_code(self) -> str:
         """Flops of the whole call as an expression of the wrapper's extents (for pl.CostEstimate)."""
@@ -932,7 +1078,7 @@ class Builder:
                     copies=2,
                     kind="input",
                     axes=axes,
-                    hbm_bytes=_nbytes(v),
+                    hbm_bytes=nbytes(v),
                 )
             )
         for v in self.outputs:
@@ -945,7 +1091,7 @@ class Builder:
                     copies=2,
                     kind="output",
                     axes=axes,
-                    hbm_bytes=_nbytes(v),
+                    hbm_bytes=nbytes(v),
                 )
             )
         for name, _dt, dims in self.scratch():
@@ -974,7 +1120,8 @@ class Builder:
         return refs
 
 
-def _nbytes(v: Any) -> int:
+def nbytes(v: Any) -> int:
+    """Bytes of a jaxpr var's whole array (a BufferSpec's HBM size, the block model's traffic)."""
     n = v.aval.dtype.itemsize
     for s in v.aval.shape:
         n *= int(s)
@@ -987,7 +1134,8 @@ def _tuple(items: list[str]) -> str:
     return f"({', '.join(items)})"
 
 
-def _stem(prim: str) -> str:
+def stem_of(prim: str) -> str:
+    """A readable variable stem for a primitive's result in generated code."""
     return {
         "reduce_sum": "sum",
         "reduce_max": "max",
@@ -1021,7 +1169,8 @@ def _constant_value(g: Any, var: Any, own: set[int]) -> float | None:
         var = e.invars[0]
 
 
-def _precision(e: Any) -> str:
+def precision_arg(e: Any) -> str:
+    """The `, precision=...` argument a kernel's dot needs to match an f32 reference dot's precision."""
     prec = e.params.get("precision")
     dt = dtype_name(e.invars[0].aval)
     if dt != "float32" or prec is None:
@@ -1033,11 +1182,13 @@ def _precision(e: Any) -> str:
     return ""
 
 
-def _nelems(v: Any) -> int:
+def nelems(v: Any) -> int:
+    """Elements of a jaxpr var's array (at the primary trace's shapes)."""
     return math.prod(int(s) for s in v.aval.shape)
 
 
-def _op_summary(g: Any, region: Region, *, skip_dots: bool = False, limit: int = 8) -> str:
+def op_summary(g: Any, region: Region, *, skip_dots: bool = False, limit: int = 8) -> str:
+    """A region's work as a short list of op names, for kernel titles and plans."""
     names: list[str] = []
     for i in sorted(region.owned):
         e = g.eqns[i]
@@ -1047,9 +1198,12 @@ def _op_summary(g: Any, region: Region, *, skip_dots: bool = False, limit: int =
             continue
         if skip_dots and k == "dot":
             continue
-        label = _stem(n)
+        label = stem_of(n)
         if not names or names[-1] != label:
             names.append(label)
     if len(names) > limit:
         names = names[:limit] + ["..."]
     return ", ".join(names)
+
+
+# Old private spellings, kept only while branches written before the family registry still import them.

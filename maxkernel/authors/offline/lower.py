@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from maxkernel.authors.offline.attention_kernel import AttentionBuilder
+from maxkernel.authors.offline.dataflow import Graph, is_literal
 from maxkernel.authors.offline.emit import (
     EmitError,
     dtype_code,
@@ -20,10 +20,8 @@ from maxkernel.authors.offline.emit import (
     literal_code,
     shape_comment,
 )
-from maxkernel.authors.offline.graph import Graph, is_literal
+from maxkernel.authors.offline.families import builder_for
 from maxkernel.authors.offline.kernels import LowerError
-from maxkernel.authors.offline.map_kernel import MapBuilder
-from maxkernel.authors.offline.matmul_kernel import MatmulBuilder
 from maxkernel.authors.offline.partition import FUSION_LEVELS, Options, Partition, Region
 from maxkernel.authors.offline.spec import KernelSpec, ProgramSpec
 from maxkernel.authors.offline.trace import Atom, Resolver, Traces, Unsupported, _close, search
@@ -253,10 +251,15 @@ class Lowering:
                 f"operand_batching_dims={tuple(getattr(dn, 'operand_batching_dims', ()))}, "
                 f"start_indices_batching_dims={tuple(getattr(dn, 'start_indices_batching_dims', ()))})"
             )
+            src = self.cast_source(e.invars[0])
+            cast = ""
+            if src is not None:  # gather the few values first, then cast them (never the whole array)
+                x, cast = self.name_of(src), f".astype({dtype_code(dtype_name(e.outvars[0].aval))})"
             return (
                 f"lax.gather({x}, {arg(1)}, {dnc}, {_tup(sizes)}, "
                 f"indices_are_sorted={bool(p.get('indices_are_sorted'))}, unique_indices={bool(p.get('unique_indices'))}, "
                 f"mode={mode_code}, fill_value={'None' if fill is None else literal_code(fill, dtype_name(e.outvars[0].aval))})"
+                + cast
             )
         if name == "split":
             per = ints("sizes")
@@ -317,6 +320,32 @@ class Lowering:
         return ", ".join(out) if len(out) != 1 else out[0] + ","
 
     # --- the program ----------------------------------------------------------------------------------
+    def cast_source(self, var: Any) -> Any | None:
+        """For a glue float-to-float cast: the value it casts (a gather may read that and cast after)."""
+        p = self.g.producer.get(var)
+        if p is None or self.part.status[p] != "glue":
+            return None
+        e = self.g.eqns[p]
+        if e.primitive.name != "convert_element_type" or is_literal(e.invars[0]):
+            return None
+        if not (is_float(dtype_name(e.invars[0].aval)) and is_float(dtype_name(var.aval))):
+            return None
+        return e.invars[0]
+
+    def cast_needed(self, i: int) -> bool:
+        """Is glue cast `i` read by anything but gathers that read its source instead (see glue_code)?"""
+        e = self.g.eqns[i]
+        v = e.outvars[0]
+        if self.cast_source(v) is None or v in self.g.out_set:
+            return True
+        for c in self.g.consumers.get(v, []):
+            ce = self.g.eqns[c]
+            if self.part.status[c] == "glue" and ce.primitive.name == "gather" and ce.invars[0] is v:
+                continue
+            if self.part.status[c] == "glue":
+                return True
+        return any(v in self.part.region_inputs(r) for r in self.part.regions.values())
+
     def order(self) -> list[tuple[str, Any]]:
         """Glue equations and regions in an order that respects every dependency (Kahn, by position)."""
         g, part = self.g, self.part
@@ -367,6 +396,8 @@ class Lowering:
         for kind, obj in ordered:
             if kind == "glue":
                 e = g.eqns[obj]
+                if not self.cast_needed(obj):
+                    continue
                 try:
                     expr = self.glue_code(obj)
                 except EmitError as exc:
@@ -377,7 +408,7 @@ class Lowering:
                 glue_desc.append(e.primitive.name)
                 continue
             region: Region = obj
-            builder = _builder(region)(self, region, counter, n_k)
+            builder = builder_for(region.kind)(self, region, counter, n_k)
             counter += 1
             spec, call = builder.build()
             kernels.append(spec)
@@ -441,17 +472,6 @@ class Lowering:
                 continue
             out.append(f"{e.primitive.name} -> {_aval(e.outvars[0])}")
         return out
-
-
-def _builder(region: Region) -> Any:
-    from maxkernel.authors.offline.grouped import GroupedMatmulBuilder
-
-    return {
-        "map": MapBuilder,
-        "matmul": MatmulBuilder,
-        "attention": AttentionBuilder,
-        "grouped": GroupedMatmulBuilder,
-    }[region.kind]
 
 
 def _aval(v: Any) -> str:

@@ -6,16 +6,17 @@ import math
 from typing import Any
 
 from maxkernel.authors.offline.axes import Node
+from maxkernel.authors.offline.dataflow import is_literal, reduced_axes
 from maxkernel.authors.offline.emit import dtype_code, dtype_name
-from maxkernel.authors.offline.graph import is_literal, reduced_axes
 from maxkernel.authors.offline.kernels import (
     Builder,
     Scope,
     Space,
     SpaceDim,
-    _nelems,
-    _op_summary,
+    nelems,
+    op_summary,
 )
+from maxkernel.authors.offline.online import online_sums
 from maxkernel.authors.offline.spec import BufferSpec
 
 
@@ -35,7 +36,7 @@ class MapBuilder(Builder):
         ]
         # Class order: the layout of the biggest operand, so that most operands need no transpose.
         io = [*self.inputs, *self.outputs]
-        dominant = sorted(io, key=lambda v: (-len(ax.footprint(v)), -_nelems(v)))
+        dominant = sorted(io, key=lambda v: (-len(ax.footprint(v)), -nelems(v)))
         order: list[Node] = []
         for v in [*dominant, *region_vars]:
             for c in ax.classes(v):
@@ -140,7 +141,7 @@ class MapBuilder(Builder):
         """Merge trailing groups into the lane dim while it is short (< 512) and the operands that vary
         along only part of it are small enough to broadcast outside (a quarter of the largest operand)."""
         ax = self.ax
-        biggest = max((_nelems(v) for v in io), default=1)
+        biggest = max((nelems(v) for v in io), default=1)
         groups = [list(g) for g in groups]
         while len(groups) >= 3 or (len(groups) == 2 and False):
             lane = groups[-1]
@@ -162,6 +163,11 @@ class MapBuilder(Builder):
 
     def out_space(self) -> Space:
         return self.space
+
+    def overhang_ok(self, d: SpaceDim) -> bool:
+        # tiled dims are independent rows/columns (garbage past the edge stays in rows nobody keeps); the
+        # walked reduction axis is masked with `valid`
+        return d.role in ("tiled", "seq")
 
     def scratch(self) -> list[tuple[str, str, list[SpaceDim | str]]]:
         if not getattr(self, "stream", False):
@@ -221,16 +227,47 @@ class MapBuilder(Builder):
             e = g.eqns[i]
             if g.kind[i] == "reduce" or any(v in post_vars for v in e.invars if not is_literal(v)):
                 post_vars.update(e.outvars)
+        online = online_sums(g, self.region.eqns())
+        slot = {i: k for k, i in enumerate(reds)}
+        running: dict[int, tuple[str, str]] = {}  # max eqn -> (old running max, new running max)
+        for i in dict.fromkeys(o.max_eqn for o in online.values()):
+            # the running max of this block first: the online sums below rescale against it
+            k = slot[i]
+            e = g.eqns[i]
+            src = self._block_operand(e.invars[0], red, main)
+            old, new = self.fresh("m_prev"), self.fresh("m_next")
+            main.add(f"{old} = acc{k}_ref[...]  # running max before this block")
+            main.add(
+                f"{new} = jnp.maximum({old}, jnp.max(jnp.where(valid, {src}, -jnp.inf), axis={pos}, "
+                "keepdims=True))"
+            )
+            running[i] = (old, new)
+            out = e.outvars[0]
+
+            def current(
+                scope: Scope, space: Space, new: str = new, out: Any = out
+            ) -> tuple[str, frozenset[str]]:
+                dt = dtype_name(out.aval)
+                mat = frozenset(d.key for d in space.dims if d.role != "seq" and self.spans(out, d))
+                return (new if dt == "float32" else f"{new}.astype({dtype_code(dt)})"), mat
+
+            main.special[out] = current
         for k, i in enumerate(reds):
             e = g.eqns[i]
             name = e.primitive.name
-            x = e.invars[0]
-            code, mat = self.value(x, self.space, main)
-            need = {d.key for d in self.space.dims if self.spans(x, d)} | {red.key}
-            code, mat = self.materialise(code, mat, need, self.space, main, dtype_name(x.aval))
-            src = code if dtype_name(x.aval) == "float32" else f"{code}.astype(jnp.float32)"
+            if i in running:
+                continue  # stored below, after the sums that rescale against the old value
+            src = self._block_operand(e.invars[0], red, main)
             part = f"{fn[name]}(jnp.where(valid, {src}, {neutral[name]}), axis={pos}, keepdims=True)"
+            if i in online:
+                old, new = running[online[i].max_eqn]
+                scale = self.fresh("rescale")
+                main.add(f"{scale} = jnp.where({new} == -jnp.inf, 0.0, jnp.exp({old} - {new}))")
+                main.add(f"acc{k}_ref[...] = acc{k}_ref[...] * {scale} + {part}")
+                continue
             main.add(f"acc{k}_ref[...] = " + combine[name].format(a=f"acc{k}_ref[...]", b=part))
+        for i, (_, new) in running.items():
+            main.add(f"acc{slot[i]}_ref[...] = {new}")
         for v, nm in zip(self.outputs, names, strict=True):
             if v not in post_vars:
                 self.store(v, f"{nm}_ref", self.space, main)
@@ -259,9 +296,16 @@ class MapBuilder(Builder):
             fin.add("pass")
         return main.lines + fin.lines
 
+    def _block_operand(self, x: Any, red: SpaceDim, scope: Scope) -> str:
+        """A reduction's operand on this block, materialised along the walked axis, in f32."""
+        code, mat = self.value(x, self.space, scope)
+        need = {d.key for d in self.space.dims if self.spans(x, d)} | {red.key}
+        code, mat = self.materialise(code, mat, need, self.space, scope, dtype_name(x.aval))
+        return code if dtype_name(x.aval) == "float32" else f"{code}.astype(jnp.float32)"
+
     def title(self) -> str:
         red = any(self.g.kind[i] == "reduce" for i in self.region.eqns())
-        ops = _op_summary(self.g, self.region)
+        ops = op_summary(self.g, self.region)
         return ("row-wise " if red else "elementwise ") + ops
 
     def structure(self) -> str:
@@ -269,6 +313,17 @@ class MapBuilder(Builder):
             return (
                 "one grid step per (rows, cols) tile of the output; every elementwise op of the chain runs on "
                 "the tile in VMEM, so each input is read once and each output written once"
+            )
+        if self.family == "reduction":
+            online = (
+                " (a max and a sum of exp(x - max) kept online: the sum is rescaled whenever the running max grows)"
+                if online_sums(self.g, self.region.eqns())
+                else ""
+            )
+            return (
+                "the reduced axis is walked in blocks (innermost, sequential) with f32 accumulators in VMEM"
+                f"{online}; the finishing ops run once per row block at the last step, so the input is read "
+                "once"
             )
         return (
             "one grid step per block of rows; each row's reduced axis is whole in the block, so the "
@@ -287,7 +342,7 @@ class MapBuilder(Builder):
         for i in self.region.eqns():
             if self.g.kind[i] in ("elementwise", "reduce"):
                 n += max(
-                    _nelems(v) for v in (*self.g.eqns[i].invars, *self.g.eqns[i].outvars) if not is_literal(v)
+                    nelems(v) for v in (*self.g.eqns[i].invars, *self.g.eqns[i].outvars) if not is_literal(v)
                 )
         return n
 

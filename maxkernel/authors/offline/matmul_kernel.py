@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from maxkernel.authors.offline.dataflow import is_literal
 from maxkernel.authors.offline.emit import dtype_code, dtype_name
 from maxkernel.authors.offline.kernels import (
     Builder,
@@ -9,9 +12,9 @@ from maxkernel.authors.offline.kernels import (
     Scope,
     Space,
     SpaceDim,
-    _nelems,
-    _op_summary,
-    _precision,
+    nelems,
+    op_summary,
+    precision_arg,
 )
 from maxkernel.authors.offline.spec import BufferSpec
 
@@ -96,6 +99,11 @@ class MatmulBuilder(Builder):
     def out_space(self) -> Space:
         return self.epi
 
+    def overhang_ok(self, d: SpaceDim) -> bool:
+        # rows of the lhs and columns of the rhs past the edge only reach output rows/columns past the edge;
+        # K needs real zeros (the accumulator sums along it)
+        return d.role == "tiled"
+
     def scratch(self) -> list[tuple[str, str, list[SpaceDim | str]]]:
         return [
             (f"acc{i}_ref" if len(self.region.dots) > 1 else "acc_ref", "jnp.float32", [self.m, self.n])
@@ -116,15 +124,23 @@ class MatmulBuilder(Builder):
             e = g.eqns[d]
             lhs_space = Space(f"lhs_{self.ks[i].key}", [self.m, self.ks[i]])
             rhs_space = Space(f"rhs_{self.ks[i].key}", [self.ks[i], self.n])
-            a, am = self.value(e.invars[0], lhs_space, main)
-            b, bm = self.value(e.invars[1], rhs_space, main)
+            lhs, rhs = e.invars[0], e.invars[1]
+            prec = precision_arg(e)
+            exact = [self.bf16_source(lhs), self.bf16_source(rhs)]
+            if exact[0] is not None and exact[1] is not None:
+                # f32 upcasts of bf16 values: bf16 x bf16 products are exact in f32, so one bf16 MXU pass
+                # with f32 accumulation computes the same dot as any f32 precision (HIGHEST included)
+                lhs, rhs = exact[0], exact[1]
+                prec = ""
+            a, am = self.value(lhs, lhs_space, main)
+            b, bm = self.value(rhs, rhs_space, main)
             a, _ = self.materialise(
                 a,
                 am,
                 {self.m.key, self.ks[i].key} if self.m.classes else {self.ks[i].key},
                 lhs_space,
                 main,
-                dtype_name(e.invars[0].aval),
+                dtype_name(lhs.aval),
             )
             b, _ = self.materialise(
                 b,
@@ -132,9 +148,8 @@ class MatmulBuilder(Builder):
                 {self.ks[i].key, self.n.key} if self.n.classes else {self.ks[i].key},
                 rhs_space,
                 main,
-                dtype_name(e.invars[1].aval),
+                dtype_name(rhs.aval),
             )
-            prec = _precision(e)
             if dtype_name(e.outvars[0].aval).startswith("int"):
                 raise LowerError("integer matmuls are not supported")
             main.add(f"{accs[i]}[...] += jnp.dot({a}, {b}, preferred_element_type=jnp.float32{prec})")
@@ -162,6 +177,18 @@ class MatmulBuilder(Builder):
             self.store(v, f"{nm}_ref", self.epi, epi)
         return main.lines + epi.lines
 
+    def bf16_source(self, var: Any) -> Any | None:
+        """The bf16 value behind an in-kernel f32 upcast that feeds a dot (None when there is none)."""
+        p = self.g.producer.get(var)
+        if p is None or p not in set(self.region.eqns()) or var in self.input_set:
+            return None
+        e = self.g.eqns[p]
+        if e.primitive.name != "convert_element_type" or is_literal(e.invars[0]):
+            return None
+        if dtype_name(e.invars[0].aval) != "bfloat16" or dtype_name(var.aval) != "float32":
+            return None
+        return e.invars[0]
+
     def title(self) -> str:
         g = self.g
         n = len(self.region.dots)
@@ -169,7 +196,7 @@ class MatmulBuilder(Builder):
         base = "batched matmul" if e.params["dimension_numbers"][1][0] else "matmul"
         if n > 1:
             base = f"{n} matmuls sharing a K loop"
-        ops = _op_summary(g, self.region, skip_dots=True)
+        ops = op_summary(g, self.region, skip_dots=True)
         return base + (f" with epilogue: {ops}" if ops else "")
 
     def structure(self) -> str:
@@ -197,7 +224,7 @@ class MatmulBuilder(Builder):
             k = 1
             for a in lc:
                 k *= int(e.invars[0].aval.shape[a])
-            total += 2.0 * _nelems(e.outvars[0]) * k
+            total += 2.0 * nelems(e.outvars[0]) * k
         return total
 
     def flops_code(self) -> str:

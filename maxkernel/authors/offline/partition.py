@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maxkernel.authors.offline.axes import Axes, Conflict, Node
-from maxkernel.authors.offline.graph import Graph, is_literal, reduced_axes
+from maxkernel.authors.offline.dataflow import Graph, is_literal, reduced_axes
+from maxkernel.authors.offline.families import FAMILY_OF, families_starting
+from maxkernel.authors.offline.online import online_sums
 
 STREAM_ELEMS = 64 * 1024
 """Reduced extents above this (at the task's own shapes) are walked in blocks instead of held whole."""
@@ -72,7 +74,7 @@ class AttentionInfo:
 @dataclass
 class Region:
     id: int
-    kind: str  # "map" | "matmul" | "attention"
+    kind: str  # a key of families.FAMILY_OF
     axes: Axes
     owned: list[int] = field(default_factory=list)
     pulled: set[int] = field(default_factory=set)
@@ -101,6 +103,7 @@ class Partition:
         self.owner: dict[int, int] = {}  # eqn -> region id
         self._next = 0
         self._classify()
+        self._online = online_sums(graph, [i for i, st in enumerate(self.status) if st == "owned"])
 
     # --- statuses -------------------------------------------------------------------------------------
     def _classify(self) -> None:
@@ -215,7 +218,7 @@ class Partition:
                     ext.append(v)
         return ext
 
-    def _new(self, kind: str) -> Region:
+    def new_region(self, kind: str) -> Region:
         r = Region(id=self._next, kind=kind, axes=Axes(self.g))
         self._next += 1
         self.regions[r.id] = r
@@ -264,7 +267,7 @@ class Partition:
     def _template_ok(self, region: Region, ax: Axes, i: int) -> bool:
         e = self.g.eqns[i]
         kind = self.g.kind[i]
-        if region.kind == "grouped":  # a fixed template: only a cast of its result joins it
+        if FAMILY_OF[region.kind].fixed_template:  # only a cast of its result joins it
             return len(region.owned) == 1 and e.primitive.name == "convert_element_type"
         if region.kind == "map":
             if kind == "dot":
@@ -302,12 +305,19 @@ class Partition:
                 n *= max(ax.extents_all(c))
         return n
 
-    def _post_vars(self, region: Region, extra: list[int]) -> set[Any]:
-        """Values computed from a reduction's result (in program order)."""
+    def _post_vars(self, region: Region, extra: list[int], online: set[int] | None = None) -> set[Any]:
+        """Values computed from a reduction's result (in program order). The sub/exp/casts of an online
+        sum (`online`, see online.py) are per-block values: they see the running max, not a finished one."""
         post: set[Any] = set()
+        online = online or set()
         for j in sorted(set(region.eqns()) | set(extra)):
             e = self.g.eqns[j]
-            if self.g.kind[j] == "reduce" or any(v in post for v in e.invars if not is_literal(v)):
+            ins = [v for v in e.invars if not is_literal(v)]
+            if j in online:
+                if any(v in post for v in (ins[:1] if e.primitive.name == "sub" else ins)):
+                    post.update(e.outvars)
+                continue
+            if self.g.kind[j] == "reduce" or any(v in post for v in ins):
                 post.update(e.outvars)
         return post
 
@@ -331,10 +341,17 @@ class Partition:
             return False
         if any(self.g.eqns[j].primitive.name not in ("reduce_sum", "reduce_max", "reduce_min") for j in reds):
             return False
-        post = self._post_vars(region, [i])
+        # sum(exp(a - max(a))) is rescaled online (online.py): its chain may use the running max per block
+        chain = {q for o in self._online.values() for q in o.values}
+        exempt = chain | {q for o in self._online.values() for q in o.layout}
+        post = self._post_vars(region, [i], chain)
         for j in sorted(set(region.eqns()) | {i}):
             ej = self.g.eqns[j]
             ins = [v for v in ej.invars if not is_literal(v)]
+            if j in exempt:
+                if ej.primitive.name == "sub" and ins[0] in post:
+                    return False  # `a` itself depends on a reduction: no single pass
+                continue
             if self.g.kind[j] == "reduce":
                 if any(v in post for v in ins):
                     return False
@@ -365,39 +382,16 @@ class Partition:
 
     # --- building -------------------------------------------------------------------------------------
     def run(self) -> None:
-        from maxkernel.authors.offline.attention import match_attention
-
+        """Give every owned equation a region: the families of `families.FAMILIES`, asked in order."""
         g = self.g
-        for i, e in enumerate(g.eqns):
+        for i in range(len(g.eqns)):
             if self.status[i] != "owned" or i in self.owner:
                 continue
-            kind = g.kind[i]
-            if kind == "ragged":
-                r = self._new("grouped")
-                r.owned.append(i)
-                r.axes.add(e)
-                self.owner[i] = r.id
-                continue
-            if kind == "dot":
-                if self.opt.attention:
-                    info = match_attention(self, i)
-                    if info is not None:
-                        continue
-                self._start(i, "matmul")
-                continue
-            homes = self._homes(e)
-            if kind == "reduce":
-                if homes and self._join(homes, i):
-                    continue
-                self._start(i, "map")
-                continue
-            # elementwise / absorbed with at least one operand owned by a region
-            if homes and self._join(homes, i):
-                continue
-            self._start(i, "map")
+            if not any(f.matcher(self, i) for f in families_starting(g.kind[i])):
+                raise AssertionError(f"no kernel family takes a `{g.eqns[i].primitive.name}` equation")
         self._float_sinks()
 
-    def _homes(self, e: Any) -> list[Region]:
+    def homes(self, e: Any) -> list[Region]:
         out: list[Region] = []
         for v in e.invars:
             if is_literal(v):
@@ -409,7 +403,7 @@ class Partition:
                     out.append(r)
         return out
 
-    def _join(self, homes: list[Region], i: int) -> bool:
+    def join(self, homes: list[Region], i: int) -> bool:
         if len(homes) >= 2 and self.opt.multi_dot:
             merged = self._try_merge(homes, i)
             if merged:
@@ -464,11 +458,8 @@ class Partition:
         self.commit(combined, i, ax, pulls)
         return True
 
-    def _output_classes_of(self, region: Region, d: int) -> set[Node]:
-        return region.axes.footprint(self.g.eqns[d].outvars[0])
-
-    def _start(self, i: int, kind: str) -> Region:
-        r = self._new(kind)
+    def start(self, i: int, kind: str) -> Region:
+        r = self.new_region(kind)
         e = self.g.eqns[i]
         if kind == "matmul":
             r.dots.append(i)
@@ -494,7 +485,7 @@ class Partition:
                     continue
                 p = self.g.producer.get(v)
                 if p is not None and self.status[p] == "float" and p not in self.owner:
-                    fr = self._new("map")
+                    fr = self.new_region("map")
                     if not self._own_float(fr, p):
                         raise AssertionError("a float equation failed to start its own region")
             r.axes = Axes(self.g)
@@ -544,13 +535,23 @@ class Partition:
                     self.status[q] = "glue"
                 continue
             placed = False
-            if current is not None:
+            if current is not None and self._acyclic_with(current, p):
                 placed = self._own_float(current, p)
             if not placed:
-                current = self._new("map")
+                current = self.new_region("map")
                 if not self._own_float(current, p):
                     raise AssertionError("a float equation failed to start its own region")
             done[v] = current
+
+    def _acyclic_with(self, region: Region, p: int) -> bool:
+        """Can float equation `p` (with its float inputs) join `region` without the region needing, through
+        glue or other kernels, a value it computes itself (a returned value computed from a kernel's
+        output next to a value that kernel's input glue needs)?"""
+        chain = [q for q in self.float_closure(self.g.eqns[p].outvars[0]) if q != p]
+        trial = Region(id=-1, kind=region.kind, axes=region.axes)
+        trial.owned = [*region.owned, p]
+        trial.pulled = region.pulled | set(chain)
+        return not any(self._depends_on(v, trial, set()) for v in self.region_inputs(trial))
 
     def _own_float(self, region: Region, p: int) -> bool:
         """Make float equation `p` (and its float inputs) owned by a map region, so its result is stored."""

@@ -7,6 +7,11 @@ wrapper, and finally `computation` with the reference's signature.
 
 from __future__ import annotations
 
+import builtins
+import inspect
+import symtable
+import textwrap
+
 from maxkernel.authors.base import TileConfig
 from maxkernel.authors.offline.spec import KernelSpec, ProgramSpec, block_for
 from maxkernel.authors.offline.tuning import (
@@ -21,22 +26,12 @@ from maxkernel.authors.offline.tuning import (
 )
 from maxkernel.tools.tpu_specs import get_spec
 
-HELPERS = '''
+_HELPERS_TEMPLATE = '''
 def _round_up(x, multiple):
     return -(-x // multiple) * multiple
 
 
-def _block(extent, target, align):
-    """Block size along one dim: the whole dim when it fits the target; else a divisor of the dim that is a
-    multiple of `align` and at least half the target; else the target (and the dim gets padded)."""
-    if extent <= target:
-        return extent
-    b = (target // align) * align
-    while b >= max(align, target // 2):
-        if extent % b == 0:
-            return b
-        b -= align
-    return target
+{BLOCK_RULE}
 
 
 def _pad_to(x, shape):
@@ -56,6 +51,20 @@ def _crop(x, shape):
 def _nbytes(*arrays):
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays)
 '''
+
+
+def _block_rule_source() -> str:
+    """`spec.block_for` as the generated module's `_block`: the tuner's figures and the kernel's own block
+    choice come from one function, so they cannot drift apart."""
+    src = textwrap.dedent(inspect.getsource(block_for))
+    head = "def block_for(extent: int, target: int, align: int) -> int:"
+    if head not in src:
+        raise AssertionError("spec.block_for's signature changed; update render._block_rule_source")
+    return src.replace(head, "def _block(extent, target, align):")
+
+
+HELPERS = _HELPERS_TEMPLATE.replace("{BLOCK_RULE}", _block_rule_source().strip("\n"))
+"""Helpers every generated module carries (padding, cropping, the block-size rule, byte counts)."""
 
 
 def _mib(n: float) -> str:
@@ -244,3 +253,27 @@ def _compress(ops: list[str]) -> list[str]:
         else:
             out.append(o)
     return out[:40] + (["..."] if len(out) > 40 else [])
+
+
+def undefined_names(source: str) -> list[str]:
+    """Names a module reads that nothing defines: not imported, assigned or defined at module level, not a
+    parameter or local of the function that reads them, and not a builtin. A generated module that uses
+    `np` without importing it fails only when that line runs (on a TPU, in a user's program); this finds it
+    from the text, with the standard library's own symbol tables."""
+    top = symtable.symtable(source, "<generated kernel module>", "exec")
+    defined = set(dir(builtins)) | {
+        s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()
+    }
+    missing: set[str] = set()
+
+    def walk(table: symtable.SymbolTable) -> None:
+        for s in table.get_symbols():
+            if not s.is_referenced() or s.get_name() in defined:
+                continue
+            if table.get_type() == "module" or s.is_global():
+                missing.add(s.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    walk(top)
+    return sorted(missing)

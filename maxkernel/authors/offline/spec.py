@@ -30,8 +30,11 @@ class DimRef(BaseModel):
 
 
 def block_for(extent: int, target: int, align: int) -> int:
-    """The block the generated `_block` helper picks: the whole dim when it fits, else a divisor of the dim
-    that is a multiple of `align` and at least half the target, else the target (the dim is padded)."""
+    """Block size along one dim: the whole dim when it fits the target, else a divisor of the dim that is a
+    multiple of `align` and at least half the target, else the target (and the dim gets padded).
+
+    Generated modules carry this very function as `_block` (render.HELPERS), so the block a kernel picks at
+    run time and the one the tuner's figures assume are the same."""
     if extent <= target:
         return extent
     b = (target // align) * align

@@ -106,6 +106,11 @@ def _thunk(eqn: Any, read: Callable[[Any], Any]) -> Callable[[], Any]:
 
 def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
     name = eqn.primitive.name
+    if name in CALL_PRIMITIVES and eqn.params.get("name") == "searchsorted":
+        side = _searchsorted_side(eqn)
+        if side is not None:
+            REWRITTEN.add("searchsorted")
+            return [_searchsorted_as_count(ins[0], ins[1], side, eqn.outvars[0].aval.dtype)]
     if name in CALL_PRIMITIVES:
         key = CALL_PRIMITIVES[name]
         sub = eqn.params.get(key)
@@ -117,11 +122,158 @@ def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
         return _scan_as_vmap(eqn, ins)
     if name == "stop_gradient":
         return [ins[0]]
-    if name == "conv_general_dilated":
+    if name == "conv_general_dilated" and not _direct_conv_decision(eqn, ins):
         REWRITTEN.add(name)
         return [_conv_as_patches(ins[0], ins[1], eqn.params)]
+    if name in ("scatter", "scatter-add", "scatter_add") and len(ins) == 3:
+        REWRITTEN.add(name)
+        return [_scatter_as_masked_reduce(*ins, eqn.params, add=name != "scatter")]
+    if name in CUMULATIVE:
+        REWRITTEN.add(name)
+        return [
+            _cumulative_as_masked_reduce(ins[0], name, int(eqn.params["axis"]), bool(eqn.params["reverse"]))
+        ]
     out = eqn.primitive.bind(*ins, **eqn.params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+CUMULATIVE = {"cumsum": "sum", "cummax": "max", "cummin": "min"}
+"""Cumulative ops rewritten as a masked reduction over a square of the scanned axis (see below)."""
+
+CUMULATIVE_MAX_LEN = 4096
+"""Longest scanned axis for that rewrite: each output element reads the whole axis (n² work), which is
+cheap next to the rest of a kernel for chunk-sized axes and group counts, and wasteful beyond."""
+
+
+def _cumulative_as_masked_reduce(x: Any, name: str, axis: int, reverse: bool) -> Any:
+    """`cumsum(x, axis)[.., i, ..] = sum_j x[.., j, ..] * (j <= i)`: a broadcast, an iota mask and a
+    reduction, which the kernel families already fuse into the kernel that produces or consumes `x` (a
+    prefix sum has no TPU vector primitive; a masked reduction over a VMEM-resident axis does)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    n = x.shape[axis]
+    if n > CUMULATIVE_MAX_LEN:
+        raise Unsupported(
+            f"a cumulative {CUMULATIVE[name]} along an axis of {n} elements (at most {CUMULATIVE_MAX_LEN})"
+        )
+    rank = x.ndim
+    i = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    j = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    mask = (j >= i) if reverse else (j <= i)  # [i, j]: does x[j] count towards out[i]
+    shape = (*x.shape[:axis], n, n, *x.shape[axis + 1 :])
+    # lax, not jnp.where: the flattened jaxpr must not gain calls (jnp.where is a jitted function)
+    mask = lax.broadcast_in_dim(mask, shape, (axis, axis + 1))
+    xj = lax.broadcast_in_dim(
+        x, shape, tuple(d if d < axis else d + 1 for d in range(rank))
+    )  # [.., i, j, ..]
+    if name == "cumsum":
+        fill = jnp.zeros(shape, x.dtype)
+        return lax.reduce(lax.select(mask, xj, fill), np.zeros((), x.dtype), lax.add, (axis + 1,))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        value = -np.inf if name == "cummax" else np.inf
+    else:
+        info = jnp.iinfo(x.dtype)
+        value = info.min if name == "cummax" else info.max
+    fill = jnp.full(shape, value, x.dtype)
+    masked = lax.select(mask, xj, fill)
+    return lax.reduce_max(masked, (axis + 1,)) if name == "cummax" else lax.reduce_min(masked, (axis + 1,))
+
+
+SCATTER_MAX_ELEMS = 1 << 24
+"""Largest (rows of the operand) x (updates) x (window) product the scatter rewrite builds in a kernel."""
+
+
+def _scatter_as_masked_reduce(
+    operand: Any, indices: Any, updates: Any, params: dict[str, Any], *, add: bool
+) -> Any:
+    """A scatter of whole rows along one operand dim (`x.at[idx].set(u)` / `.add(u)`, bincount, the scatter
+    inside `jnp.repeat`) as a one-hot masked reduction: `out[i] = sum_j (idx[j] == i) * u[j]` (added to the
+    operand, or replacing it where some j hits i, the last such j winning). Out-of-range indices match no row,
+    which is FILL_OR_DROP's rule; CLIP clamps first. The work is rows x updates x window, so it is kept for
+    small scatters (group counts, sequence bounds); a data-dependent write has no Pallas TPU vector form."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    dn = params["dimension_numbers"]
+    if (
+        len(dn.scatter_dims_to_operand_dims) != 1
+        or tuple(dn.inserted_window_dims) != tuple(dn.scatter_dims_to_operand_dims)
+        or tuple(getattr(dn, "operand_batching_dims", ())) != ()
+    ):
+        raise Unsupported("a scatter other than whole rows along one dim")
+    d = int(dn.scatter_dims_to_operand_dims[0])
+    n_rows = operand.shape[d]
+    window = [operand.shape[k] for k in range(operand.ndim) if k != d]
+    idx = indices.reshape(-1)  # index_vector_dim has size 1: one index per update
+    n_upd = idx.shape[0]
+    upd_window = [updates.shape[k] for k in dn.update_window_dims]
+    if upd_window != window:
+        raise Unsupported("a scatter of partial rows")
+    scatter_dims = [k for k in range(updates.ndim) if k not in dn.update_window_dims]
+    # updates -> (n_upd, *window)
+    u = jnp.transpose(updates, (*scatter_dims, *dn.update_window_dims)).reshape(n_upd, *window)
+    if n_rows * n_upd * max(1, math.prod(window)) > SCATTER_MAX_ELEMS:
+        raise Unsupported(f"a scatter of {n_upd} rows into {n_rows} (too large for a one-hot reduction)")
+    mode = str(params.get("mode"))
+    if "CLIP" in mode:
+        idx = lax.clamp(jnp.zeros((), idx.dtype), idx, jnp.asarray(n_rows - 1, idx.dtype))
+    shape = (n_rows, n_upd, *window)
+    rank = len(shape)
+    row = lax.broadcasted_iota(idx.dtype, (n_rows, n_upd), 0)
+    hit = lax.eq(row, lax.broadcast_in_dim(idx, (n_rows, n_upd), (1,)))  # [i, j]
+    hit_b = lax.broadcast_in_dim(hit, shape, (0, 1))
+    zero = jnp.zeros(shape, operand.dtype)
+    u_b = lax.broadcast_in_dim(u.astype(operand.dtype), shape, tuple(range(1, rank)))
+    if add:
+        val = lax.reduce(lax.select(hit_b, u_b, zero), np.zeros((), operand.dtype), lax.add, (1,))
+        moved = jnp.moveaxis(operand, d, 0) if d else operand
+        out = lax.add(moved, val)
+    else:
+        col = lax.broadcasted_iota(jnp.int32, (n_rows, n_upd), 1)
+        none = jnp.full((n_rows, n_upd), -1, jnp.int32)
+        last = lax.reduce(lax.select(hit, col, none), np.iinfo(np.int32).min, lax.max, (1,))  # [i]
+        pick = lax.eq(col, lax.broadcast_in_dim(last, (n_rows, n_upd), (0,)))
+        pick_b = lax.broadcast_in_dim(pick, shape, (0, 1))
+        val = lax.reduce(lax.select(pick_b, u_b, zero), np.zeros((), operand.dtype), lax.add, (1,))
+        moved = jnp.moveaxis(operand, d, 0) if d else operand
+        found = lax.broadcast_in_dim(lax.ge(last, jnp.zeros((), jnp.int32)), moved.shape, (0,))
+        out = lax.select(found, val, moved)
+    return jnp.moveaxis(out, 0, d) if d else out
+
+
+def _searchsorted_side(eqn: Any) -> str | None:
+    """'left' or 'right' for `jnp.searchsorted`'s binary-search implementation (a scan whose body compares
+    the query with `le`/`lt`), None for another implementation (which is inlined as it is)."""
+    names: list[str] = []
+
+    def walk(j: Any) -> None:
+        inner, _ = _as_closed(j)
+        for e in inner.eqns:
+            names.append(e.primitive.name)
+            for v in e.params.values():
+                if hasattr(v, "eqns") or (hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns")):
+                    walk(v)
+
+    walk(eqn.params["jaxpr"])
+    if "scan" not in names and "while" not in names:
+        return None
+    cmp = [n for n in names if n in ("lt", "lt_to", "le", "le_to")]
+    if not cmp:
+        return None
+    return "right" if cmp[0].startswith("lt") else "left"
+
+
+def _searchsorted_as_count(sorted_arr: Any, query: Any, side: str, dtype: Any) -> Any:
+    """The insertion index of `query` in a sorted 1-D array is how many entries precede it: a comparison
+    against every entry and a sum, the same answer as the binary search for sorted input (NaN ordering
+    aside). The search's loop cannot run in a kernel; the count is a map and a reduction."""
+    import jax.numpy as jnp
+
+    a = sorted_arr.reshape((1,) * query.ndim + (sorted_arr.shape[0],))
+    q = jnp.expand_dims(query, query.ndim)
+    before = (a <= q) if side == "right" else (a < q)
+    return jnp.sum(before.astype(jnp.int32), axis=-1).astype(dtype)
 
 
 def _scan_as_vmap(eqn: Any, ins: list[Any]) -> list[Any]:
@@ -134,6 +286,68 @@ def _scan_as_vmap(eqn: Any, ins: list[Any]) -> list[Any]:
         return _eval(body, body_consts, [*consts, *x])
 
     return list(jax.vmap(one)(*xs))
+
+
+DIRECT_CONV_MAX_BLOCK_BYTES = 16 * 2**20
+"""The smallest halo'd input block of the conv family (one output row's window: `k` planes of the padded
+input) must fit this, double-buffered, next to the weights and outputs."""
+
+
+def direct_conv_ok(
+    params: dict[str, Any], x_shape: tuple[int, ...], itemsize: int, w_shape: tuple[int, ...]
+) -> bool:
+    """Can this convolution run as shifted matmuls over halo'd blocks of rows in VMEM? A 1x1 convolution is
+    left to the patches path: its "patches" are the input itself, and the matmul family fuses its epilogue."""
+    nsp = len(x_shape) - 2
+    if nsp not in (2, 3):
+        return False
+    if all(w_shape[d] == 1 for d in params["dimension_numbers"].rhs_spec[2:]):
+        return False
+    if any(s != 1 for s in params["window_strides"]):
+        return False
+    if any(d != 1 for d in (params.get("lhs_dilation") or ())) or any(
+        d != 1 for d in (params.get("rhs_dilation") or ())
+    ):
+        return False
+    if params.get("feature_group_count", 1) != 1 or params.get("batch_group_count", 1) != 1:
+        return False
+    dn = params["dimension_numbers"]
+    plane = math.prod(x_shape[d] for d in (dn.lhs_spec[1], *dn.lhs_spec[3:])) * itemsize
+    plane = plane * math.prod(
+        1 + (int(a) + int(b)) / max(1, x_shape[d])
+        for (a, b), d in zip(params["padding"][1:], dn.lhs_spec[3:], strict=True)
+    )
+    return w_shape[dn.rhs_spec[2]] * plane <= DIRECT_CONV_MAX_BLOCK_BYTES
+
+
+@dataclass
+class _DirectConv:
+    """Set by `trace_reference(direct_conv=True)`: convolutions `direct_conv_ok` accepts stay one primitive
+    (the conv family's kernel) instead of becoming patches + a matmul. The first (TPU-scale) trace decides
+    for each convolution in order, and the other configurations replay those decisions, so every trace has
+    the same structure."""
+
+    enabled: bool = False
+    decisions: list[bool] = field(default_factory=list)
+    replay: bool = False
+    position: int = 0
+
+
+DIRECT_CONV = _DirectConv()
+
+
+def _direct_conv_decision(eqn: Any, ins: list[Any]) -> bool:
+    d = DIRECT_CONV
+    if not d.enabled:
+        return False
+    if d.replay:
+        if d.position >= len(d.decisions):
+            return False  # a convolution the primary trace did not have: the structures differ anyway
+        d.position += 1
+        return d.decisions[d.position - 1]
+    ok = direct_conv_ok(eqn.params, tuple(ins[0].shape), np.dtype(ins[0].dtype).itemsize, tuple(ins[1].shape))
+    d.decisions.append(ok)
+    return ok
 
 
 def _conv_as_patches(x: Any, w: Any, params: dict[str, Any]) -> Any:
@@ -300,9 +514,13 @@ def structure(closed: Any) -> list[tuple[str, int, int]]:
     return [(e.primitive.name, len(e.invars), len(e.outvars)) for e in closed.jaxpr.eqns]
 
 
-def trace_reference(computation: Callable[..., Any], configs: list[Config], arg_names: list[str]) -> Traces:
-    """Flatten the reference at every configuration; raise `Unsupported` when the structures differ."""
+def trace_reference(
+    computation: Callable[..., Any], configs: list[Config], arg_names: list[str], *, direct_conv: bool = False
+) -> Traces:
+    """Flatten the reference at every configuration; raise `Unsupported` when the structures differ.
+    `direct_conv`: keep stride-1 convolutions whole for the conv family instead of im2col patches."""
     REWRITTEN.clear()
+    DIRECT_CONV.enabled, DIRECT_CONV.decisions, DIRECT_CONV.replay = direct_conv, [], False
     closed = []
     for cfg in configs:
         specs = [jax.ShapeDtypeStruct(s, np.dtype(_np_dtype(d))) for s, d in cfg.dynamic]
@@ -311,6 +529,7 @@ def trace_reference(computation: Callable[..., Any], configs: list[Config], arg_
         def fn(*dyn: Any, _statics: list[Any] = statics) -> Any:
             return computation(*dyn, *_statics)
 
+        DIRECT_CONV.replay, DIRECT_CONV.position = bool(closed), 0
         closed.append(flatten(fn, specs))
     first = structure(closed[0])
     keep = [closed[0]]

@@ -20,7 +20,7 @@ import itertools
 
 from maxkernel.authors.base import TileConfig
 from maxkernel.authors.offline.spec import KernelSpec, ParamSpec, ProgramSpec, block_for
-from maxkernel.tools.tpu_specs import get_spec
+from maxkernel.tools.tpu_specs import PER_STEP_OVERHEAD_S, get_spec
 
 MiB = 1 << 20
 DEFAULT_TARGET = 16 * MiB
@@ -106,6 +106,26 @@ def grid_steps(kernel: KernelSpec, values: dict[str, int]) -> int:
     return n
 
 
+def predicted_seconds(program: ProgramSpec, config: TileConfig, tpu: list[str]) -> float:
+    """A coarse TPU-time prediction for ranking configs, summed over the target generations.
+
+    Pure arithmetic on the program's plain data (no JAX: this runs in the agent process): per kernel,
+    max(HBM traffic / bandwidth, flops / MXU peak, transcendentals / EUP rate) + grid steps x the per-step
+    overhead. It ranks configs of one program against each other; the harness's block model (on the
+    kernel's real jaxpr) is what estimates a kernel's time.
+    """
+    total = 0.0
+    for gen in tpu:
+        spec = get_spec(gen)
+        for k in program.kernels:
+            vals = kernel_values(k, config)
+            t_mem = hbm_traffic(k, vals) / spec.device_hbm_bytes_per_s
+            t_mxu = k.flops / spec.device_peak_flops
+            t_eup = k.transcendentals / spec.compiler_transcendentals_per_s
+            total += max(t_mem, t_mxu, t_eup) + grid_steps(k, vals) * PER_STEP_OVERHEAD_S
+    return total
+
+
 def candidates(p: ParamSpec) -> list[int]:
     """Aligned values for one param; everything at least the dim's extent collapses into one entry."""
     ladder = [v for v in LADDERS[p.role] if v % p.align == 0 or p.role == "leading"]
@@ -129,7 +149,11 @@ def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
         vals[p.name] = fit[-1]
     if kernel.family == "rowwise" and vals:
         _size_rows(kernel, vals)
+    start = dict(vals)
     for target in (DEFAULT_TARGET, budget):
+        # each target shrinks from the start: a kernel that cannot fit the small target (a whole output row
+        # per tile) gets the largest blocks that fit the budget, not the smallest ones
+        vals = dict(start)
         guard = 0
         while vmem_estimate(kernel, vals) > target and guard < 64:
             guard += 1
@@ -140,9 +164,47 @@ def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
             vals[p.name] = _smaller(p, vals[p.name])  # type: ignore[assignment]
         if vmem_estimate(kernel, vals) <= target:
             break
+    if "matmul" in kernel.family and kernel.params:
+        target = ROW_TILE_TARGET if "rowreduce" in kernel.family else DEFAULT_TARGET
+        modelled = _modelled_values(kernel, min(budget, target))
+        if modelled is not None and _modelled_cost(kernel, modelled) < _modelled_cost(kernel, vals):
+            vals = modelled
     for p in kernel.params:
         p.default = vals[p.name]
     return vals
+
+
+ROW_TILE_TARGET = 32 * MiB
+"""VMEM a matmul default that keeps whole output rows (N full, a row-reduction epilogue) may use: a 16 MiB
+cap forces tiny row blocks there, each re-reading the whole weight matrix; still half the 64 MiB budget."""
+
+MODEL_HBM_BYTES_PER_S = get_spec("v5e").device_hbm_bytes_per_s
+"""Bandwidth that weighs HBM bytes against grid steps when choosing default blocks (the slowest target
+generation's; only the ratio to the per-step overhead matters)."""
+
+
+def _modelled_cost(kernel: KernelSpec, values: dict[str, int]) -> float:
+    """The two block-model terms block sizes change: HBM traffic (re-fetched blocks) and grid-step overhead."""
+    return (
+        hbm_traffic(kernel, values) / MODEL_HBM_BYTES_PER_S + grid_steps(kernel, values) * PER_STEP_OVERHEAD_S
+    )
+
+
+def _modelled_values(kernel: KernelSpec, target: int) -> dict[str, int] | None:
+    """Matmul kernels: the aligned config within `target` with the least modelled cost (ties: less VMEM).
+    Halving the largest block shrinks M as readily as K, and for a kernel that keeps whole output rows
+    (N full) a small M re-reads the whole weight matrix once per row block."""
+    names = [p.name for p in kernel.params]
+    best: tuple[tuple[float, int], dict[str, int]] | None = None
+    for values in itertools.product(*(candidates(p) for p in kernel.params)):
+        vals = dict(zip(names, values, strict=True))
+        vmem = vmem_estimate(kernel, vals)
+        if vmem > target:
+            continue
+        key = (_modelled_cost(kernel, vals), vmem)
+        if best is None or key < best[0]:
+            best = (key, vals)
+    return None if best is None else best[1]
 
 
 def _size_rows(kernel: KernelSpec, vals: dict[str, int]) -> None:

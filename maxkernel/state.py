@@ -1,4 +1,5 @@
-"""The agent's state: a narrow input, and the richer state the nodes share.
+"""The graphs' state: for the agent a narrow input and the richer state the nodes share (extending the
+input, as the search's state extends its own), and the search's state and node records.
 
 Big artifacts live on disk and in the results store: kernel sources are files under the run directory
 named by their hash, evaluations are rows in the store. The state holds hashes, paths and the small
@@ -13,7 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from maxkernel.authors.base import Plan
-from maxkernel.tools.results import EvalResult
+from maxkernel.strategies import strategy_names
+from maxkernel.tools.results import SCORE_KINDS, SCORE_RANKS, EvalResult, ScoreKind
 from maxkernel.tools.tasks import KernelTask
 
 Mode = Literal["auto", "hitl"]
@@ -34,13 +36,14 @@ class AgentInput(BaseModel):
 
 
 class Budgets(BaseModel):
-    max_iterations: int = 3
+    """Limits a caller does not set per run. The per-run ones (`max_iterations`, `tune_max_configs`) are
+    input fields, read from the state: one default each, in `AgentInput`."""
+
     max_repairs: int = Field(3, description="repair attempts per round before giving up on the round")
     patience: int = Field(2, description="stop after this many rounds without improvement")
     max_model_calls: int = 60
     max_tokens: int = 400_000
     max_wall_s: float = 3600.0
-    tune_max_configs: int = Field(6, description="configs the autotuner evaluates per round")
 
 
 class Usage(BaseModel):
@@ -73,10 +76,13 @@ class Attempt(BaseModel):
         """Higher is better: measured speedup when there is one, else the estimate (never mixed in one
         comparison: a measured candidate outranks any estimated one)."""
         if self.measured_speedup is not None:
-            return (2, self.measured_speedup)
+            return (SCORE_RANKS["measured"], self.measured_speedup)
         if self.estimated_speedup is not None:
-            return (1, self.estimated_speedup)
-        return (0, 0.0)
+            return (SCORE_RANKS["estimated"], self.estimated_speedup)
+        return (SCORE_RANKS["none"], 0.0)
+
+    def score_kind(self) -> ScoreKind:
+        return SCORE_KINDS[self.score()[0]]
 
     def line(self) -> str:
         perf = ""
@@ -95,19 +101,10 @@ class HumanFeedback(BaseModel):
     text: str | None = None
 
 
-class AgentState(BaseModel):
-    """Shared by every node. Lists with `operator.add` are appended to, never replaced."""
+class AgentState(AgentInput):
+    """Shared by every node: the input's fields plus what the nodes add. Lists with `operator.add` are
+    appended to, never replaced."""
 
-    # input
-    task_path: str
-    mode: Mode = "auto"
-    max_iterations: int = 3
-    scale: str | None = None
-    out_dir: str | None = None
-    strategy: str | None = None
-    tune_max_configs: int = 6
-    start_source_path: str | None = None
-    label: str | None = None
     # prepared
     task: KernelTask | None = None
     run_dir: str | None = None
@@ -118,6 +115,9 @@ class AgentState(BaseModel):
     plan: Plan | None = None
     source_hash: str | None = None
     source_path: str | None = None
+    source_config: dict[str, Any] | None = Field(
+        None, description="the author's config of the current source (None for a human edit or a baseline)"
+    )
     attempt_kind: Literal["baseline", "implement", "repair", "tune", "human"] = "implement"
     repairs: int = 0
     improved: bool = Field(False, description="the best kernel improved during the current round")
@@ -136,4 +136,64 @@ class AgentState(BaseModel):
     rounds_without_gain: int = 0
     stop_reason: str | None = None
     status: Literal["running", "succeeded", "failed", "stopped"] = "running"
+    result_path: str | None = None
+
+
+# --- search ------------------------------------------------------------------------------------------------
+
+Algorithm = Literal["parallel", "beam"]
+
+
+class SearchInput(BaseModel):
+    task_path: str
+    algorithm: Algorithm = "parallel"
+    branches: int = Field(4, ge=1, description="parallel: branches; beam: children per expanded node")
+    beam_width: int = Field(2, ge=1, description="beam: nodes kept per level")
+    depth: int = Field(2, ge=1, description="beam: levels of expansion below the root")
+    keep_factor: float = Field(1.0, gt=0, description="beam: a child survives if score >= factor x parent's")
+    iterations: int = Field(1, ge=1, description="agent rounds per branch")
+    tune_max_configs: int = Field(2, ge=0, description="autotune budget per branch round")
+    strategies: list[str] | None = Field(None, description="strategies to draw from (default: the library)")
+    scale: str | None = None
+    out_dir: str | None = None
+
+    def strategy_pool(self) -> list[str]:
+        return list(self.strategies or strategy_names())
+
+
+class SearchNode(BaseModel):
+    id: str
+    parent: str | None
+    depth: int
+    strategy: str | None
+    accepted: bool = False
+    source_path: str | None = None
+    source_hash: str | None = None
+    score_kind: ScoreKind = "none"
+    score: float | None = Field(None, description="speedup of kind `score_kind` (measured or estimated)")
+    kept: bool = False
+    reason: str = ""
+    result_path: str | None = None
+
+    def rank(self) -> tuple[int, float]:
+        return (SCORE_RANKS[self.score_kind] if self.accepted else -1, self.score or 0.0)
+
+
+class BranchTask(BaseModel):
+    """What `Send` hands one branch."""
+
+    node_id: str
+    parent: str | None
+    depth: int
+    strategy: str | None
+    start_source_path: str | None = None
+    search: SearchInput
+
+
+class SearchState(SearchInput):
+    nodes: Annotated[list[SearchNode], operator.add] = Field(default_factory=list)
+    frontier: list[str] = Field(default_factory=list)
+    level: int = 0
+    best: SearchNode | None = None
+    status: str = "running"
     result_path: str | None = None

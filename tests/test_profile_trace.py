@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from maxkernel.tools.trace import capture_trace, summarize_trace
+from maxkernel.tools.profile_trace import capture_trace, summarize_trace
 
 
 def _add_tanh_kernel(x_ref, y_ref, o_ref):

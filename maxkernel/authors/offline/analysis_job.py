@@ -1,6 +1,6 @@
 """Sandbox entry: trace the task's reference and analyse it into a `ProgramSpec`. Runs only in the child.
 
-`maxkernel.authors.offline.worker:analyse_job` is called through `maxkernel.tools.sandbox.run_sandboxed`,
+`maxkernel.authors.offline.analysis_job:analyse_job` is called through `maxkernel.tools.sandbox.run_sandboxed`,
 like the harness's own jobs: the reference is task code and never runs in the agent's process. Tracing
 uses abstract inputs (`jax.ShapeDtypeStruct`), so nothing is allocated; the whole job takes a few seconds.
 """
@@ -82,10 +82,19 @@ def analyse_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     names = arg_names(ref.computation, n_args)
     ctx.stage("trace")
     options = Options(**payload.get("options", {}))
+    traces = None
     try:
-        traces = trace_reference(ref.computation, configs, names)
-        ctx.stage("analyse")
-        program = lower_program(traces, payload.get("task_id", ""), options)
+        try:  # convolutions as direct kernels first; im2col patches + a matmul when that does not fit
+            traces = trace_reference(ref.computation, configs, names, direct_conv=True)
+            ctx.stage("analyse")
+            program = lower_program(traces, payload.get("task_id", ""), options)
+        except Unsupported:
+            if traces is None or "conv_general_dilated" not in {
+                e.primitive.name for e in traces.primary.jaxpr.eqns
+            }:
+                raise
+            traces = trace_reference(ref.computation, configs, names, direct_conv=False)
+            program = lower_program(traces, payload.get("task_id", ""), options)
     except Unsupported as exc:
         return {"ok": False, "unsupported": str(exc)}
     except Exception as exc:  # noqa: BLE001 - a bug here must read as "no kernel", with the reason

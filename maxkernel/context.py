@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, normalise_generations
+
 
 def default_model() -> str:
     """Gemini when a Google key is set, else the offline author: the first command works anywhere."""
@@ -20,6 +22,9 @@ def default_model() -> str:
 
 @dataclass(kw_only=True)
 class Context:
+    """Built by the CLI, by Studio (from the assistant's configurable JSON) and by Python callers alike; the
+    checks live in `__post_init__` so all three get them."""
+
     model: str = field(
         default_factory=default_model,
         metadata={
@@ -27,7 +32,7 @@ class Context:
         },
     )
     tpu: list[str] = field(
-        default_factory=lambda: ["v5e", "v6e"],
+        default_factory=lambda: list(DEFAULT_GENERATIONS),
         metadata={"description": "TPU generations every kernel must compile for"},
     )
     store_path: str = field(
@@ -35,7 +40,9 @@ class Context:
     )
     work_dir: str = field(default=".maxkernel", metadata={"description": "sandbox run directories"})
     input_sets: int = field(default=3, metadata={"description": "input sets per configuration"})
-    eval_timeout_s: float = field(default=600.0, metadata={"description": "limit for one evaluation"})
+    eval_timeout_s: float | None = field(
+        default=None, metadata={"description": "limit for one evaluation; None: derived from the task"}
+    )
     baseline: bool = field(
         default=True,
         metadata={
@@ -46,7 +53,7 @@ class Context:
         default=None,
         metadata={"description": "a ready LangChain chat model (Python API, tests); overrides `model`"},
     )
-    # --- budgets (also CLI flags and studio settings); None keeps the run's defaults (graph.state.Budgets)
+    # --- budgets (also CLI flags and studio settings); None keeps the run's defaults (state.Budgets)
     max_model_calls: int | None = field(
         default=None, metadata={"description": "model calls at most (failed and re-asked calls count)"}
     )
@@ -89,3 +96,7 @@ class Context:
         """The budgets this context sets, as `Budgets` field values."""
         names = ("max_model_calls", "max_tokens", "max_wall_s", "patience", "max_repairs")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def __post_init__(self) -> None:
+        # Canonical names ("trillium" -> "v6e"); an unknown one raises ValueError naming the valid ones.
+        self.tpu = normalise_generations(self.tpu)

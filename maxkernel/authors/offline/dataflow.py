@@ -9,8 +9,9 @@ Primitives fall into five kinds, and the partitioner treats each kind differentl
 * **dot**: `dot_general`.
 * **glue**: real layout ops (reshapes that split or merge dims, slices, pads, concatenation, gathers).
   They stay outside `pallas_call` as plain XLA, which the harness allows.
+* a template family's own kind (`families.EQUATION_KINDS`: a grouped matmul, a scan with a carry).
 
-Anything else (sorts, scans with a carry, scatters, cumulative sums, FFTs, ...) is unsupported.
+Anything else (sorts, scatters, FFTs, ...) is unsupported.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from maxkernel.authors.offline.families import EQUATION_KINDS
 from maxkernel.authors.offline.trace import Traces, Unsupported
 
 ELEMENTWISE = frozenset(
@@ -135,8 +137,8 @@ class Graph:
             return "glue"
         if name in RANDOM:
             return "random"
-        if name == "ragged_dot_general":
-            return "ragged"
+        if name in EQUATION_KINDS:  # owned outright by a template family
+            return EQUATION_KINDS[name]
         return "unsupported"
 
     def check_supported(self) -> None:

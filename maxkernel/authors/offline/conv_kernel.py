@@ -1,0 +1,310 @@
+"""A stride-1 convolution (2-D or 3-D, any padding) as a sum of shifted matmuls inside one kernel.
+
+No im2col array: each grid step fetches a halo'd block of the padded input, the `rows + k - 1` rows (planes,
+for 3-D) that its `rows` output rows read. Consecutive blocks overlap by the halo, which a blocked index map
+cannot say, so the input's BlockSpec uses element offsets (`pl.Element` on every dim; the index map returns
+`r_index * rows`). For every kernel tap the kernel reads the shifted window `x[kr : kr + rows, kw : kw +
+W_out, :]` of that block, flattens it to `(rows * W_out, C_in)` and multiplies it by the tap's
+`(C_in, block_o)` weights on the MXU into an f32 accumulator. Each step writes a block of output rows
+(`BLOCK_ROWS` along the first spatial dim) for a block of output channels (`BLOCK_O`). HBM traffic is the
+input once (plus (k-1)/rows for the halo, plus XLA's padded copy) and the output once, where im2col writes
+and reads `taps` copies of the input.
+
+The output width is padded to the sublane tile so the flattening is a free relayout; the extra columns
+read zero padding and are cropped. Strided, dilated and grouped convolutions keep the im2col path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from maxkernel.authors.offline.emit import dtype_code, dtype_name
+from maxkernel.authors.offline.kernels import SUBLANE, KernelBuilder, LowerError, nbytes
+from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
+from maxkernel.authors.offline.trace import direct_conv_ok
+
+if TYPE_CHECKING:
+    from maxkernel.authors.offline.lower import Lowering
+    from maxkernel.authors.offline.partition import Region
+
+
+class ConvBuilder(KernelBuilder):
+    family = "conv"
+
+    def __init__(self, low: Lowering, region: Region, index: int, n_kernels: int) -> None:
+        super().__init__(low, region, index, n_kernels)
+        self.eqn = self.g.eqns[min(region.owned)]
+        if len(self.outputs) != 1:
+            raise LowerError("a convolution whose raw and cast results are both needed")
+
+    def build(self) -> tuple[KernelSpec, str]:
+        e = self.eqn
+        p = e.params
+        x, w = e.invars
+        out = self.outputs[0]
+        dn = p["dimension_numbers"]
+        lhs_spec, rhs_spec, out_spec = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
+        nsp = len(lhs_spec) - 2
+        if not direct_conv_ok(
+            p, tuple(int(s) for s in x.aval.shape), x.aval.dtype.itemsize, tuple(int(s) for s in w.aval.shape)
+        ):
+            raise LowerError("a convolution the direct kernel does not cover")
+        s, c = self.stem, self.cprefix
+        xn, wn = self.low.name_of(x), self.low.name_of(w)
+        odt = dtype_name(out.aval)
+        xdt = dtype_name(x.aval)
+        sub = SUBLANE.get(x.aval.dtype.itemsize, 8)
+        prec = p.get("precision")
+        names = {
+            getattr(q, "name", str(q)) for q in (prec if isinstance(prec, tuple | list) else (prec,)) if q
+        }
+        prec_code = ", precision=lax.Precision.HIGHEST" if "HIGHEST" in names and xdt == "float32" else ""
+        # per-configuration padding, as code over the kernel sizes where it depends on them
+        pads = [tuple(int(a) for a in pp) for pp in p["padding"]]
+        if any(
+            [tuple(int(a) for a in pp) for pp in a.params["padding"]] != pads
+            for a in self.low.traces.aligned_eqns(e)
+        ):
+            raise LowerError("a convolution whose padding changes with the input shapes")
+        sp = "".join("dhw"[3 - nsp + i] for i in range(nsp))  # spatial letters: "hw" or "dhw"
+        to_cl = (lhs_spec[0], *lhs_spec[2:], lhs_spec[1])
+        w_perm = (*rhs_spec[2:], rhs_spec[1], rhs_spec[0])
+        from_cl = [0] * (nsp + 2)  # channels-last output -> the reference's layout
+        cl_axes = [out_spec[0], *out_spec[2:], out_spec[1]]
+        for j, ax in enumerate(cl_axes):
+            from_cl[ax] = j
+        lead = sp[0]
+        # 2-D: one matmul per tap over the whole block of rows. 3-D: a loop over the block's output planes,
+        # each plane an (H_out * W_out, C_in) matmul per tap, so vector sizes (and compile time) do not grow
+        # with the block.
+        per_plane = nsp == 3
+        pad = "    " * (2 if per_plane else 1)
+        # taps along every spatial dim but the last run in a fori_loop (dynamic offsets on leading dims are
+        # free); only the last dim's taps, which shift the sublane axis, are unrolled: the kernel's code
+        # (and the Mosaic compile time) stays that of n_kw matmuls, not of every tap.
+        outer = sp[:-1]
+        first = "pl.ds(plane + k{a}, 1)" if per_plane else "pl.ds(k{a}, rows)"
+        win = ", ".join(
+            ["0", first.format(a=lead)]
+            + [f"pl.ds(k{a}, n_o{a}_p)" if a == sp[-1] else f"pl.ds(k{a}, n_o{a})" for a in sp[1:]]
+            + [":"]
+        )
+        flat = " * ".join(["1" if per_plane else "rows"] + [f"n_o{a}" for a in sp[1:-1]] + [f"n_o{sp[-1]}_p"])
+        tap_idx = ", ".join(f"k{a}" for a in sp)
+        last = sp[-1]
+        last = sp[-1]
+        # nested fori_loops over the outer tap offsets (no index arithmetic in the kernel), innermost the
+        # unrolled k{last} taps
+        lines = []
+        for k, a in enumerate(outer):
+            lines.append(f"{'    ' * k}def taps_{a}(k{a}, acc):")
+        depth_in = len(outer)
+        lines.append(f"{'    ' * depth_in}for k{last} in range(n_k{last}):")
+        lines.append(
+            f"{'    ' * (depth_in + 1)}window = x_ref[{win}]  # the tap's shifted window of the halo'd block"
+        )
+        lines.append(
+            f"{'    ' * (depth_in + 1)}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), w_ref[{tap_idx}], "
+            f"preferred_element_type=jnp.float32{prec_code})"
+        )
+        lines.append(f"{'    ' * depth_in}return acc")
+        for k in range(len(outer) - 1, 0, -1):
+            lines.append("")
+            lines.append(f"{'    ' * k}return lax.fori_loop(0, n_k{outer[k]}, taps_{outer[k]}, acc)")
+        lines.append("")
+        lines.append(
+            f"acc = lax.fori_loop(0, n_k{outer[0]}, taps_{outer[0]}, "
+            f"jnp.zeros(({flat}, w_ref.shape[-1]), jnp.float32))  # f32[{flat}, bo]"
+        )
+        accumulate = "".join(f"{pad}{line}\n" if line else "\n" for line in lines)
+        if per_plane:
+            body = (
+                "    def one_plane(plane, carry):\n"
+                + accumulate
+                + "        out_ref[pl.ds(plane, 1)] = acc.reshape(1, *out_ref.shape[1:]).astype(out_ref.dtype)\n"
+                "        return carry\n\n"
+                "    lax.fori_loop(0, rows, one_plane, 0)"
+            )
+        else:
+            body = accumulate + "    out_ref[...] = acc.reshape(out_ref.shape).astype(out_ref.dtype)"
+        code = f'''def {s}_x_index_map(n_index, r_index, o_index, *, rows):
+    return (n_index, r_index * rows, {", ".join(["0"] * nsp)})  # element offsets
+
+
+def {s}_w_index_map(n_index, r_index, o_index):
+    return ({", ".join(["0"] * (nsp + 1))}, o_index)
+
+
+def {s}_out_index_map(n_index, r_index, o_index):
+    return (n_index, r_index, {", ".join(["0"] * (nsp - 1))}, o_index)
+
+
+def {s}_kernel(x_ref, w_ref, out_ref, *, rows, {", ".join(f"n_k{a}" for a in sp)}, {
+            ", ".join(f"n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""
+        }n_o{sp[-1]}_p):
+    """Sum over kernel taps of (shifted input window) x (tap weights), all from VMEM."""
+{body}
+
+
+def {s}({xn}, {wn}):
+    """Direct convolution: halo'd row blocks in VMEM, one MXU matmul per kernel tap into an f32 accumulator."""
+    x = {_transposed(xn, to_cl)}  # channels last: (N, {", ".join(sp.upper())}, C)
+    wt = {_transposed(wn, w_perm)}  # ({", ".join("K" + a for a in sp)}, C_in, C_out)
+    n_b = x.shape[0]
+    n_c, n_out = wt.shape[-2], wt.shape[-1]
+{chr(10).join(f"    n_k{a} = wt.shape[{i}]" for i, a in enumerate(sp))}
+{
+            chr(10).join(
+                f"    n_o{a} = x.shape[{i + 1}] + {pads[i][0]} + {pads[i][1]} - n_k{a} + 1"
+                for i, a in enumerate(sp)
+            )
+        }
+    rows = _block(n_o{lead}, {c}BLOCK_ROWS, 1)
+    bo = _block(n_out, {c}BLOCK_O, 128)
+    n_o{lead}_p = _round_up(n_o{lead}, rows)
+    n_o{sp[-1]}_p = _round_up(n_o{sp[-1]}, {sub})
+    n_out_p = _round_up(n_out, bo)
+    # zero padding: the convolution's own, plus rows/columns up to whole blocks (cropped afterwards)
+    x = jnp.pad(x, [(0, 0), {
+            ", ".join(
+                f"({pads[i][0]}, {pads[i][1]} + n_o{a}_p - n_o{a})"
+                if a in (lead, sp[-1])
+                else f"({pads[i][0]}, {pads[i][1]})"
+                for i, a in enumerate(sp)
+            )
+        }, (0, 0)])
+    wt = _pad_to(wt, (*wt.shape[:-1], n_out_p))
+    out_shape = jax.ShapeDtypeStruct((n_b, {
+            ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
+        }, n_out_p), {dtype_code(odt)})
+    cost = pl.CostEstimate(
+        flops=2 * n_b * {" * ".join(f"n_o{a}" for a in sp)} * {
+            " * ".join(f"n_k{a}" for a in sp)
+        } * n_c * n_out,
+        transcendentals=0,
+        bytes_accessed=_nbytes(x, wt, out_shape),
+    )
+    out = pl.pallas_call(
+        functools.partial(
+            {s}_kernel, rows=rows, {", ".join(f"n_k{a}=n_k{a}" for a in sp)}, {
+            ", ".join(f"n_o{a}=n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""
+        }n_o{sp[-1]}_p=n_o{sp[-1]}_p
+        ),
+        grid=(n_b, n_o{lead}_p // rows, n_out_p // bo),
+        in_specs=[
+            pl.BlockSpec(  # element offsets (every dim, as Pallas requires): blocks overlap by the halo
+                (pl.Element(1), pl.Element(rows + n_k{lead} - 1), *(pl.Element(d) for d in x.shape[2:])),
+                functools.partial({s}_x_index_map, rows=rows),
+            ),
+            pl.BlockSpec((*wt.shape[:-1], bo), {s}_w_index_map),
+        ],
+        out_specs=pl.BlockSpec((None, rows, {
+            ", ".join([f"n_o{a}" for a in sp[1:-1]] + [f"n_o{sp[-1]}_p"])
+        }, bo), {s}_out_index_map),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel"),
+            vmem_limit_bytes={c}VMEM_LIMIT_BYTES,
+        ),
+        cost_estimate=cost,
+    )(x, wt)
+    out = _crop(out, (n_b, {", ".join(f"n_o{a}" for a in sp)}, n_out))
+    return {_transposed("out", tuple(from_cl))}
+'''
+        xs = tuple(int(v) for v in x.aval.shape)
+        ws = tuple(int(v) for v in w.aval.shape)
+        n_b = xs[lhs_spec[0]]
+        c_in = xs[lhs_spec[1]]
+        in_sp = [xs[d] for d in lhs_spec[2:]]
+        ksz = [ws[d] for d in rhs_spec[2:]]
+        c_out = ws[rhs_spec[0]]
+        out_sp = [in_sp[i] + pads[i][0] + pads[i][1] - ksz[i] + 1 for i in range(nsp)]
+        w_last = -(-out_sp[-1] // sub) * sub
+        taps = math.prod(ksz)
+        params = [
+            ParamSpec(
+                name=f"{c}BLOCK_ROWS",
+                role="leading",
+                align=1,
+                extent=out_sp[0],
+                default=0,
+                doc=f"output rows along {sp[0].upper()} per grid step",
+            ),
+            ParamSpec(
+                name=f"{c}BLOCK_O",
+                role="lane",
+                align=128,
+                extent=c_out,
+                default=0,
+                doc="output channels per step",
+            ),
+        ]
+        pr, po = (DimRef(kind="param", param=q.name, extent=q.extent) for q in params)
+        padded_sp = [in_sp[i] + pads[i][0] + pads[i][1] for i in range(nsp)]
+        mid = [DimRef(kind="full", extent=v) for v in out_sp[1:-1]]
+        buffers = [
+            BufferSpec(
+                what="halo'd input rows",
+                dims=[pr]
+                + [DimRef(kind="full", extent=v) for v in padded_sp[1:]]
+                + [DimRef(kind="full", extent=c_in)],
+                itemsize=x.aval.dtype.itemsize,
+                kind="input",
+                axes=[0, 1],
+                hbm_bytes=nbytes(x),
+            ),
+            BufferSpec(
+                what="weights block",
+                dims=[DimRef(kind="full", extent=taps * c_in), po],
+                itemsize=w.aval.dtype.itemsize,
+                kind="input",
+                axes=[2],
+                hbm_bytes=nbytes(w),
+            ),
+            BufferSpec(
+                what="output block",
+                dims=[pr, *mid, DimRef(kind="full", extent=w_last), po],
+                itemsize=out.aval.dtype.itemsize,
+                kind="output",
+                axes=[0, 1, 2],
+                hbm_bytes=nbytes(out),
+            ),
+            BufferSpec(
+                what="f32 accumulator",
+                dims=[pr, *mid, DimRef(kind="full", extent=w_last), po],
+                itemsize=4,
+                copies=2,
+                kind="temporary",
+            ),
+        ]
+        flops = 2.0 * n_b * math.prod(out_sp) * taps * c_in * c_out
+        spec = KernelSpec(
+            name=s,
+            family=self.family,
+            title=f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)",
+            code=code,
+            params=params,
+            grid=[
+                GridAxis(name="n_index", extent=n_b, param=None),
+                GridAxis(name="r_index", extent=out_sp[0], param=params[0].name),
+                GridAxis(name="o_index", extent=c_out, param=params[1].name),
+            ],
+            buffers=buffers,
+            flops=flops,
+            structure=(
+                "grid (batch, output-row blocks, output-channel blocks), all parallel; each step fetches the "
+                "halo'd rows its output rows read (element-offset block), sums one MXU matmul per kernel tap "
+                "of the tap's shifted window into an f32 accumulator and writes its rows once"
+            ),
+            notes=[
+                "no im2col array in HBM: the taps read shifted windows of a halo'd block in VMEM",
+                "the block model sizes the input block as `rows` rows; the k-1 halo rows are not counted",
+            ],
+        )
+        return spec, f"{s}({xn}, {wn})"
+
+
+def _transposed(name: str, perm: tuple[int, ...]) -> str:
+    """`jnp.transpose` code, or just the name when the permutation is the identity."""
+    return name if list(perm) == sorted(perm) else f"jnp.transpose({name}, {tuple(perm)})"

@@ -1,0 +1,114 @@
+"""Online (rescaled) reductions: `sum(exp(a - max(a)))` walked in blocks without a second pass.
+
+A log-sum-exp or a cross-entropy over a long axis reduces twice: first the row max `m`, then
+`sum(exp(a - m))`, which needs the *final* `m`. Done naively over an axis that is split across grid steps
+this means two passes over HBM (or, after a matmul, writing the `[M, N]` logits out and reading them back).
+The online form keeps a running max and a running sum and rescales the sum whenever the max grows:
+
+    m_new = max(m_run, max(a_blk))
+    s_run = s_run * exp(m_run - m_new) + sum(exp(a_blk - m_new))
+    m_run = m_new
+
+After the last block `m_run` is the row max and `s_run` equals `sum(exp(a - m_run))` exactly (up to
+rounding), so every value computed from them afterwards (`log(s) + m`, `lse - picked`) is unchanged.
+
+This module only *recognises* the pattern in the jaxpr (a `reduce_sum` whose operand is `exp(a - b)`, where
+`b` is a `reduce_max` result seen through layout ops and `a` does not depend on any reduction); the
+partitioner uses it to keep such regions in one streamed kernel and the kernel builders use it to emit the
+rescaled accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from maxkernel.authors.offline.dataflow import Graph, is_literal, reduced_axes
+
+SEE_THROUGH = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type"})
+"""Layout ops between the row max and the `sub` that do not change its values."""
+
+
+def _through_layout(g: Graph, var: Any, own: set[int]) -> Any:
+    """The var behind a chain of value-preserving layout ops inside `own` (or `var` itself)."""
+    while True:
+        p = g.producer.get(var)
+        if p is None or p not in own or g.eqns[p].primitive.name not in SEE_THROUGH:
+            return var
+        if g.kind[p] not in ("absorbed",):
+            return var
+        var = g.eqns[p].invars[0]
+
+
+def _only_consumer(g: Graph, var: Any, eqn: int) -> bool:
+    return var not in g.out_set and all(c == eqn for c in g.consumers.get(var, []))
+
+
+@dataclass(frozen=True)
+class OnlineSum:
+    """One rescalable `sum(exp(a - b))`: `max_eqn` produces the row max behind `b`; `values` are the
+    per-block equations from the `sub` to the sum's operand (sub, exp, casts); `layout` the layout ops that
+    carry the max to the `sub` (broadcasts, unit reshapes)."""
+
+    max_eqn: int
+    values: tuple[int, ...]
+    layout: tuple[int, ...]
+
+
+def online_sum(g: Graph, s: int, own: set[int]) -> OnlineSum | None:
+    """`s` as an `OnlineSum` when it is a `reduce_sum` of the form `sum(exp(a - b))` with `b` a
+    `reduce_max` result along as many axes; None when it is not of that form, or when an intermediate of
+    the chain is used elsewhere (then the un-rescaled value would be observable)."""
+    e = g.eqns[s]
+    if e.primitive.name != "reduce_sum":
+        return None
+    chain: list[int] = []
+    x = e.invars[0]
+    consumer = s
+    # optional casts around exp (a bf16 reference upcasts before the sum)
+    while True:
+        p = g.producer.get(x)
+        if p is None or p not in own or not _only_consumer(g, x, consumer):
+            return None
+        name = g.eqns[p].primitive.name
+        if name == "convert_element_type":
+            chain.append(p)
+            consumer, x = p, g.eqns[p].invars[0]
+            continue
+        if name != "exp":
+            return None
+        chain.append(p)
+        consumer, x = p, g.eqns[p].invars[0]
+        break
+    p = g.producer.get(x)
+    if p is None or p not in own or not _only_consumer(g, x, consumer) or g.eqns[p].primitive.name != "sub":
+        return None
+    chain.append(p)
+    a, b = g.eqns[p].invars
+    if is_literal(a) or is_literal(b):
+        return None
+    m = _through_layout(g, b, own)
+    j = g.producer.get(m)
+    if j is None or j not in own or g.eqns[j].primitive.name != "reduce_max":
+        return None
+    if len(reduced_axes(g.eqns[j])) != len(reduced_axes(e)):
+        return None
+    layout: list[int] = []
+    v = b
+    while v is not m:
+        q = g.producer[v]
+        layout.append(q)
+        v = g.eqns[q].invars[0]
+    return OnlineSum(max_eqn=j, values=tuple(sorted(chain)), layout=tuple(sorted(layout)))
+
+
+def online_sums(g: Graph, eqns: list[int]) -> dict[int, OnlineSum]:
+    """Every online-rescalable `reduce_sum` among `eqns`, by its equation index."""
+    own = set(eqns)
+    out: dict[int, OnlineSum] = {}
+    for i in eqns:
+        if g.kind[i] == "reduce":
+            found = online_sum(g, i, own)
+            if found is not None:
+                out[i] = found
+    return out

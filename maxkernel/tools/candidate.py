@@ -1,0 +1,226 @@
+"""The untrusted side of an evaluation: the only process that ever imports a candidate.
+
+`candidate_job` runs inside the sandbox (`maxkernel.tools.worker`), as `nobody`, with no key worth
+stealing and nothing to decide. It produces data and nothing else, in this order:
+
+1. load the candidate module;
+2. trace it at every validation shape twice — once in TPU interpret mode (the program that is run for
+   correctness) and once plainly (the program a TPU would get) — and at the task's production shapes; each
+   trace goes out as a `program_tree` (plain JSON);
+3. lower it for the TPU at the production shapes with `jax.export` and write the serialized artifact,
+   which the judge deserializes, inspects and compiles itself;
+4. only then announce `await_inputs` and block on stdin. The judge's inputs (drawn from a secret seed in
+   another process) arrive after the programs above are fixed and have been read by the agent; they are
+   run through the executables compiled in step 2, and the outputs are written to `outputs.npz`.
+
+It never sees the reference outputs, the comparison, the Pallas check or a signing key that matters: the
+agent treats every byte written here as untrusted (`readback`). A candidate that rewrites JAX inside this
+process can still hand over programs and outputs that do not belong together — see the README's harness
+section for what that does and does not buy it.
+
+This module is a clean, separate entry so that a pre-forked worker can call `candidate_job` directly.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from maxkernel.tools import taskcode
+from maxkernel.tools.evaluation import bind_static
+from maxkernel.tools.readback import pack_arrays
+from maxkernel.tools.results import ArraySpec, InputConfig, np_dtype
+from maxkernel.tools.worker import WorkerContext
+
+PROGRAMS_FILE = "programs.json"
+OUTPUTS_FILE = "outputs.npz"
+STAGE_AWAIT_INPUTS = "await_inputs"
+MAX_INPUT_BYTES = 4 << 30
+
+
+def tpu_program_file(index: int) -> str:
+    return f"tpu_program_{index}.bin"
+
+
+def input_name(config: int, input_set: int, arg: int) -> str:
+    return f"c{config}s{input_set}i{arg}"
+
+
+def output_name(config: int, input_set: int, leaf: int) -> str:
+    return f"c{config}s{input_set}o{leaf}"
+
+
+def _first_lines(text: str, n: int = 12) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
+
+
+def _specs(cfg: InputConfig, sharding: Any = None) -> list[Any]:
+    import jax
+
+    return [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype), sharding=sharding) for a in cfg.dynamic]
+
+
+def _out_specs(traced: Any) -> list[dict[str, Any]]:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(traced.out_info)
+    return [{"shape": [int(d) for d in x.shape], "dtype": str(np.dtype(x.dtype))} for x in leaves]
+
+
+def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
+    """Load, trace, export, then run the judge's inputs. Returns a small status dict; the data is in files."""
+    import jax
+    from jax import export
+    from jax.experimental.pallas import tpu as pltpu
+
+    from maxkernel.tools.program_tree import to_tree
+
+    ctx.guard()
+    run_dir = Path(ctx.run_dir)
+    val = [InputConfig.model_validate(c) for c in payload["validation_configs"]]
+    own = [InputConfig.model_validate(c) for c in payload["configs"]]
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    ctx.stage("load")
+    try:
+        module = _load_candidate(run_dir / Path(payload["candidate_path"]).name)
+    except SyntaxError as exc:
+        return {"ok": False, "stage": "load", "message": f"syntax error line {exc.lineno}: {exc.msg}"}
+    except Exception as exc:  # noqa: BLE001 - whatever the candidate raises is its failure
+        return {"ok": False, "stage": "load", "message": f"{type(exc).__name__}: {_first_lines(str(exc))}"}
+    candidate = taskcode.candidate_entry(module)
+    if candidate is None:
+        names = " or ".join(f"`{n}`" for n in taskcode.CANDIDATE_ENTRY_POINTS)
+        return {"ok": False, "stage": "load", "message": f"the candidate module has no function {names}"}
+    seconds["load"] = time.perf_counter() - t0
+
+    ctx.stage("trace")
+    t0 = time.perf_counter()
+    interpret = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
+    programs: dict[str, Any] = {"validation": [], "production": [], "estimate": None}
+    executables = []
+    try:
+        for cfg in val:
+            # Two separate traces of the same shapes: interpret mode (what runs here) and plain (what a TPU
+            # gets). Fresh jit wrappers each time, so neither trace is served from the other's cache.
+            with pltpu.force_tpu_interpret_mode(interpret):
+                traced = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
+                executables.append(traced.lower().compile())
+            plain = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
+            programs["validation"].append(
+                {"interpret": to_tree(traced.jaxpr), "plain": to_tree(plain.jaxpr), "out": _out_specs(traced)}
+            )
+        for cfg in own:
+            plain = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
+            programs["production"].append({"plain": to_tree(plain.jaxpr), "out": _out_specs(plain)})
+    except Exception as exc:  # noqa: BLE001
+        _reset_interpret()
+        return {"ok": False, "stage": "trace", "message": f"{type(exc).__name__}: {_first_lines(str(exc))}"}
+    seconds["trace"] = time.perf_counter() - t0
+
+    # The program for the TPU, at the task's own shapes, as an artifact the judge compiles itself. A Pallas
+    # lowering error here (block shapes, primitives with no TPU lowering) is a compile failure.
+    t0 = time.perf_counter()
+    export_errors: list[str | None] = []
+    for ci, cfg in enumerate(own):
+        try:
+            exported = export.export(jax.jit(bind_static(candidate, cfg.static)), platforms=("tpu",))(
+                *_specs(cfg)
+            )
+            (run_dir / tpu_program_file(ci)).write_bytes(exported.serialize())
+            export_errors.append(None)
+        except Exception as exc:  # noqa: BLE001
+            export_errors.append(f"{type(exc).__name__}: {exc}")
+    programs["export_errors"] = export_errors
+    seconds["export"] = time.perf_counter() - t0
+
+    if payload.get("estimate_generation"):
+        programs["estimate"] = _estimate_candidate(candidate, own[0], payload["estimate_generation"])
+    programs["seconds"] = seconds
+    (run_dir / PROGRAMS_FILE).write_text(json.dumps(programs))
+
+    # Nothing above could depend on the inputs: they do not exist yet.
+    ctx.stage(STAGE_AWAIT_INPUTS)
+    data = sys.stdin.buffer.read(MAX_INPUT_BYTES)
+    ctx.stage("correctness")
+    t0 = time.perf_counter()
+    outputs: dict[str, np.ndarray] = {}
+    run_error = None
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        arrays = {name: z[name] for name in z.files}
+    for ci, cfg in enumerate(val):
+        n_sets = int(payload["input_sets"][ci])
+        for si in range(n_sets):
+            inputs = [_typed(arrays[input_name(ci, si, k)], a) for k, a in enumerate(cfg.dynamic)]
+            try:
+                with pltpu.force_tpu_interpret_mode(interpret):
+                    out = executables[ci](*[jax.numpy.asarray(a) for a in inputs])
+                    leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
+            except Exception as exc:  # noqa: BLE001
+                _reset_interpret()
+                run_error = {
+                    "config": ci,
+                    "input_set": si,
+                    "message": f"running input set {si}: {type(exc).__name__}: {_first_lines(str(exc))}",
+                }
+                break
+            for k, leaf in enumerate(leaves):
+                outputs[output_name(ci, si, k)] = leaf
+        if run_error:
+            break
+    (run_dir / OUTPUTS_FILE).write_bytes(pack_arrays(outputs))
+    seconds["correctness"] = time.perf_counter() - t0
+    return {"ok": True, "run_error": run_error, "seconds": seconds}
+
+
+def _load_candidate(path: Path) -> Any:
+    """Import the candidate from its file through a relative path (the working directory is the run dir;
+    after a drop to nobody its ancestors may not be searchable, so importlib's absolute paths would fail)."""
+    import types
+
+    source = path.read_bytes()
+    module = types.ModuleType("maxkernel_candidate")
+    module.__file__ = str(path)
+    sys.modules["maxkernel_candidate"] = module
+    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - this process exists for it
+    return module
+
+
+def _typed(a: np.ndarray, spec: ArraySpec) -> np.ndarray:
+    return a.view(np_dtype(spec.dtype)) if spec.dtype == "bfloat16" else a
+
+
+def _reset_interpret() -> None:
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+
+        pltpu.reset_tpu_interpret_mode_state()
+    except Exception:  # noqa: BLE001 - best effort clean-up after a failed interpreted run
+        pass
+
+
+def _estimate_candidate(candidate: Any, cfg: InputConfig, gen: str) -> dict[str, Any]:
+    """The block model's estimate of the candidate's pallas_calls at the production shapes. Computed here
+    because it needs the live jaxpr; reported as coming from the candidate's process."""
+    import jax
+
+    from maxkernel.tools.estimate import estimate_pallas
+
+    try:
+        est = estimate_pallas(jax.make_jaxpr(bind_static(candidate, cfg.static))(*_specs(cfg)), gen)
+        return {
+            "estimated_seconds": est.estimated_seconds,
+            "bound": est.bound,
+            "method": est.method,
+            "detail_markdown": est.to_markdown(),
+        }
+    except Exception as exc:  # noqa: BLE001 - an estimate failing must not fail an accepted kernel
+        return {"error": f"block model failed: {type(exc).__name__}: {exc}"}

@@ -1,0 +1,251 @@
+"""The trusted side of an evaluation, in its own sandboxed child: it never imports a candidate.
+
+`judge_job` runs the task's code (the reference: sandboxed, because it is not ours) and the TPU compiler:
+
+1. loads the reference and draws the input sets: the task's own inputs plus fresh draws from a seed
+   derived from the per-run secret the agent hands this process through a pipe. The candidate, in another
+   process that never sees the secret, cannot re-derive them;
+2. computes the reference outputs and writes `inputs.npz` (handed to the candidate by the agent, after the
+   candidate's programs are fixed) and `expected.npz` (read only by the agent, which compares);
+3. announces `inputs_ready` and waits on stdin (one JSON line) for the candidate's TPU programs (serialized `jax.export`
+   artifacts, forwarded by the agent); deserializes each, checks Pallas does the work in its StableHLO
+   text (`stablehlo_check`), and compiles that very program with the Mosaic compiler for each requested
+   TPU generation;
+4. with a device present, runs and times that same exported program and the reference on the device,
+   and re-checks the outputs there (not exercised on this project's CPU-only machines);
+5. writes `expected.npz` only when the agent sends `release` (the candidate's process is gone by then).
+
+Its result is signed with the per-run key (the candidate's process never holds it) and is the only
+child result the agent treats as trusted. There is no reference cache on disk: expected outputs live and
+die with the evaluation, so there is nothing a candidate could poison for the next one.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from maxkernel.tools import taskcode
+from maxkernel.tools.candidate import input_name, output_name
+from maxkernel.tools.readback import pack_arrays
+from maxkernel.tools.results import CompileOutcome, InputConfig, np_dtype
+from maxkernel.tools.worker import WorkerContext
+
+INPUTS_FILE = "inputs.npz"
+EXPECTED_FILE = "expected.npz"
+STAGE_INPUTS_READY = "inputs_ready"
+MAX_PROGRAMS_BYTES = 256 << 20
+
+
+def secret_seed(secret: bytes, salt: bytes = b"maxkernel input draws") -> int:
+    """A 128-bit seed from the per-run secret; without the secret it cannot be predicted."""
+    return int.from_bytes(hashlib.sha256(salt + secret).digest()[:16], "big")
+
+
+def _first_lines(text: str, n: int = 12) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
+
+
+def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
+    """Reference outputs on secret inputs, then inspect and compile the candidate's TPU programs."""
+    from maxkernel.tools.evaluation import build_input_sets, reference_fn, run_reference
+
+    ctx.guard()
+    task = payload["task"]
+    run_dir = Path(ctx.run_dir)
+    seconds: dict[str, float] = {}
+    ctx.stage("reference")
+    t0 = time.perf_counter()
+    try:
+        ref = taskcode.Reference(
+            {
+                "format": task["format"],
+                "reference_path": task["reference_path"],
+                "input_gen_code": task.get("input_gen_code"),
+            }
+        )
+        val = [InputConfig.model_validate(c) for c in task["validation_configs"]]
+        seed = secret_seed(ctx.secret) if ctx.secret else int(payload.get("seed", 0))
+        input_sets = build_input_sets(ref, task, val, int(payload["input_sets"]), seed)
+        expected = []
+        for cfg, sets in zip(val, input_sets, strict=True):
+            fn = reference_fn(ref, cfg)  # compiled once per configuration
+            expected.append([run_reference(ref, cfg, inputs, fn) for inputs, _origin in sets])
+    except taskcode.TaskCodeError as exc:
+        return {"ok": False, "stage": "task", "message": str(exc)}
+    if ctx.violations:
+        return {"ok": False, "stage": "task", "message": "the task's code did something the sandbox forbids: "
+                + "; ".join(ctx.violations)}  # fmt: skip
+    inputs = {input_name(ci, si, k): a for ci, sets in enumerate(input_sets)
+              for si, (arrs, _o) in enumerate(sets) for k, a in enumerate(arrs)}  # fmt: skip
+    outputs = {output_name(ci, si, k): a for ci, sets in enumerate(expected)
+               for si, outs in enumerate(sets) for k, a in enumerate(outs)}  # fmt: skip
+    (run_dir / INPUTS_FILE).write_bytes(pack_arrays(inputs))
+    origins = [[origin for _a, origin in sets] for sets in input_sets]
+    seconds["reference"] = time.perf_counter() - t0
+    ctx.stage(STAGE_INPUTS_READY)
+
+    message = sys.stdin.buffer.readline(MAX_PROGRAMS_BYTES)
+    base: dict[str, Any] = {"ok": True, "origins": origins, "seconds": seconds}
+    if not message.strip():
+        return base  # the candidate never got as far as a program: nothing to compile
+    request = json.loads(message)
+    ctx.stage("compile")
+    t0 = time.perf_counter()
+    own = [InputConfig.model_validate(c) for c in task["configs"]]
+    programs: list[bytes | None] = [
+        base64.b64decode(p) if isinstance(p, str) else None for p in request.get("programs", [])
+    ]
+    tpu_checks, compiles = _inspect_and_compile(programs, own, list(request.get("tpu", [])),
+                                                request.get("expected_kernels"))  # fmt: skip
+    seconds["compile"] = time.perf_counter() - t0
+    base["tpu_checks"] = tpu_checks
+    base["tpu_compile"] = compiles
+    if request.get("reference_estimate_generation"):
+        base["reference_estimated_seconds"] = _reference_estimate(
+            ref, own[0], request["reference_estimate_generation"]
+        )
+    if request.get("timing") and programs and programs[0] is not None:
+        ctx.stage("timing")
+        base["timing"] = _measure(ref, own[0], programs[0], payload, ctx.secret)
+    # The expected outputs reach the disk only once the agent says the candidate's process is gone, so
+    # they never coexist with it (in the fallback mode it could otherwise read them).
+    if sys.stdin.buffer.readline(64).strip() == b"release":
+        (run_dir / EXPECTED_FILE).write_bytes(pack_arrays(outputs))
+    return base
+
+
+def _inspect_and_compile(
+    programs: list[bytes | None], own: list[InputConfig], gens: list[str], expected_kernels: int | None
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    import jax
+    from jax import export
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from maxkernel.tools.stablehlo_check import TpuProgramCheck, check_tpu_program
+    from maxkernel.tools.tpu_specs import get_spec
+
+    checks: list[dict[str, Any]] = []
+    exported: list[Any] = []
+    for blob in programs:
+        if blob is None:
+            exported.append(None)
+            checks.append(TpuProgramCheck(ok=False, reason="no TPU program").model_dump())
+            continue
+        try:
+            exp = export.deserialize(bytearray(blob))
+            if tuple(exp.platforms) != ("tpu",):
+                raise ValueError(f"lowered for {exp.platforms}, not for the TPU")
+            exported.append(exp)
+            checks.append(check_tpu_program(exp.mlir_module(), expected_kernels).model_dump())
+        except Exception as exc:  # noqa: BLE001 - a malformed artifact is the candidate's failure
+            exported.append(None)
+            checks.append(
+                TpuProgramCheck(ok=False, reason=f"the TPU program is not a valid export: {exc}").model_dump()
+            )
+    compiles: dict[str, dict[str, Any]] = {}
+    for gen in gens:
+        t0 = time.perf_counter()
+        try:
+            device = topologies.get_topology_desc(get_spec(gen).topology, "tpu").devices[0]
+        except Exception as exc:  # noqa: BLE001
+            compiles[gen] = CompileOutcome(
+                ok=False, error=f"no TPU compiler available (libtpu): {type(exc).__name__}: {exc}"
+            ).model_dump()
+            continue
+        sharding = SingleDeviceSharding(device)
+        outcome = CompileOutcome(ok=True)
+        for cfg, exp in zip(own, exported, strict=False):
+            if exp is None:
+                outcome = CompileOutcome(ok=False, error="no valid TPU program to compile")
+                break
+            specs = [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype), sharding=sharding) for a in cfg.dynamic]
+            try:
+                jax.jit(exp.call).trace(*specs).lower().compile()
+            except Exception as exc:  # noqa: BLE001 - the compiler's message, verbatim, is the verdict
+                outcome = CompileOutcome(ok=False, error=f"{type(exc).__name__}: {exc}")
+                break
+        outcome.seconds = round(time.perf_counter() - t0, 3)
+        compiles[gen] = outcome.model_dump()
+    return checks, compiles
+
+
+def _reference_estimate(ref: taskcode.Reference, cfg: InputConfig, gen: str) -> float | None:
+    import jax
+
+    from maxkernel.tools.estimate import estimate_xla
+
+    specs = [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype)) for a in cfg.dynamic]
+    try:
+        static = cfg.static
+        return estimate_xla(lambda *d: ref.computation(*d, *static), specs, gen).estimated_seconds
+    except Exception:  # noqa: BLE001 - an estimate failing must not fail an accepted kernel
+        return None
+
+
+def _measure(
+    ref: taskcode.Reference, cfg: InputConfig, blob: bytes, payload: dict[str, Any], secret: bytes
+) -> dict[str, Any] | None:
+    """Median wall time of the candidate's *exported* TPU program and of the reference, on the device,
+    at the task's own shapes, with the outputs compared there. None without a device."""
+    import jax
+    from jax import export
+
+    from maxkernel.tools.evaluation import compare
+    from maxkernel.tools.results import MeasuredTiming
+
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    exp = export.deserialize(bytearray(blob))
+    rng = np.random.default_rng(secret_seed(secret, b"maxkernel timing draws"))
+    args = [
+        jax.device_put(
+            rng.standard_normal(a.shape).astype(np_dtype(a.dtype))
+            if np.issubdtype(np_dtype(a.dtype), np.floating) or a.dtype == "bfloat16"
+            else np.zeros(a.shape, np_dtype(a.dtype)),
+            device,
+        )
+        for a in cfg.dynamic
+    ]
+    warmups, runs = int(payload.get("warmups", 3)), max(int(payload.get("runs", 20)), 20)
+    cand = jax.jit(exp.call)
+    static = cfg.static
+    refn = jax.jit(lambda *d: ref.computation(*d, *static))
+
+    def timed(fn: Any) -> tuple[list[float], Any]:
+        out = None
+        for _ in range(warmups):
+            out = jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+        return times, out
+
+    ct, cout = timed(cand)
+    rt, rout = timed(refn)
+    leaves = lambda o: [np.asarray(x) for x in jax.tree_util.tree_leaves(o)]  # noqa: E731
+    recheck = compare(leaves(cout), leaves(rout), cfg, 0, 0, "random")
+    cq, rq = np.percentile(ct, [25, 50, 75]), np.percentile(rt, [25, 50, 75])
+    return MeasuredTiming(
+        device=str(device.device_kind),
+        warmups=warmups,
+        runs=runs,
+        candidate_median_s=float(cq[1]),
+        candidate_spread_s=float(cq[2] - cq[0]),
+        reference_median_s=float(rq[1]),
+        reference_spread_s=float(rq[2] - rq[0]),
+        measured_speedup=float(rq[1] / cq[1]),
+        rechecked_correct=recheck.ok,
+    ).model_dump()

@@ -1,0 +1,162 @@
+"""A jaxpr as plain data: what the candidate process hands the judge instead of a live object.
+
+The candidate process traces the candidate (it must: tracing runs the candidate's Python) and turns the
+jaxpr into a JSON tree with only what the checks read: per equation the primitive name, output shapes,
+the contraction size of a dot, a scan's trip count, a pallas_call's grid and block shapes, and nested
+programs (cond branches marked as such). The judge side (`checks`, `skeleton`) reads only this tree and
+never imports JAX objects made by the candidate.
+
+The tree is data produced in an untrusted process: a candidate that rewrites this module in its own
+process can hand over a tree of a different program. Two things limit what that buys (see `harness`):
+the TPU program is handed over separately as a serialized `jax.export` artifact, which the judge inspects
+and compiles itself, and the two must agree.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+Tree = dict[str, Any]
+MAX_EQNS = 200_000
+"""A tree larger than this is refused rather than walked (a candidate could send a huge one)."""
+
+
+def _shape(aval: Any) -> list[int]:
+    return [int(d) if isinstance(d, int) else -1 for d in getattr(aval, "shape", ())]
+
+
+def _closed_jaxprs(value: Any) -> list[Any]:
+    items = value if isinstance(value, list | tuple) else (value,)
+    out = []
+    for item in items:
+        inner = getattr(item, "jaxpr", None)
+        if hasattr(item, "eqns"):
+            out.append(item)
+        elif inner is not None and hasattr(inner, "eqns"):
+            out.append(inner)
+    return out
+
+
+def to_tree(jaxpr: Any) -> Tree:
+    """Serialise a (closed) jaxpr into the tree the checks read."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr) if not hasattr(jaxpr, "eqns") else jaxpr
+    eqns = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        node: Tree = {"p": name, "out": [_shape(v.aval) for v in eqn.outvars]}
+        params = eqn.params
+        if name == "dot_general":
+            lhs = eqn.invars[0].aval
+            (contract_lhs, _), _ = params["dimension_numbers"]
+            k = 1
+            for axis in contract_lhs:
+                k *= int(lhs.shape[axis])
+            node["k"] = k
+        if name == "scan":
+            node["length"] = int(params.get("length", 1))
+        if name == "pallas_call":
+            gm = params.get("grid_mapping")
+            node["grid"] = [int(g) if isinstance(g, int) else -1 for g in (getattr(gm, "grid", ()) or ())]
+            node["blocks"] = [
+                [int(b) if isinstance(b, int) else -1 for b in (getattr(bm, "block_shape", ()) or ())]
+                for bm in (getattr(gm, "block_mappings", ()) or ())
+            ]
+            node["body"] = to_tree(params["jaxpr"])
+        elif name == "cond":
+            node["branches"] = [to_tree(b) for b in _closed_jaxprs(params.get("branches", ()))]
+        else:
+            subs = [to_tree(j) for v in params.values() for j in _closed_jaxprs(v)]
+            if subs:
+                node["subs"] = subs
+        eqns.append(node)
+    return {"eqns": eqns}
+
+
+def size_of(tree: Tree) -> int:
+    """Equations in the tree, all levels (stops counting past MAX_EQNS)."""
+    n, stack = 0, [tree]
+    while stack and n <= MAX_EQNS:
+        t = stack.pop()
+        for e in t.get("eqns", []):
+            n += 1
+            stack.extend(e.get("subs", []))
+            stack.extend(e.get("branches", []))
+            if "body" in e:
+                stack.append(e["body"])
+    return n
+
+
+def _prims(tree: Tree, into: Counter[str]) -> Counter[str]:
+    for e in tree.get("eqns", []):
+        into[str(e.get("p"))] += 1
+        for sub in [*e.get("subs", []), *e.get("branches", [])] + ([e["body"]] if "body" in e else []):
+            _prims(sub, into)
+    return into
+
+
+def skeleton(tree: Tree) -> dict[str, Any]:
+    """The structure two traces of one program must share: per pallas_call (in order) the kernel body's
+    primitive multiset, the grid rank and the number of blocks, plus the primitive multiset outside."""
+    kernels: list[dict[str, Any]] = []
+    outside: Counter[str] = Counter()
+
+    def walk(t: Tree) -> None:
+        for e in t.get("eqns", []):
+            if e.get("p") == "pallas_call":
+                kernels.append(
+                    {
+                        "prims": dict(sorted(_prims(e.get("body", {}), Counter()).items())),
+                        "grid_rank": len(e.get("grid", [])),
+                        "blocks": len(e.get("blocks", [])),
+                    }
+                )
+                continue
+            outside[str(e.get("p"))] += 1
+            for sub in [*e.get("subs", []), *e.get("branches", [])]:
+                walk(sub)
+
+    walk(tree)
+    return {"kernels": kernels, "outside": dict(sorted(outside.items()))}
+
+
+SHAPE_MASKING: frozenset[str] = frozenset(
+    """lt le gt ge eq ne and or not select_n iota broadcast_in_dim convert_element_type min max rem
+    pad slice dynamic_slice dynamic_update_slice concatenate reshape squeeze expand_dims transpose
+    jit pjit closed_call""".split()
+)
+"""Primitives whose presence may legitimately depend on the shapes: the masks and padding a kernel needs
+only where a dim does not divide its block (unaligned validation shapes, aligned production ones), and the
+call wrappers around such helpers (whose bodies are walked and counted on their own). They
+compute no result of their own; a kernel that drops a dot, an exp or a reduction at one shape is still
+caught, and so is one that drops or adds a kernel."""
+
+
+def same_program(a: dict[str, Any], b: dict[str, Any], *, exact: bool) -> str | None:
+    """None if two skeletons are the same program, else what differs. `exact=False` (traces at different
+    shapes) compares primitive *sets* less the masking/padding primitives (`SHAPE_MASKING`): a kernel may
+    legitimately unroll, mask or pad differently per shape, but not change what it computes, move work out
+    of Pallas or drop a kernel."""
+
+    def prims(d: dict[str, Any]) -> Any:
+        return d if exact else set(d) - SHAPE_MASKING
+
+    ka, kb = a.get("kernels", []), b.get("kernels", [])
+    if len(ka) != len(kb):
+        return f"{len(ka)} pallas_call(s) vs {len(kb)}"
+    for i, (x, y) in enumerate(zip(ka, kb, strict=True)):
+        if x.get("grid_rank") != y.get("grid_rank") or x.get("blocks") != y.get("blocks"):
+            return f"kernel {i}: grid rank/blocks {x.get('grid_rank')}/{x.get('blocks')} vs {y.get('grid_rank')}/{y.get('blocks')}"
+        px, py = x.get("prims", {}), y.get("prims", {})
+        if prims(px) != prims(py):
+            diff = sorted(set(prims(px)).symmetric_difference(prims(py))) or sorted(
+                k for k in px if px[k] != py.get(k)
+            )
+            return f"kernel {i}: different operations ({', '.join(diff[:6])})"
+    oa, ob = a.get("outside", {}), b.get("outside", {})
+    if prims(oa) != prims(ob):
+        diff = sorted(set(prims(oa)).symmetric_difference(prims(ob))) or sorted(
+            k for k in oa if oa[k] != ob.get(k)
+        )
+        return f"operations outside the kernels differ ({', '.join(diff[:6])})"
+    return None

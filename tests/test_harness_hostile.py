@@ -1,0 +1,208 @@
+"""Hostile candidates, one per attack class of issue 10: each must end rejected, or contained (nothing left
+on the host), under bubblewrap and, where it applies, in the fallback mode (no bubblewrap).
+
+The fallback cases drop the child to `nobody`, which needs a root agent; as a normal user the fallback
+cannot keep a candidate from same-user files and processes (README, harness section), so those cases are
+skipped there rather than asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.results import EvalResult
+from maxkernel.tools.store import ResultsStore
+from maxkernel.tools.tasks import KernelTask, load_task
+
+HOSTILE = Path(__file__).parent / "data" / "hostile"
+OPTS = EvalOptions(tpu=["v5e"], timeout_s=120, estimate=False)
+FALLBACK_OPTS = OPTS.model_copy(update={"allow_unsandboxed": True})
+ROOT = os.geteuid() == 0
+
+
+@pytest.fixture(scope="module")
+def task(data_dir: Path, session_work: Path) -> KernelTask:
+    return load_task(data_dir / "tasks" / "small_matmul", work_dir=session_work)
+
+
+@pytest.fixture(params=["bubblewrap", "fallback"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "fallback":
+        from maxkernel.tools import sandbox
+
+        if not ROOT:
+            pytest.skip("the fallback drops to nobody only for a root agent; see the README")
+        monkeypatch.setattr(sandbox, "bubblewrap_path", lambda: None)
+    elif not __import__("shutil").which("bwrap"):
+        pytest.skip("bubblewrap is not installed")
+    return request.param
+
+
+def run(task: KernelTask, name: str, work: Path, mode: str, store: ResultsStore | None = None) -> EvalResult:
+    r = evaluate(task, (HOSTILE / name).read_text(), FALLBACK_OPTS if mode == "fallback" else OPTS,
+                 store=store, work_dir=work)  # fmt: skip
+    assert r.isolation == mode
+    assert not (work / "evals").exists() or not list((work / "evals").iterdir())  # run dirs cleaned
+    return r
+
+
+# Rejected outright: (candidate, stages it may end in, modes it runs in by default).
+REJECTED = [
+    ("patch_comparison.py", {"correctness"}),
+    ("patch_pallas_check.py", {"pallas"}),
+    ("stack_walk.py", {"correctness"}),
+    ("steal_key.py", {"load", "sandbox"}),
+    ("rewrite_reference.py", {"correctness"}),
+    ("lookup_table.py", {"correctness"}),
+    ("dead_branch.py", {"pallas"}),
+    ("interpret_branch.py", {"consistency"}),
+    ("shape_branch.py", {"consistency", "pallas"}),
+    ("huge_stderr.py", {"load", "sandbox"}),
+    ("dir_replace.py", {"sandbox", "correctness"}),
+    ("flood.py", {"load", "sandbox"}),
+]
+FAST_IN_FALLBACK = {"patch_comparison.py", "rewrite_reference.py", "steal_key.py"}
+
+
+@pytest.mark.parametrize(
+    ("name", "stages"),
+    [pytest.param(n, s, id=n) for n, s in REJECTED],
+)
+def test_bubblewrap_rejects(task: KernelTask, tmp_path: Path, name: str, stages: set[str]) -> None:
+    if not __import__("shutil").which("bwrap"):
+        pytest.skip("bubblewrap is not installed")
+    r = run(task, name, tmp_path, "bubblewrap")
+    assert not r.accepted
+    assert r.error is not None and r.error.stage in stages, r.error
+
+
+@pytest.mark.parametrize(
+    ("name", "stages"),
+    [pytest.param(n, s, id=n, marks=() if n in FAST_IN_FALLBACK else pytest.mark.slow) for n, s in REJECTED],
+)
+def test_fallback_rejects(
+    task: KernelTask, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, stages: set[str]
+) -> None:
+    from maxkernel.tools import sandbox
+
+    if not ROOT:
+        pytest.skip("the fallback drops to nobody only for a root agent; see the README")
+    monkeypatch.setattr(sandbox, "bubblewrap_path", lambda: None)
+    r = run(task, name, tmp_path, "fallback")
+    assert not r.accepted
+    assert r.error is not None and r.error.stage in stages, r.error
+
+
+def test_huge_stderr_is_read_as_a_tail(task: KernelTask, tmp_path: Path) -> None:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = run(task, "huge_stderr.py", tmp_path, "bubblewrap")
+    assert not r.accepted and len(r.error.message) < 5000
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 500_000  # KiB: no 2 GiB read
+
+
+def test_read_shadow_leaks_nothing(task: KernelTask, tmp_path: Path, mode: str) -> None:
+    r = run(task, "read_shadow.py", tmp_path, mode)
+    assert r.error is not None and r.error.stage == "load"
+    assert "root:" not in r.error.message and "SHADOW:" not in r.error.message
+
+
+def test_proc_environ_leaks_no_key(
+    task: KernelTask, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GOOGLE_API_KEY", "sk-hostile-test-secret")
+    r = run(task, "proc_environ.py", tmp_path, mode)
+    assert r.error is not None and r.error.stage == "load"
+    assert "ENV:" in r.error.message  # it did run and report what it saw ...
+    assert "sk-hostile-test-secret" not in r.error.message  # ... which held no key
+
+
+def test_unix_socket_on_the_host_is_unreachable(task: KernelTask, tmp_path: Path, mode: str) -> None:
+    path = "/tmp/maxkernel_hostile_listener.sock"
+    if os.path.exists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    listener.setblocking(False)
+    try:
+        run(task, "unix_socket.py", tmp_path, mode)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+        os.unlink(path)
+
+
+def test_ctypes_bypass_writes_nothing_on_the_host(task: KernelTask, tmp_path: Path, mode: str) -> None:
+    markers = [
+        Path("/root/maxkernel_ctypes_system_escape"),
+        Path("/root/maxkernel_ctypes_open_escape"),
+    ] + ([Path("/var/tmp/maxkernel_ctypes_system_escape")] if mode == "bubblewrap" else [])
+    for m in markers:
+        m.unlink(missing_ok=True)
+    run(task, "ctypes_bypass.py", tmp_path, mode)
+    assert not [m for m in markers if m.exists()]
+
+
+def test_killing_the_parent_kills_nothing_of_ours(task: KernelTask, tmp_path: Path, mode: str) -> None:
+    r = run(task, "kill_parent.py", tmp_path, mode)
+    assert r.error is None or r.error.stage != "infrastructure"  # the judge survived to give a verdict
+    os.kill(os.getpid(), 0)  # and so did we
+
+
+def test_setsid_leftover_is_gone(task: KernelTask, tmp_path: Path, mode: str) -> None:
+    run(task, "setsid_leftover.py", tmp_path, mode)
+    leftovers = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(tmp_path).encode() in cmdline:
+            leftovers.append(pid)
+    assert not leftovers
+
+
+def test_rewriting_the_store_changes_no_verdict(task: KernelTask, tmp_path: Path, mode: str) -> None:
+    store = ResultsStore(tmp_path / "results.db")
+    first = run(task, "rewrite_store.py", tmp_path, mode, store=store)
+    assert not first.accepted and first.error.stage not in ("infrastructure", "sandbox")
+    again = run(task, "rewrite_store.py", tmp_path, mode, store=store)
+    assert again.cached and not again.accepted
+
+
+def test_model_written_candidates_refuse_the_fallback(
+    task: KernelTask, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from maxkernel.tools import sandbox
+
+    monkeypatch.setattr(sandbox, "bubblewrap_path", lambda: None)
+    store = ResultsStore(tmp_path / "results.db")
+    source = (Path(__file__).parent / "data" / "candidates" / "good_matmul.py").read_text()
+    r = evaluate(task, source, OPTS, store=store, work_dir=tmp_path)
+    assert r.error is not None and r.error.stage == "infrastructure"
+    assert "allow-unsandboxed" in r.error.message
+    assert store.count_evaluations() == 0  # not a verdict: never stored
+
+
+def test_infrastructure_failures_are_not_cached(
+    task: KernelTask, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from maxkernel.tools import sandbox
+
+    monkeypatch.setattr(sandbox, "_package_root", lambda: tmp_path / "no_such_checkout")
+    store = ResultsStore(tmp_path / "results.db")
+    source = (Path(__file__).parent / "data" / "candidates" / "good_matmul.py").read_text()
+    r = evaluate(task, source, OPTS, store=store, work_dir=tmp_path)
+    assert r.error is not None and r.error.stage == "infrastructure", r.error
+    assert store.count_evaluations() == 0
+    monkeypatch.undo()
+    good = evaluate(task, source, OPTS, store=store, work_dir=tmp_path)
+    assert good.accepted and not good.cached

@@ -1,0 +1,116 @@
+"""Tasks and runs around the harness: path-safe task ids, refused side-effecting references, derived
+timeouts, unreadable kernels, thread leases, and what a killed run leaves in its output dir."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from maxkernel.tools.harness import TIMEOUT_CEILING_S, TIMEOUT_FLOOR_S, EvalOptions, default_timeout
+from maxkernel.tools.tasks import KernelTask, TaskError, load_task, safe_task_id
+
+
+@pytest.fixture(scope="module")
+def matmul_task(data_dir: Path, session_work: Path) -> KernelTask:
+    return load_task(data_dir / "tasks" / "small_matmul", work_dir=session_work)
+
+
+@pytest.mark.parametrize(
+    ("raw", "safe"),
+    [("../../x", "_.._x"), ("a/b", "a_b"), ("..", "task"), ("ok-id_1.2", "ok-id_1.2"), ("/etc/passwd", "_etc_passwd")],
+)
+def test_task_ids_are_one_path_component(raw: str, safe: str) -> None:
+    assert safe_task_id(raw) == safe
+    assert "/" not in safe_task_id(raw) and not safe_task_id(raw).startswith(".")
+
+
+def test_task_yaml_cannot_move_outputs(data_dir: Path, tmp_path: Path, session_work: Path) -> None:
+    task = tmp_path / "evil"
+    shutil.copytree(data_dir / "tasks" / "small_matmul", task)
+    yaml = (task / "kernel_task.yaml").read_text()
+    (task / "kernel_task.yaml").write_text(yaml.replace("task_id: small_matmul", "task_id: ../../x"))
+    kt = load_task(task, work_dir=session_work)
+    assert kt.task_id == "_.._x"
+    assert (Path("out") / kt.task_id).resolve().parent == Path("out").resolve()
+
+
+def test_reference_with_import_side_effect_is_a_bad_task(data_dir: Path, tmp_path: Path) -> None:
+    task = tmp_path / "side_effect"
+    shutil.copytree(data_dir / "tasks" / "small_matmul", task)
+    ref = (task / "reference.py").read_text()
+    (task / "reference.py").write_text("import socket\nsocket.socket(socket.AF_INET).connect(('10.0.0.1', 9))\n" + ref)
+    with pytest.raises(TaskError, match="sandbox forbids"):
+        load_task(task, work_dir=tmp_path / "work")
+
+
+def test_default_timeout_is_derived_from_the_task(matmul_task: KernelTask) -> None:
+    t = default_timeout(matmul_task, EvalOptions(tpu=["v5e"]))
+    assert TIMEOUT_FLOOR_S <= t < TIMEOUT_CEILING_S  # a hang costs about a minute, not ten
+    slow = matmul_task.model_copy(update={"reference_seconds": 1000.0})
+    assert default_timeout(slow, EvalOptions()) == TIMEOUT_CEILING_S
+
+
+def test_binary_kernel_is_a_clean_exit_1(data_dir: Path, tmp_path: Path) -> None:
+    from maxkernel.cli import app
+
+    kernel = tmp_path / "garbage.py"
+    kernel.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x00" * 10)
+    r = CliRunner().invoke(app, ["eval", str(data_dir / "tasks" / "small_matmul"), str(kernel),
+                                 "--work-dir", str(tmp_path / "w"), "--store", str(tmp_path / "r.db")])  # fmt: skip
+    assert r.exit_code == 1, r.output
+    assert "UTF-8" in r.output and "Traceback" not in r.output
+
+
+def test_second_resume_of_a_thread_refuses(tmp_path: Path) -> None:
+    from maxkernel.cli_agent import _take_lease
+
+    store = tmp_path / "results.db"
+    lock = tmp_path / "leases" / "mk-test.lock"
+    lock.parent.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl,sys,time; f=open(sys.argv[1],'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "f.write('pid holder'); f.flush(); print('held', flush=True); time.sleep(60)", str(lock)],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"held"
+        with pytest.raises(typer.Exit) as exc:
+            _take_lease(store, "mk-test")
+        assert exc.value.exit_code == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    deadline = time.monotonic() + 10
+    while True:  # once the holder is gone, the lease is free again
+        try:
+            _take_lease(store, "mk-test")
+            break
+        except typer.Exit:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+def test_killed_synthesize_leaves_a_result(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    import maxkernel.cli as cli
+
+    def killed(*_a: object, **_k: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "evaluate", killed)
+    out = tmp_path / "out"
+    CliRunner().invoke(cli.app, ["synthesize", str(data_dir / "tasks" / "small_matmul"), "--out", str(out),
+                                 "--work-dir", str(tmp_path / "w"), "--store", str(tmp_path / "r.db")])  # fmt: skip
+    assert (out / "kernel.py").exists()
+    result = json.loads((out / "result.json").read_text())
+    assert "no verdict yet" in result["status"] and result["accepted"] is False
