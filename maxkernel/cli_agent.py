@@ -3,7 +3,12 @@
 Run settings (model, TPU targets, store, work dir) are recorded in the store's `runs` table under the
 thread id, so `resume` in another process (or after `kill -9`) rebuilds exactly the same context.
 
-Exit codes: 0 a correct kernel was found, 1 none was, 2 bad input, 3 paused for a human (hitl).
+Exit codes: 0 a correct kernel was found, 1 none was, 2 bad input, 3 paused for a human (hitl), 4 the model
+failed (rate limited, unreachable, timed out, ...): the run stopped before the failed step and `maxkernel
+resume THREAD` continues it once the model answers again.
+
+Reviews: when stdin is a terminal, a paused run asks right there (approve / edit in $EDITOR / feedback /
+stop or leave paused); otherwise it prints the pending review verbatim and the flags that answer it.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from rich.table import Table
 
 from maxkernel.checkpointing import DEFAULT_CHECKPOINTS
 from maxkernel.cli import DEFAULT_TPU_TEXT, TPU_HELP, app, console, fail_usage, out, parse_tpus
+from maxkernel.cli_review import REVIEW_FLAGS, interactive_review, show_review, stdin_is_terminal
 from maxkernel.context import Context, default_model
 from maxkernel.tools.results import SCORE_RANKS
 
 DEFAULT_STORE = ".maxkernel/results.db"
 EXIT_PAUSED = 3
+EXIT_MODEL_FAILURE = 4
 
 CheckpointOpt = Annotated[
     str, typer.Option("--checkpoint-db", help="SQLite path or postgres:// URL for LangGraph checkpoints")
@@ -124,6 +131,56 @@ def _drive(graph: Any, inp: Any, config: dict[str, Any], ctx: Context, *, search
                 status.update(f"after {node} ...")
 
 
+def _run(
+    graph: Any, inp: Any, config: dict[str, Any], ctx: Context, st: Any, thread_id: str, *, search: bool = False
+) -> None:
+    """Drive the run; a model failure or a crash is recorded as the run's status (never left 'running'),
+    and a model failure exits with EXIT_MODEL_FAILURE, saying that the thread can be resumed."""
+    from maxkernel.authors.model_calls import FAILURE_KINDS, ModelCallError
+
+    try:
+        _drive(graph, inp, config, ctx, search=search)
+    except ModelCallError as exc:
+        st.upsert_run(thread_id, status=exc.kind)
+        snapshot = graph.get_state(config)
+        what = FAILURE_KINDS.get(exc.kind, ("model failure", False))[0]
+        console.print(
+            f"\n[bold red]{exc.kind}[/]: " + escape(f"{what} after {exc.attempts} attempt(s)"), soft_wrap=True
+        )
+        out.print(exc.detail, markup=False, highlight=False, soft_wrap=True)
+        best = snapshot.values.get("best")
+        if best is not None and best.kind == "baseline":
+            console.print(
+                f"a correct offline baseline [{best.source_hash[:10]}] exists; it is the baseline, not a "
+                "result of the model, and no kernel was written",
+                soft_wrap=True,
+            )
+        at = ", ".join(snapshot.next) or "the failed step"
+        console.print(f"stopped before {escape(at)}; continue with: maxkernel resume {thread_id}")
+        raise typer.Exit(EXIT_MODEL_FAILURE) from None
+    except KeyboardInterrupt:
+        st.upsert_run(thread_id, status="interrupted")
+        raise
+    except Exception:
+        st.upsert_run(thread_id, status="error")
+        raise
+
+
+def _review_loop(graph: Any, config: dict[str, Any], ctx: Context, st: Any, thread_id: str) -> None:
+    """On a terminal, answer each review as it comes and go on; elsewhere `_finish` shows it and exits."""
+    from langgraph.types import Command
+
+    while stdin_is_terminal():
+        pending = [i for t in graph.get_state(config).tasks for i in t.interrupts]
+        if not pending:
+            return
+        value = interactive_review(pending[0].value)
+        if value is None:
+            return
+        st.upsert_run(thread_id, status="running")
+        _run(graph, Command(resume=value), config, ctx, st, thread_id)
+
+
 def _describe_search(node: str, update: dict[str, Any]) -> str:
     bits = []
     for n in update.get("nodes", []):
@@ -178,21 +235,17 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
         console.print(
             f"\n[bold yellow]paused for review[/] ({payload.get('kind')}), thread [bold]{thread_id}[/]"
         )
-        body = payload.get("plan") if payload.get("kind") == "plan_review" else payload.get("message") or ""
-        if payload.get("kind") == "code_review":
-            body = payload.get("code", "")
-        out.print(body)
-        hints = {
-            "plan_review": "--approve | --plan-file PLAN.md | --feedback TEXT",
-            "code_review": "--approve | --code-file KERNEL.py | --feedback TEXT",
-            "failure": "--approve (retry) | --feedback TEXT | --stop",
-        }
+        show_review(payload)
         console.print(
-            f"resume with: maxkernel resume {thread_id} {hints.get(payload.get('kind'), '--approve')}"
+            f"resume with: maxkernel resume {thread_id} {REVIEW_FLAGS.get(payload.get('kind'), '--approve')}"
         )
         raise typer.Exit(EXIT_PAUSED)
     status = values.get("status", "unknown")
     best = values.get("best")
+    if best is not None and best.kind == "baseline" and values.get("usage") and values["usage"].model_calls:
+        console.print(
+            "note: the kernel delivered is the offline baseline; no model-written kernel beat it"
+        )
     store.upsert_run(
         thread_id,
         status=status,
@@ -234,6 +287,31 @@ def optimize_cmd(
     store: StoreOpt = Path(DEFAULT_STORE),
     work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
     thread_id: Annotated[str | None, typer.Option("--thread-id", help="use this thread id")] = None,
+    max_model_calls: Annotated[
+        int | None, typer.Option("--max-model-calls", min=1, help="budget: model calls (failed ones count)")
+    ] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="budget: tokens")] = None,
+    max_wall: Annotated[
+        float | None, typer.Option("--max-wall", min=1, help="budget: wall-clock seconds")
+    ] = None,
+    patience: Annotated[
+        int | None, typer.Option("--patience", min=1, help="stop after N rounds without improvement")
+    ] = None,
+    max_repairs: Annotated[
+        int | None, typer.Option("--max-repairs", min=0, help="repairs per round at most")
+    ] = None,
+    model_retries: Annotated[
+        int, typer.Option("--model-retries", min=0, help="retries of a transient model failure")
+    ] = 4,
+    request_timeout: Annotated[
+        float, typer.Option("--request-timeout", min=1, help="seconds one model call may take")
+    ] = 300.0,
+    requests_per_second: Annotated[
+        float | None, typer.Option("--requests-per-second", help="client-side rate limit for model calls")
+    ] = None,
+    model_tools: Annotated[
+        int, typer.Option("--model-tools", min=0, help="tool calls (API look-up, draft check) per step")
+    ] = 4,
 ) -> None:
     """Run the agent loop on a task and write the best correct kernel, result.json and report.md."""
     if mode not in ("auto", "hitl"):
@@ -248,10 +326,22 @@ def optimize_cmd(
         except KeyError as exc:
             raise fail_usage(str(exc.args[0])) from exc
     thread_id = thread_id or f"mk-{uuid.uuid4().hex[:12]}"
+    limits = {
+        "max_model_calls": max_model_calls,
+        "max_tokens": max_tokens,
+        "max_wall_s": max_wall,
+        "patience": patience,
+        "max_repairs": max_repairs,
+        "model_retries": model_retries,
+        "request_timeout_s": request_timeout,
+        "requests_per_second": requests_per_second,
+        "model_tools": model_tools,
+    }
     st, settings = _start_run(
-        "agent", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir, describe=f"mode {mode}"
-    )
-    ctx = _context(settings)
+        "agent", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir, describe=f"mode {mode}",
+        limits=limits,
+    )  # fmt: skip
+    ctx = _started_context(st, thread_id, settings)
     graph = _graph(checkpoint_db)
     config = {"configurable": {"thread_id": thread_id}}
     inp = {
@@ -263,8 +353,9 @@ def optimize_cmd(
         "strategy": strategy,
         "tune_max_configs": tune_configs,
     }
-    _drive(graph, inp, config, ctx)
-    _check_bad_task(graph, config)
+    _run(graph, inp, config, ctx, st, thread_id)
+    _review_loop(graph, config, ctx, st, thread_id)
+    _check_bad_task(graph, config, st, thread_id)
     _finish(graph, config, st, thread_id)
 
 
@@ -309,11 +400,13 @@ def _start_run(
     return st, settings
 
 
-def _check_bad_task(graph: Any, config: dict[str, Any]) -> None:
+def _check_bad_task(graph: Any, config: dict[str, Any], st: Any = None, thread_id: str = "") -> None:
     values = graph.get_state(config).values
     reason = values.get("stop_reason") or ""
     if values.get("task") is None and reason.startswith("bad task"):
-        raise fail_usage(reason)
+        if st is not None:
+            st.upsert_run(thread_id, status="failed to start")
+        raise fail_usage(escape(reason))
 
 
 def _context(settings: dict[str, Any]) -> Context:
@@ -323,15 +416,27 @@ def _context(settings: dict[str, Any]) -> Context:
         from maxkernel.authors.llm import init_model
 
         try:
-            init_model(model)
+            init_model(model)  # a bad model string or a missing integration is a usage error, up front
         except AuthorError as exc:
             raise fail_usage(str(exc)) from exc
+    limits = {k: v for k, v in (settings.get("limits") or {}).items() if v is not None}
     return Context(
         model=model,
         tpu=list(settings["tpu"]),
         store_path=settings["store_path"],
         work_dir=settings["work_dir"],
+        **limits,
     )
+
+
+def _started_context(st: Any, thread_id: str, settings: dict[str, Any]) -> Context:
+    """The context of a run just recorded; a run whose model cannot even be created is marked as such
+    (never left 'running')."""
+    try:
+        return _context(settings)
+    except typer.Exit:
+        st.upsert_run(thread_id, status="failed to start")
+        raise
 
 
 def _resume_value(
@@ -386,7 +491,8 @@ def resume_cmd(
     ] = None,
     store: StoreOpt = Path(DEFAULT_STORE),
 ) -> None:
-    """Continue a paused (hitl) or killed run from its last checkpoint."""
+    """Continue a paused (hitl), killed or model-failed run from its last checkpoint. Without an answer
+    flag, a pending review is shown (on a terminal: asked)."""
     from langgraph.types import Command
 
     st = _store(store)
@@ -404,9 +510,19 @@ def resume_cmd(
         )
     pending = [i for t in snapshot.tasks for i in t.interrupts]
     ctx = _context(settings)
-    if pending:
-        value = _resume_value(pending[0].value.get("kind", ""), approve, plan_file, code_file, feedback, stop)
+    if pending and not any((approve, plan_file, code_file, feedback, stop)):
+        payload = pending[0].value
+        value = interactive_review(payload) if stdin_is_terminal() else None
+        if value is None:  # not a terminal (or the person left it paused): show what waits, and how to answer
+            show_review(payload)
+            console.print(
+                f"answer with: maxkernel resume {thread_id} {REVIEW_FLAGS.get(payload.get('kind'), '--approve')}"
+            )
+            raise typer.Exit(EXIT_PAUSED)
         inp: Any = Command(resume=value)
+    elif pending:
+        value = _resume_value(pending[0].value.get("kind", ""), approve, plan_file, code_file, feedback, stop)
+        inp = Command(resume=value)
     elif not snapshot.next:
         console.print(f"thread {thread_id} already finished")
         _finish(graph, config, st, thread_id)
@@ -421,7 +537,8 @@ def resume_cmd(
     console.print(f"resuming thread [bold]{thread_id}[/] at {', '.join(snapshot.next)}")
     if settings.get("max_concurrency"):
         config["max_concurrency"] = settings["max_concurrency"]
-    _drive(graph, inp, config, ctx, search=settings.get("graph") == "search")
+    _run(graph, inp, config, ctx, st, thread_id, search=settings.get("graph") == "search")
+    _review_loop(graph, config, ctx, st, thread_id)
     _finish(graph, config, st, thread_id)
 
 
@@ -452,12 +569,34 @@ def runs_cmd(
         t.add_row(
             r["thread_id"],
             r.get("task_id") or "",
-            r.get("status") or "",
+            _shown_status(r, settings),
             best_text,
             settings.get("model", ""),
             r.get("created_at") or "",
         )
     out.print(t)
+
+
+def _shown_status(row: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The recorded status, except that a 'running' thread with no checkpoint at all never started."""
+    status = row.get("status") or ""
+    if status != "running":
+        return status
+    db = settings.get("checkpoint_db") or ""
+    if db.startswith(("postgres://", "postgresql://")):
+        return status
+    if not Path(db).exists():
+        return "never started"
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+            found = conn.execute(
+                "SELECT 1 FROM checkpoints WHERE thread_id = ? LIMIT 1", (row["thread_id"],)
+            ).fetchone()
+    except sqlite3.Error:
+        return status
+    return status if found else "never started"
 
 
 @app.command("profile")
@@ -542,7 +681,7 @@ def search_cmd(
         "search", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir,
         describe=f"{algorithm} search", max_concurrency=max_concurrency,
     )  # fmt: skip
-    ctx = _context(settings)
+    ctx = _started_context(st, thread_id, settings)
     graph = _graph(checkpoint_db, "search")
     config = {"configurable": {"thread_id": thread_id}, "max_concurrency": max_concurrency}
     search_inp = {
@@ -558,7 +697,7 @@ def search_cmd(
         "scale": scale,
         "out_dir": str(out_dir.resolve()) if out_dir else None,
     }
-    _drive(graph, search_inp, config, ctx, search=True)
+    _run(graph, search_inp, config, ctx, st, thread_id, search=True)
     _finish(graph, config, st, thread_id)
 
 

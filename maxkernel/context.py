@@ -53,6 +53,49 @@ class Context:
         default=None,
         metadata={"description": "a ready LangChain chat model (Python API, tests); overrides `model`"},
     )
+    # --- budgets (also CLI flags and studio settings); None keeps the run's defaults (state.Budgets)
+    max_model_calls: int | None = field(
+        default=None, metadata={"description": "model calls at most (failed and re-asked calls count)"}
+    )
+    max_tokens: int | None = field(default=None, metadata={"description": "tokens at most, as reported"})
+    max_wall_s: float | None = field(default=None, metadata={"description": "wall-clock seconds at most"})
+    patience: int | None = field(
+        default=None, metadata={"description": "stop after this many rounds without improvement"}
+    )
+    max_repairs: int | None = field(default=None, metadata={"description": "repairs per round at most"})
+    # --- how model calls are made (authors.model_calls)
+    model_retries: int = field(
+        default=4, metadata={"description": "retries of a transient model failure (429, timeout, network)"}
+    )
+    request_timeout_s: float = field(default=300.0, metadata={"description": "limit for one model call"})
+    backoff_initial_s: float = field(
+        default=2.0, metadata={"description": "first retry wait; doubles; the provider's retry delay wins"}
+    )
+    backoff_max_s: float = field(default=120.0, metadata={"description": "longest wait between retries"})
+    requests_per_second: float | None = field(
+        default=None, metadata={"description": "client-side rate limit for model calls (None: no limit)"}
+    )
+
+    model_tools: int = field(
+        default=4,
+        metadata={"description": "tool calls (API look-up, draft check) per implement/repair step; 0: none"},
+    )
+
+    def call_settings(self) -> Any:
+        from maxkernel.authors.model_calls import CallSettings
+
+        return CallSettings(
+            max_retries=self.model_retries,
+            timeout_s=self.request_timeout_s,
+            backoff_initial_s=self.backoff_initial_s,
+            backoff_max_s=self.backoff_max_s,
+            requests_per_second=self.requests_per_second,
+        )
+
+    def budget_overrides(self) -> dict[str, Any]:
+        """The budgets this context sets, as `Budgets` field values."""
+        names = ("max_model_calls", "max_tokens", "max_wall_s", "patience", "max_repairs")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def __post_init__(self) -> None:
         # Canonical names ("trillium" -> "v6e"); an unknown one raises ValueError naming the valid ones.

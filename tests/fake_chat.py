@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -96,3 +97,134 @@ class RoutedChatModel(BaseChatModel):
             if needle in prompt:
                 return ChatResult(generations=[ChatGeneration(message=AIMessage(content=reply))])
         raise RuntimeError(f"no scripted rule matches the prompt: {prompt[:200]!r}")
+
+
+# --- realistic reply shapes and failures ---------------------------------------------------------------
+KERNEL = (Path(__file__).parent / "data" / "candidates" / "llm_correct.py").read_text()
+
+
+def _usage(text: str, prompt_tokens: int = 1200) -> dict[str, int]:
+    out = max(1, len(text) // 4)
+    return {"input_tokens": prompt_tokens, "output_tokens": out, "total_tokens": prompt_tokens + out}
+
+
+def gemini3_message(text: str, finish_reason: str = "STOP") -> AIMessage:
+    """langchain-google-genai with a Gemini 3 model: thinking part with a signature, then the text."""
+    return AIMessage(
+        content=[
+            {"type": "thinking", "thinking": "THOUGHT: tile M and N by 128.", "signature": "CpYBAbT3..."},
+            {"type": "text", "text": text, "extras": {"signature": "EpwB..."}},
+        ],
+        response_metadata={"finish_reason": finish_reason, "model_name": "gemini-3-pro-preview"},
+        usage_metadata={**_usage(text), "output_token_details": {"reasoning": 40}},
+    )
+
+
+def anthropic_message(text: str, stop_reason: str = "end_turn") -> AIMessage:
+    return AIMessage(
+        content=[
+            {"type": "thinking", "thinking": "THOUGHT: the bias broadcasts.", "signature": "ErUB..."},
+            {"type": "text", "text": text},
+        ],
+        response_metadata={"stop_reason": stop_reason, "model": "claude-sonnet-4-5"},
+        usage_metadata=_usage(text),
+    )
+
+
+def openai_message(text: str, finish_reason: str = "stop") -> AIMessage:
+    """Chat Completions: a plain string, usage under response_metadata['token_usage'] only."""
+    u = _usage(text)
+    return AIMessage(
+        content=text,
+        response_metadata={
+            "finish_reason": finish_reason,
+            "token_usage": {
+                "prompt_tokens": u["input_tokens"],
+                "completion_tokens": u["output_tokens"],
+                "total_tokens": u["total_tokens"],
+            },
+        },
+    )
+
+
+def openai_reasoning_message(text: str) -> AIMessage:
+    """Responses API with reasoning summaries."""
+    return AIMessage(
+        content=[
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "THOUGHT: k innermost."}]},
+            {"type": "text", "text": text},
+        ],
+        response_metadata={"finish_reason": "stop"},
+        usage_metadata=_usage(text),
+    )
+
+
+class ProviderError(Exception):
+    """Shaped like google.genai.errors.APIError / openai.APIStatusError: a `code`/`status_code`, a message."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"{code} {message}")
+        self.code = code
+        self.status_code = code
+
+
+def gemini_429(delay: str = "0.01s") -> ProviderError:
+    return ProviderError(
+        429,
+        "RESOURCE_EXHAUSTED. {'error': {'code': 429, 'message': 'You exceeded your current quota.', "
+        "'status': 'RESOURCE_EXHAUSTED', 'details': [{'@type': 'type.googleapis.com/google.rpc.RetryInfo', "
+        f"'retryDelay': '{delay}'}}]}}}}",
+    )
+
+
+class EventChatModel(BaseChatModel):
+    """Plays `events` in order: an Exception is raised, a message is returned, a str becomes a Gemini 3
+    message. No structured output unless `structured` (then a JSON string event is parsed into the schema).
+    Counts calls and the tokens the returned messages report."""
+
+    events: list[Any]
+    structured: bool = False
+    calls: int = 0
+    reported_tokens: int = 0
+    prompts: list[str] = Field(default_factory=list)
+
+    @property
+    def _llm_type(self) -> str:
+        return "events"
+
+    def _event(self, prompt: str) -> Any:
+        self.calls += 1
+        self.prompts.append(prompt)
+        if not self.events:
+            raise RuntimeError("the event script ran out")
+        event = self.events.pop(0)
+        if isinstance(event, BaseException):
+            raise event
+        return event
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        msg = self._event(str(messages[-1].content))
+        msg = gemini3_message(msg) if isinstance(msg, str) else msg
+        if msg.usage_metadata:
+            self.reported_tokens += msg.usage_metadata["total_tokens"]
+        return ChatResult(generations=[ChatGeneration(message=msg)])
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> EventChatModel:
+        return self
+
+    def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
+        if not self.structured:
+            raise NotImplementedError("this fake provider has no structured output")
+
+        def parse(messages: Any) -> Any:
+            event = self._event(str(messages[-1].content))
+            text = event if isinstance(event, str) else str(event.content)
+            return schema.model_validate(json.loads(text))
+
+        return RunnableLambda(parse)

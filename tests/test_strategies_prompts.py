@@ -60,7 +60,7 @@ def _task() -> KernelTask:
 
 def test_llm_author_prompts_carry_reference_strategy_and_failure() -> None:
     model = ScriptedChatModel(
-        replies=["# plan", "```python\ndef computation(x):\n    return x\n```", "no code"]
+        replies=["# plan", "```python\ndef computation(x):\n    return x\n```", "no code", "still none"]
     )
     author = LLMAuthor(model, model_name="scripted")
     ctx = AuthorContext(task=_task(), tpu=["v5e"], strategy="larger_tiles")
@@ -74,23 +74,26 @@ def test_llm_author_prompts_carry_reference_strategy_and_failure() -> None:
         and "Stage: compile" in model.prompts[1][-1].content
     )
     assert draft.source.startswith("def computation")
-    with pytest.raises(AuthorError, match="no ```python code block"):
-        author.implement(ctx, plan)
-    assert author.usage.model_calls == 3 and author.usage.tokens > 0
+    with pytest.raises(AuthorError, match="unusable twice: the reply has no code"):
+        author.implement(ctx, plan)  # a code-less reply is re-asked once, then given up
+    assert "the reply has no code" in model.prompts[3][-1].content
+    assert author.usage.model_calls == 4 and author.usage.reasked_calls == 1 and author.usage.tokens > 0
 
 
-def test_llm_tuning_space_varies_block_constants_and_renders() -> None:
-    source = "BLOCK_M = 128\nBLOCK_K = 256\n\ndef computation(x):\n    return x\n"
+def test_llm_tuning_space_is_the_declared_one_and_renders() -> None:
+    source = (
+        'BLOCK_M = 128\nBLOCK_K = 256\nTUNING_SPACE = {"BLOCK_M": [128, 256], "BLOCK_K": [256, 512]}\n\n'
+        "def computation(x):\n    return x\n"
+    )
     author = LLMAuthor(ScriptedChatModel(replies=[]), model_name="scripted")
     plan = Plan(family="llm", summary="s", text="t", data={"source": source})
     ctx = AuthorContext(task=_task())
     space = author.tuning_space(ctx, plan)
-    assert (
-        TileConfig.of(BLOCK_M=256, BLOCK_K=256) in space and TileConfig.of(BLOCK_M=128, BLOCK_K=128) in space
-    )
-    assert all(v % 128 == 0 for c in space for _, v in c.params)
+    assert set(space) == {TileConfig.of(BLOCK_M=m, BLOCK_K=k) for m in (128, 256) for k in (256, 512)}
     draft = author.render(ctx, plan, TileConfig.of(BLOCK_M=256, BLOCK_K=512))
     assert "BLOCK_M = 256" in draft.source and "BLOCK_K = 512" in draft.source
+    undeclared = plan.model_copy(update={"data": {"source": "BLOCK_M = 128\n"}})
+    assert author.tuning_space(ctx, undeclared) == []  # no declaration, no guessing
 
 
 def test_extract_code_prefers_the_block_with_computation() -> None:

@@ -41,6 +41,8 @@ class AuthorContext(BaseModel):
     strategy: str | None = Field(None, description="the optimisation strategy this round should apply")
     history: list[Attempt] = Field(default_factory=list, description="earlier attempts in this run")
     profile: str | None = Field(None, description="trace summary / estimates of the best kernel (markdown)")
+    plan_text: str | None = Field(None, description="the current round's plan (reflect and repair read it)")
+    tried_strategies: list[str] = Field(default_factory=list, description="strategies this run applied")
     scope: str = Field(
         "",
         description="where in a run this call happens (thread/round/step); identical scope+prompt = same call",
@@ -138,6 +140,9 @@ class Reflection(BaseModel):
     action: Literal["continue", "stop"]
     reasons: list[str] = Field(default_factory=list)
     plan_hint: str | None = Field(None, description="what the next plan should change (when continuing)")
+    next_strategy: str | None = Field(
+        None, description="the ONE strategy the next round applies, when the author chose one (wins)"
+    )
     strategies: list[str] = Field(
         default_factory=list,
         description="strategies the author can still apply, best first (empty: no preference / any)",

@@ -1,8 +1,13 @@
 """`LLMAuthor`: any LangChain chat model as a kernel author, through the templates in maxkernel/prompts.
 
-The model sees the reference source (as text: task code is never executed here), the shapes, the plan, the
-harness's verdicts and the Pallas/TPU guide. Replies are parsed, not trusted: code comes from the single
-python block, reflections from a JSON object (or structured output where the model supports it).
+The model sees the reference source (as text: task code is never executed here), the shapes, the
+tolerances, the JAX version and each target's peak numbers, the plan, the harness's verdicts and the
+Pallas/TPU guide. Replies are parsed, not trusted (`authors.reply`): code is the module that defines
+`computation`; truncated, thinking-only and code-less replies are re-asked once (counted); decisions come
+from structured output, or JSON/keywords in text for models without it. Calls go through
+`authors.model_calls` (timeout, retries honouring the provider's delay, rate limiter); a call that fails
+for good raises `ModelCallError`, which ends the run in a named, resumable state.
+Model-written kernels declare what the autotuner may vary in a module-level `TUNING_SPACE` literal dict.
 
 Every reply is cached in the results store under a hash of (model, messages), so a node that re-runs after
 a resume gets the same reply instead of a new (billed, different) one.
@@ -10,13 +15,17 @@ a resume gets the same reply instead of a new (billed, different) one.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+import logging
 import re
+import time
+from itertools import product
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from maxkernel.authors.base import (
     Attempt,
@@ -27,33 +36,64 @@ from maxkernel.authors.base import (
     Reflection,
     TileConfig,
 )
+from maxkernel.authors.model_calls import (
+    CallSettings,
+    invoke_with_retries,
+    make_rate_limiter,
+)
+from maxkernel.authors.reply import (
+    NoModule,
+    ParsedReply,
+    extract_json_object,
+    extract_module,
+    parse_message,
+)
 from maxkernel.prompts import render, system_prompt
 from maxkernel.tools.store import ResultsStore
 
-_CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
-_BLOCK_CONST = re.compile(r"^(BLOCK_[A-Z0-9_]+)\s*=\s*(\d+)\s*(?:#.*)?$", re.MULTILINE)
+log = logging.getLogger(__name__)
 
 
 class LLMUsage(BaseModel):
-    model_calls: int = 0
+    """Every call counts, failed ones included: a provider bills (and rate-limits) attempts, not successes."""
+
+    model_calls: int = Field(0, description="calls sent to the provider, failed and re-asked ones included")
+    failed_calls: int = Field(0, description="calls that raised (429, timeout, network, ...)")
+    reasked_calls: int = Field(
+        0, description="extra calls after a truncated, thinking-only or code-less reply"
+    )
     cached_calls: int = 0
-    tokens: int = Field(0, description="as reported by the provider; characters/4 when it reports nothing")
+    tool_calls: int = Field(0, description="tool calls the model made (API look-ups, draft checks)")
+    tokens: int = Field(
+        0, description="as reported by the provider; characters/4 of system+prompt+reply when it reports none"
+    )
 
 
 class ReflectionReply(BaseModel):
-    """The JSON a model returns from the reflect prompt."""
+    """The reflect decision (structured output, or JSON parsed from free text)."""
 
-    decision: str = "continue"
-    reason: str = ""
-    next_strategy: str | None = None
-    hint: str | None = None
+    decision: Literal["continue", "stop"] = Field("continue", description="another round, or stop")
+    reason: str = Field("", description="why, in one sentence")
+    next_strategy: str | None = Field(None, description="ONE strategy for the next round")
+    hint: str | None = Field(None, description="what the next plan should change and why")
+
+    @field_validator("decision", mode="before")
+    @classmethod
+    def _norm(cls, v: Any) -> Any:
+        return str(v).strip().lower() if v is not None else "continue"
 
 
-def init_model(spec: str) -> Any:
+def init_model(spec: str, settings: CallSettings | None = None) -> Any:
+    """A chat model from an init_chat_model string. The provider's own retries are off (ours honour its
+    retry delay and count every attempt); its request timeout is set where the integration takes one."""
     from langchain.chat_models import init_chat_model
 
+    settings = settings or CallSettings()
     try:
-        return init_chat_model(spec, max_retries=2)
+        try:
+            return init_chat_model(spec, max_retries=0, timeout=settings.timeout_s)
+        except (TypeError, ValueError):  # an integration without these options: ours still apply
+            return init_chat_model(spec)
     except ImportError as exc:
         raise AuthorError(f"model {spec!r} needs its LangChain integration package: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a bad model string is a usage error, reported as such
@@ -61,25 +101,26 @@ def init_model(spec: str) -> Any:
 
 
 def extract_code(text: str) -> str:
-    blocks = _CODE_BLOCK.findall(text)
-    if not blocks:
-        if "def computation" in text:
-            return text.strip() + "\n"
-        raise AuthorError("the model's reply has no ```python code block")
-    # The last block with `computation` in it is the module; earlier ones are usually snippets.
-    with_entry = [b for b in blocks if "def computation" in b]
-    return (with_entry[-1] if with_entry else blocks[-1]).strip() + "\n"
+    """The kernel module in a reply (see `reply.extract_module`); AuthorError when there is none."""
+    try:
+        return extract_module(text)
+    except NoModule as exc:
+        raise AuthorError(str(exc)) from exc
 
 
 def _shapes(configs: list[Any]) -> str:
     return "; ".join(c.describe() for c in configs)
 
 
-def _history(history: list[Attempt]) -> str:
+def _history(history: list[Attempt], *, ranked: bool = False) -> str:
+    """Attempts as lines; `ranked`: accepted ones best first (measured before estimated), then failures."""
     if not history:
         return "(none yet)"
+    items = list(history[-8:])
+    if ranked:
+        items = sorted(history, key=_rank, reverse=True)[:10]
     lines = []
-    for a in history[-8:]:
+    for a in items:
         verdict = "accepted" if a.accepted else f"failed at {a.stage}: {a.message[:400]}"
         cfg = f" {a.config}" if a.config else ""
         est = f", estimated {a.estimated_seconds * 1e6:.1f} us" if a.estimated_seconds else ""
@@ -88,41 +129,168 @@ def _history(history: list[Attempt]) -> str:
     return "\n".join(lines)
 
 
+def _rank(a: Attempt) -> tuple[int, int, float]:
+    if not a.accepted:
+        return (0, 0, 0.0)
+    if a.measured_seconds:
+        return (1, 2, -a.measured_seconds)
+    if a.estimated_seconds:
+        return (1, 1, -a.estimated_seconds)
+    return (1, 0, 0.0)
+
+
 class LLMAuthor:
     """An `Author` backed by a chat model."""
 
     def __init__(
-        self, model: Any, *, model_name: str | None = None, store: ResultsStore | None = None
+        self,
+        model: Any,
+        *,
+        model_name: str | None = None,
+        store: ResultsStore | None = None,
+        call_settings: CallSettings | None = None,
+        sleep: Any = None,
+        max_tool_calls: int = 4,
     ) -> None:
-        self.model = init_model(model) if isinstance(model, str) else model
+        self.call_settings = call_settings or CallSettings()
+        self.model = init_model(model, self.call_settings) if isinstance(model, str) else model
         self.name = model_name or (model if isinstance(model, str) else type(model).__name__)
         self.store = store
         self.usage = LLMUsage()
+        self.rate_limiter = make_rate_limiter(self.call_settings.requests_per_second)
+        self._sleep = sleep or time.sleep
+        self.max_tool_calls = max_tool_calls
+        # (calls, tokens) already written to a run's state (nodes.common.usage_of / usage_update)
+        self.recorded: tuple[int, int] = (0, 0)
 
     # --- model access -----------------------------------------------------------------------------------
-    def _ask(self, ctx: AuthorContext, prompt: str) -> str:
+    def _messages(self, ctx: AuthorContext, prompt: str) -> list[Any]:
         from langchain_core.messages import HumanMessage, SystemMessage
 
-        messages = [SystemMessage(system_prompt(ctx.tpu)), HumanMessage(prompt)]
-        key = hashlib.sha256(
-            json.dumps([self.name, ctx.scope, [m.content for m in messages]]).encode()
+        return [SystemMessage(system_prompt(ctx.tpu)), HumanMessage(prompt)]
+
+    def _key(self, ctx: AuthorContext, messages: list[Any], kind: str = "text") -> str:
+        return hashlib.sha256(
+            json.dumps([self.name, ctx.scope, kind, [str(m.content) for m in messages]]).encode()
         ).hexdigest()
+
+    def _call(self, messages: list[Any], runner: Any = None) -> Any:
+        """One logical call with retries; every attempt is counted."""
+
+        def failed(kind: str, exc: BaseException) -> None:
+            self.usage.model_calls += 1
+            self.usage.failed_calls += 1
+
+        reply = invoke_with_retries(
+            runner or self.model,
+            messages,
+            self.call_settings,
+            rate_limiter=self.rate_limiter,
+            sleep=self._sleep,
+            on_failure=failed,
+        )
+        self.usage.model_calls += 1
+        return reply
+
+    def _count_tokens(self, messages: list[Any], parsed: ParsedReply) -> None:
+        if parsed.total_tokens is not None:
+            self.usage.tokens += int(parsed.total_tokens)
+        else:  # no usage reported: count what was sent (system prompt included) and received
+            sent = sum(len(str(m.content)) for m in messages)
+            self.usage.tokens += (sent + len(parsed.text) + len(parsed.thinking)) // 4
+
+    def _ask(self, ctx: AuthorContext, prompt: str, *, want_code: bool = False) -> str:
+        """The answer text for `prompt`. A truncated or thinking-only reply is re-asked once (shorter); with
+        `want_code`, so is a reply without a kernel module. Replies are cached per (scope, prompt)."""
+        from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+        messages = self._messages(ctx, prompt)
+        key = self._key(ctx, messages)
         if self.store is not None:
             cached = self.store.get_model_reply(key)
             if cached is not None:
                 self.usage.cached_calls += 1
                 return cached
-        try:
-            reply = self.model.invoke(messages)
-        except Exception as exc:  # noqa: BLE001 - provider errors of every kind end this step, not the run
-            raise AuthorError(f"model call failed: {type(exc).__name__}: {exc}") from exc
-        text = reply.content if isinstance(reply.content, str) else _flatten(reply.content)
-        self.usage.model_calls += 1
-        meta = getattr(reply, "usage_metadata", None) or {}
-        self.usage.tokens += int(meta.get("total_tokens") or (len(prompt) + len(text)) // 4)
+        runner, tools = self._tool_runner(ctx) if want_code else (None, {})
+        reasked, tool_calls_used = False, 0
+        while True:
+            reply = self._call(messages, runner)
+            parsed = parse_message(reply)
+            self._count_tokens(messages, parsed)
+            requested = getattr(reply, "tool_calls", None) or []
+            if requested and tools and tool_calls_used < self.max_tool_calls:
+                messages = [*messages, reply]
+                for call in requested:
+                    tool_calls_used += 1
+                    messages.append(
+                        ToolMessage(self._run_tool(tools, call), tool_call_id=call.get("id") or "")
+                    )
+                continue
+            text = parsed.text
+            problem = _reply_problem(parsed, want_code)
+            if problem is None:
+                break
+            if requested:
+                problem += " (the tool budget of this step is spent: answer now, without tools)"
+            if reasked:
+                raise AuthorError(f"the model's reply was unusable twice: {problem}")
+            reasked = True
+            self.usage.reasked_calls += 1
+            messages = [*messages, AIMessage(parsed.text or "(no answer text)"), HumanMessage(problem)]
         if self.store is not None:
             self.store.put_model_reply(key, self.name, text)
         return text
+
+    def _tool_runner(self, ctx: AuthorContext) -> tuple[Any, dict[str, Any]]:
+        """The model with the API-lookup and draft-check tools bound, or (None, {}) when tools are off or
+        the model cannot take tools."""
+        if self.max_tool_calls <= 0:
+            return None, {}
+        from maxkernel.authors.model_tools import tools_for
+
+        tools = tools_for(ctx.task, list(ctx.tpu), Path(ctx.work_dir), self.store)
+        try:
+            runner = self.model.bind_tools(tools)
+        except (NotImplementedError, AttributeError, TypeError, ValueError):
+            return None, {}
+        return runner, {t.name: t for t in tools}
+
+    def _run_tool(self, tools: dict[str, Any], call: dict[str, Any]) -> str:
+        tool = tools.get(call.get("name", ""))
+        if tool is None:
+            return f"unknown tool {call.get('name')!r}; tools: {', '.join(tools)}"
+        self.usage.tool_calls += 1
+        try:
+            return str(tool.invoke(call.get("args") or {}))
+        except Exception as exc:  # noqa: BLE001 - a tool error is an answer for the model, not a crash
+            return f"tool error: {type(exc).__name__}: {exc}"
+
+    def _decide(self, ctx: AuthorContext, prompt: str, schema: type[BaseModel]) -> BaseModel:
+        """A decision as `schema`: structured output where the model has it, else JSON parsed from text."""
+        messages = self._messages(ctx, prompt)
+        key = self._key(ctx, messages, kind=schema.__name__)
+        if self.store is not None and (cached := self.store.get_model_reply(key)) is not None:
+            self.usage.cached_calls += 1
+            return schema.model_validate_json(cached)
+        decision: BaseModel | None = None
+        try:
+            runner = self.model.with_structured_output(schema)
+        except (NotImplementedError, AttributeError, TypeError, ValueError):
+            runner = None
+        if runner is not None:
+            raw = self._call(messages, _ParseTolerant(runner))
+            # Structured output hides the provider's usage report: count what was sent.
+            self.usage.tokens += sum(len(str(m.content)) for m in messages) // 4
+            try:
+                decision = raw if isinstance(raw, schema) else schema.model_validate(raw)
+            except ValueError:  # the structured parse failed (or returned None): read text below
+                decision = None
+        if decision is None:
+            text = self._ask(ctx, prompt)
+            decision = parse_decision(text, schema)
+        if self.store is not None:
+            self.store.put_model_reply(key, self.name, decision.model_dump_json())
+        return decision
 
     def _common(self, ctx: AuthorContext) -> dict[str, str]:
         task = ctx.task
@@ -134,6 +302,8 @@ class LLMAuthor:
             "tpu_shapes": _shapes(task.configs),
             "validation_shapes": _shapes(task.validation_configs),
             "output_shapes": "; ".join(", ".join(map(str, c.outputs)) for c in task.configs),
+            "tolerances": _tolerances(task),
+            "targets": _targets(ctx.tpu),
             "starting_point": (
                 f"A correct kernel already exists; improve on it:\n```python\n{ctx.starting_source}\n```"
                 if ctx.starting_source
@@ -156,11 +326,11 @@ class LLMAuthor:
         if not text:
             raise AuthorError("the model returned an empty plan")
         summary = next((ln.strip("# ").strip() for ln in text.splitlines() if ln.strip()), "plan")
-        return Plan(family="llm", summary=summary[:200], text=text)
+        return Plan(family="llm", summary=summary[:200], text=text, data={"strategy": ctx.strategy})
 
     def implement(self, ctx: AuthorContext, plan: Plan) -> Draft:
-        reply = self._ask(ctx, render("implement", **self._common(ctx), plan=plan.text))
-        return Draft(source=extract_code(reply), notes=f"written by {self.name}")
+        reply = self._ask(ctx, render("implement", **self._common(ctx), plan=plan.text), want_code=True)
+        return self._draft(extract_code(reply), f"written by {self.name}")
 
     def repair(
         self, ctx: AuthorContext, plan: Plan, source: str, failure: str, history: list[Attempt]
@@ -171,63 +341,182 @@ class LLMAuthor:
             render(
                 "repair",
                 **self._common(ctx),
+                plan=plan.text,
                 source=source,
                 stage=stage.strip(),
                 failure=message.strip() or failure,
                 history=_history(history),
             ),
+            want_code=True,
         )
-        return Draft(source=extract_code(reply), notes=f"repaired by {self.name}")
+        return self._draft(extract_code(reply), f"repaired by {self.name}")
+
+    def _draft(self, source: str, notes: str) -> Draft:
+        space = declared_tuning_space(source)
+        if space is None:
+            notes += "; declares no TUNING_SPACE, so autotuning has nothing to vary"
+        return Draft(source=source, notes=notes)
 
     def tuning_space(self, ctx: AuthorContext, plan: Plan) -> list[TileConfig]:
-        """Halve and double each top-level BLOCK_* constant of the current source, keeping (8, 128)
-        alignment: a model's kernel has no analysed space, but its block constants are the usual knobs."""
+        """The configs the kernel declares in its module-level `TUNING_SPACE` dict (read with `ast`, never
+        executed here); an empty list, logged, when it declares none."""
         source = plan.data.get("source", "")
-        consts = {name: int(v) for name, v in _BLOCK_CONST.findall(source)}
-        if not consts:
+        space = declared_tuning_space(source)
+        if not space:
+            log.warning("the model's kernel declares no TUNING_SPACE: autotuning skipped for it")
             return []
-        configs = {TileConfig.of(consts)}
-        for name, value in consts.items():
-            for new in (value // 2, value * 2):
-                align = 128 if value % 128 == 0 else 8
-                if new >= align and new % align == 0 and new <= 4096:
-                    configs.add(TileConfig.of(consts, **{name: new}))
-        return sorted(configs, key=lambda c: c.label())
+        names = sorted(space)
+        configs = [
+            TileConfig.of(dict(zip(names, values, strict=True)))
+            for values in product(*(space[n] for n in names))
+        ]
+        return configs
 
     def render(self, ctx: AuthorContext, plan: Plan, config: TileConfig) -> Draft:
         source = plan.data.get("source")
         if not source:
             raise AuthorError("no source to re-render: the plan carries none")
         for name, value in config.params:
-            source = re.sub(rf"^{name}\s*=\s*\d+", f"{name} = {value}", source, flags=re.MULTILINE)
+            literal = repr(value)
+            source, n = re.subn(
+                rf"^{re.escape(name)}\s*(:\s*[^=\n]+)?=\s*[^\n#]+",
+                f"{name} = {literal}",
+                source,
+                flags=re.MULTILINE,
+            )
+            if n == 0:
+                raise AuthorError(f"TUNING_SPACE names {name} but the module has no top-level {name} = ...")
         return Draft(source=source, config=config, notes=f"{self.name} kernel at {config.label()}")
 
     def reflect(self, ctx: AuthorContext, history: list[Attempt]) -> Reflection:
         from maxkernel.strategies import strategy_names
 
+        tried = set(ctx.tried_strategies)
+        untried = [s for s in strategy_names() if s not in tried]
         prompt = render(
             "reflect",
             task_id=ctx.task.task_id,
-            plan=ctx.feedback or "(see history)",
-            history=_history(history),
-            profile=ctx.profile or "(no profile)",
-            strategies=", ".join(strategy_names()),
+            plan=ctx.plan_text or "(no plan recorded)",
+            history=_history(history, ranked=True),
+            profile=ctx.profile or "(no profile of the best kernel)",
+            strategies=", ".join(untried) or "(all tried)",
+            targets=_targets(ctx.tpu),
         )
-        text = self._ask(ctx, prompt)
-        match = re.search(r"\{.*\}", text, re.DOTALL)
-        try:
-            reply = ReflectionReply.model_validate_json(match.group(0)) if match else None
-        except ValueError:
-            reply = None
-        if reply is None:
-            return Reflection(action="continue", reasons=["the model's reflection was not valid JSON"])
-        action = "stop" if reply.decision.strip().lower() == "stop" else "continue"
-        hint = " ".join(
-            x for x in (reply.next_strategy and f"Strategy: {reply.next_strategy}.", reply.hint) if x
-        )
+        reply = self._decide(ctx, prompt, ReflectionReply)
+        assert isinstance(reply, ReflectionReply)
         return Reflection(
-            action=action, reasons=[reply.reason] if reply.reason else [], plan_hint=hint or None
+            action=reply.decision,
+            reasons=[reply.reason] if reply.reason else [],
+            plan_hint=reply.hint or None,
+            next_strategy=(reply.next_strategy or "").strip() or None,
         )
+
+
+class _ParseTolerant:
+    """A structured-output runnable whose parse failures come back as None instead of raising, so they are
+    not mistaken for provider failures (the text fallback handles them)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def invoke(self, messages: Any) -> Any:
+        try:
+            return self.runner.invoke(messages)
+        except ValueError:  # OutputParserException, ValidationError, JSONDecodeError are ValueErrors
+            return None
+
+
+def _reply_problem(parsed: ParsedReply, want_code: bool) -> str | None:
+    """What to tell the model when its reply cannot be used as is (None: it can)."""
+    if parsed.truncated:
+        return (
+            f"Your reply was cut off by the output token limit (finish reason {parsed.finish_reason}). "
+            "Reply again, shorter: no explanation, only the complete answer."
+        )
+    if parsed.thinking_only:
+        return "Your reply held only thinking and no answer. Reply with the answer itself."
+    if not parsed.text.strip():
+        return "Your reply was empty. Reply with the answer."
+    if want_code:
+        try:
+            extract_module(parsed.text)
+        except NoModule as exc:
+            return str(exc)
+    return None
+
+
+def parse_decision(text: str, schema: type[BaseModel]) -> BaseModel:
+    """A decision from free text: a JSON object (fenced or bare, first that validates); else keywords."""
+    raw = extract_json_object(text)
+    if raw is not None:
+        try:
+            return schema.model_validate(json.loads(raw))
+        except ValueError:
+            pass
+    fields = {}
+    for name in schema.model_fields:
+        m = re.search(rf"\**{name}\**\s*[:=]\s*\**\s*([^\n*]+)", text, re.IGNORECASE)
+        if m:
+            fields[name] = m.group(1).strip().strip("\"'`.,")
+    if "decision" in schema.model_fields and "decision" not in fields:
+        fields["decision"] = "stop" if re.search(r"\bstop\b", text, re.IGNORECASE) else "continue"
+    try:
+        return schema.model_validate(fields)
+    except ValueError as exc:
+        raise AuthorError(f"could not read a {schema.__name__} from the reply: {text[:200]!r}") from exc
+
+
+def declared_tuning_space(source: str) -> dict[str, list[int | str]] | None:
+    """The module-level `TUNING_SPACE = {"BLOCK_M": [128, 256], ...}` of a kernel, read with `ast`
+    (literal values only; the module is never executed here). None when absent or not a literal dict."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+        if isinstance(node, ast.AnnAssign):
+            target = node.target
+        if isinstance(target, ast.Name) and target.id == "TUNING_SPACE" and node.value is not None:
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                return None
+            if not isinstance(value, dict):
+                return None
+            space = {
+                str(k): [x for x in v if isinstance(x, int | str) and not isinstance(x, bool)]
+                for k, v in value.items()
+                if isinstance(v, list | tuple)
+            }
+            return {k: v for k, v in space.items() if v} or None
+    return None
+
+
+def _tolerances(task: Any) -> str:
+    pairs = sorted({(c.atol, c.rtol) for c in task.validation_configs})
+    return "; ".join(f"atol={a:g}, rtol={r:g}" for a, r in pairs) or "(harness defaults)"
+
+
+def _targets(tpu: list[str]) -> str:
+    """JAX version and each target's peak numbers, so a plan can reason about bytes and FLOPs."""
+    import jax
+
+    from maxkernel.tools.tpu_specs import get_spec
+
+    lines = [f"JAX {jax.__version__} (write code for this version's Pallas API)"]
+    for gen in tpu:
+        try:
+            s = get_spec(gen)
+        except (KeyError, ValueError):
+            lines.append(f"- {gen}: (unknown generation)")
+            continue
+        lines.append(
+            f"- {s.display_name}: peak {s.peak_bf16_tflops:g} TFLOP/s bf16, HBM {s.hbm_gbps:g} GB/s, "
+            f"VMEM {s.vmem_mib} MiB per core (default scoped limit {s.default_scoped_vmem_mib} MiB), "
+            f"MXU {s.mxu_shape[0]}x{s.mxu_shape[1]}"
+        )
+    return "\n".join(lines)
 
 
 def _strategy_text(name: str | None) -> str:
@@ -239,13 +528,3 @@ def _strategy_text(name: str | None) -> str:
         return get_strategy(name).render()
     except KeyError:
         return name  # a free-form strategy from a human or a reflection
-
-
-def _flatten(content: list[Any]) -> str:
-    parts = []
-    for item in content:
-        if isinstance(item, str):
-            parts.append(item)
-        elif isinstance(item, dict) and item.get("type") == "text":
-            parts.append(str(item.get("text", "")))
-    return "".join(parts)

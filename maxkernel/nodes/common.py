@@ -31,22 +31,34 @@ _AUTHORS: dict[tuple[Any, ...], Author] = {}
 
 
 def author_for(ctx: Context, label: str | None = None) -> Author:
-    """The run's author, built once per (model, store, branch label): the offline author when `model` is
-    'offline'. Search branches run concurrently and the nodes charge usage as the difference of the author's
-    counters around a call, so each branch gets its own author (and counters) or one branch's tokens would
-    be charged to another."""
-    key = (ctx.model, id(ctx.chat_model), ctx.store_path, label)
+    """The run's author, built once per (model, store, call settings, branch label): the offline author when
+    `model` is 'offline'. Search branches run concurrently and the nodes charge usage as the difference of the
+    author's counters around a call, so each branch gets its own author (and counters) or one branch's tokens
+    would be charged to another."""
+    settings = ctx.call_settings()
+    key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings, ctx.model_tools, label)
     if key not in _AUTHORS:
         if ctx.chat_model is not None:
             from maxkernel.authors.llm import LLMAuthor
 
-            _AUTHORS[key] = LLMAuthor(ctx.chat_model, model_name=ctx.model, store=store_at(ctx.store_path))
+            _AUTHORS[key] = LLMAuthor(
+                ctx.chat_model,
+                model_name=ctx.model,
+                store=store_at(ctx.store_path),
+                call_settings=settings,
+                max_tool_calls=ctx.model_tools,
+            )
         elif ctx.model == "offline":
             _AUTHORS[key] = offline_author(ctx)
         else:
             from maxkernel.authors.llm import LLMAuthor
 
-            _AUTHORS[key] = LLMAuthor(ctx.model, store=store_at(ctx.store_path))
+            _AUTHORS[key] = LLMAuthor(
+                ctx.model,
+                store=store_at(ctx.store_path),
+                call_settings=settings,
+                max_tool_calls=ctx.model_tools,
+            )
     return _AUTHORS[key]
 
 
@@ -57,8 +69,14 @@ def offline_author(ctx: Context) -> Author:
 
 
 def usage_of(author: Author) -> tuple[int, int]:
+    """(calls, tokens) already written to a run's state. An author keeps that mark (`recorded`) so calls made
+    by a step that then failed (a 429 storm that ended the run) are added by the next step that records,
+    instead of being lost with the failed step's update."""
     usage = getattr(author, "usage", None)
-    return (usage.model_calls, usage.tokens) if usage is not None else (0, 0)
+    if usage is None:
+        return (0, 0)
+    mark = getattr(author, "recorded", None)
+    return mark if mark is not None else (usage.model_calls, usage.tokens)
 
 
 def thread_id() -> str:
@@ -80,6 +98,8 @@ def author_context(state: AgentState, ctx: Context, *, feedback: str | None = No
         strategy=state.strategy,
         history=[AuthorAttempt.model_validate(a.model_dump()) for a in state.attempts],
         profile=state.trace_summary,
+        plan_text=state.plan.text if state.plan else None,
+        tried_strategies=[s for s in (*state.tried_strategies, state.strategy) if s],
         # Stable when a node re-runs after a resume, different for every new step of the run.
         scope=f"{thread_id()}/{state.label or ''}/{state.iteration}/{len(state.attempts)}/{len(state.human)}",
     )
@@ -158,7 +178,10 @@ def budget_exhausted(state: AgentState) -> str | None:
 
 
 def usage_update(state: AgentState, author: Author, before: tuple[int, int]) -> dict[str, Any]:
-    calls, tokens = usage_of(author)
+    usage = getattr(author, "usage", None)
+    calls, tokens = (usage.model_calls, usage.tokens) if usage is not None else (0, 0)
+    if hasattr(author, "recorded"):
+        author.recorded = (calls, tokens)  # type: ignore[attr-defined]
     d_calls, d_tokens = calls - before[0], tokens - before[1]
     if not (d_calls or d_tokens):
         return {}

@@ -31,11 +31,25 @@ def implement(
     try:
         draft = author.implement(author_context(state, ctx), plan)
     except AuthorError as exc:
-        return Command(goto="reflect", update={"errors": [f"implement: {exc}"], "feedback": str(exc)})
+        return Command(
+            goto="reflect",
+            update={
+                "errors": [f"implement: {exc}"],
+                "feedback": str(exc),
+                **usage_update(state, author, before),
+            },
+        )
     update: dict[str, Any] = usage_update(state, author, before)
     source, kind = draft.source, "implement"
     if state.mode == "hitl":
-        review = ask("code_review", iteration=state.iteration, plan=plan.summary, code=source)
+        review = ask(
+            "code_review",
+            f"Round {state.iteration} kernel ({plan.summary}): accept it, edit the module, or respond with what "
+            "to change.\n\n```python\n" + source + "\n```",
+            iteration=state.iteration,
+            plan=plan.summary,
+            code=source,
+        )
         assert isinstance(review, CodeReview)
         record = HumanFeedback(at="code_review", action=review.action, text=review.feedback)
         if review.action == "feedback":

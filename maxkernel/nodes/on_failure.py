@@ -15,6 +15,8 @@ def on_failure(state: AgentState) -> Command[Literal["repair", "finalize"]]:
     assert r is not None and r.error is not None
     review = ask(
         "failure",
+        f"Round {state.iteration}: the kernel failed at {r.error.stage} (repairs so far: {state.repairs}). "
+        f"Accept to retry the repair, respond with a hint, or ignore to stop.\n\n```\n{r.error.message}\n```",
         iteration=state.iteration,
         stage=r.error.stage,
         message=r.error.message,

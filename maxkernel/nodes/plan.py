@@ -28,6 +28,7 @@ def plan(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["imple
                 "stop_reason": f"the author could not plan: {exc}",
                 "errors": [str(exc)],
                 "iteration": iteration,
+                **usage_update(state, author, before),
             },
         )
     update: dict[str, Any] = {"iteration": iteration, "repairs": 0, **usage_update(state, author, before)}
@@ -38,10 +39,13 @@ def plan(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["imple
             update={**update, "plan": proposal, "stop_reason": f"unsupported: {reason}", "errors": [reason]},
         )
     if state.mode == "hitl":
+        task_id = state.task.task_id if state.task else None
         review = ask(
             "plan_review",
+            f"Round {iteration} plan for {task_id or 'the task'}: accept it, edit it, or respond with what to "
+            "change.\n\n" + proposal.text,
             iteration=iteration,
-            task_id=state.task.task_id if state.task else None,
+            task_id=task_id,
             plan=proposal.text,
         )
         assert isinstance(review, PlanReview)

@@ -35,6 +35,8 @@ def prepare(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     update: dict[str, Any] = {
         "task": task,
         "run_dir": str(run_dir),
+        # The context's budgets (CLI flags, Studio settings) override the state's defaults.
+        "budgets": state.budgets.model_copy(update=ctx.budget_overrides()),
         "usage": Usage(started_at=time.time()),
     }
     if state.start_source_path:

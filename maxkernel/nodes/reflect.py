@@ -41,12 +41,19 @@ def reflect(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
             if decision.action == "stop":
                 stop = "author: " + ("; ".join(decision.reasons) or "nothing left to try")
             else:
-                strategy = next_strategy(state, decision.strategies)
+                # ONE strategy for the next round, chosen once: the author's when it names one (a model's
+                # choice wins), else the profile's bound class and the run's history pick among what the
+                # author says it can still apply (offline author, or a model that left it open).
                 hint = decision.plan_hint or ""
+                if decision.next_strategy:
+                    strategy: str | None = decision.next_strategy
+                else:
+                    strategy = next_strategy(state, decision.strategies)
+                    if strategy:
+                        hint = (hint + " " if hint else "") + f"Next strategy (from the profile): {strategy}."
                 if strategy:
                     update["strategy"] = strategy
                     update["tried_strategies"] = [state.strategy] if state.strategy else []
-                    hint = (hint + " " if hint else "") + f"Next strategy (from the profile): {strategy}."
                 update["feedback"] = hint
         update.update(usage_update(state, author, before))
     if stop:

@@ -1,7 +1,9 @@
 """Human review points (hitl): what each one accepts, in one table.
 
-A node pauses with `ask(kind, ...)`; the interrupt carries the actions a client may send back; `answer`
-turns the CLI's `resume` options into one of them. Adding an action or a review point is one row here.
+A node pauses with `ask(kind, description, ...)`; the interrupt carries the actions a client may send back,
+plus the keys LangChain's agent inbox renders as an action card (`action_request`, `config`, `description`);
+`answer` turns the CLI's `resume` options into one of them, `validated` also takes an agent-inbox response.
+Adding an action or a review point is one row here.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class ReviewPoint:
     """action → the resume value to send (placeholders in <>), shown to whoever answers."""
     cli: dict[str, tuple[str, str | None]]
     """`maxkernel resume` option → (action, the value's field the option's argument fills)."""
+    inbox: dict[str, str | None]
+    """agent-inbox response type (accept / edit / response / ignore) → action; None: that type not offered."""
+    inbox_args: tuple[str, ...]
+    """the payload fields an inbox card shows as its args; an `edit` response's args fill the first one."""
 
 
 REVIEWS: dict[str, ReviewPoint] = {
@@ -60,6 +66,8 @@ REVIEWS: dict[str, ReviewPoint] = {
             "plan_file": ("replace", "plan"),
             "feedback": ("reject", "feedback"),
         },
+        inbox={"accept": "approve", "edit": "replace", "response": "reject", "ignore": None},
+        inbox_args=("plan",),
     ),
     "code_review": ReviewPoint(
         schema=CodeReview,
@@ -73,6 +81,8 @@ REVIEWS: dict[str, ReviewPoint] = {
             "code_file": ("edit", "code"),
             "feedback": ("feedback", "feedback"),
         },
+        inbox={"accept": "approve", "edit": "edit", "response": "feedback", "ignore": None},
+        inbox_args=("code",),
     ),
     "failure": ReviewPoint(
         schema=FailureReview,
@@ -82,21 +92,73 @@ REVIEWS: dict[str, ReviewPoint] = {
             "stop": {"action": "stop"},
         },
         cli={"approve": ("retry", None), "feedback": ("feedback", "feedback"), "stop": ("stop", None)},
+        inbox={"accept": "retry", "edit": None, "response": "feedback", "ignore": "stop"},
+        inbox_args=("stage", "message"),
     ),
 }
 
 
+# Agent-inbox response type → the HumanInterrupt config flag that offers it.
+INBOX_ALLOW = {
+    "accept": "allow_accept",
+    "edit": "allow_edit",
+    "response": "allow_respond",
+    "ignore": "allow_ignore",
+}
+
+
+def _point_of(schema: type[BaseModel]) -> ReviewPoint | None:
+    return next((p for p in REVIEWS.values() if p.schema is schema), None)
+
+
+def inbox_request(kind: ReviewKind, description: str, shown: dict[str, Any]) -> dict[str, Any]:
+    """The keys an agent inbox / chat UI renders as an action card (HumanInterrupt), added to our payload."""
+    point = REVIEWS[kind]
+    return {
+        "action_request": {
+            "action": point.schema.__name__,
+            "args": {name: shown.get(name) for name in point.inbox_args},
+        },
+        "config": {flag: point.inbox[t] is not None for t, flag in INBOX_ALLOW.items()},
+        "description": description,
+    }
+
+
+def from_inbox(value: Any, schema: type[BaseModel]) -> Any:
+    """An agent-inbox response ([{"type": "accept" | "edit" | "response" | "ignore", "args": ...}]) as our
+    resume value; anything else is returned as is."""
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        value = value[0]
+    if not (isinstance(value, dict) and value.get("type") in INBOX_ALLOW):
+        return value
+    point = _point_of(schema)
+    action = point.inbox.get(value["type"]) if point is not None else None
+    if point is None or action is None:
+        raise ValueError(f"a {value['type']!r} response does not answer a {schema.__name__}")
+    args = value.get("args")
+    if value["type"] == "edit":
+        edited = (args or {}).get("args", args) if isinstance(args, dict) else {}
+        field = point.inbox_args[0]
+        return {"action": action, field: edited.get(field)}
+    if value["type"] == "response":
+        return {"action": action, "feedback": str(args or "")}
+    return {"action": action}
+
+
 def validated(value: Any, schema: type[BaseModel]) -> BaseModel:
+    """A resume value (ours, or an agent-inbox response) checked against a review point's schema."""
     try:
-        return schema.model_validate(value)
+        return schema.model_validate(from_inbox(value, schema))
     except ValidationError as exc:
         raise ValueError(f"invalid resume value for {schema.__name__}: {exc}") from exc
 
 
-def ask(kind: ReviewKind, **shown: Any) -> Any:
-    """Pause for a human; returns their answer validated against the review point's schema."""
+def ask(kind: ReviewKind, description: str, **shown: Any) -> Any:
+    """Pause for a human; returns their answer validated against the review point's schema. `description`
+    is the agent-inbox card's text (markdown)."""
     point = REVIEWS[kind]
-    return validated(interrupt({"kind": kind, **shown, "actions": point.actions}), point.schema)
+    payload = {"kind": kind, **shown, "actions": point.actions, **inbox_request(kind, description, shown)}
+    return validated(interrupt(payload), point.schema)
 
 
 def answer(kind: str, option: str, value: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,245 @@
+"""Model calls: failures classified into named kinds, retries that honour the provider's delay, timeouts,
+re-asks of truncated / thinking-only / code-less replies, and usage counted for every call."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from langchain_core.messages import AIMessage
+
+from fake_chat import (
+    KERNEL,
+    EventChatModel,
+    ProviderError,
+    anthropic_message,
+    gemini3_message,
+    gemini_429,
+    openai_message,
+)
+from maxkernel.authors.base import AuthorContext, AuthorError, Plan
+from maxkernel.authors.llm import LLMAuthor
+from maxkernel.authors.model_calls import (
+    CallSettings,
+    ModelCallError,
+    classify,
+    invoke_with_retries,
+    retry_delay_s,
+)
+from maxkernel.tools.tasks import load_task
+
+TASK = Path(__file__).parent / "data" / "tasks" / "small_matmul"
+FAST = CallSettings(max_retries=3, timeout_s=5.0, backoff_initial_s=0.001, backoff_max_s=0.01)
+
+
+class Header429(Exception):
+    def __init__(self) -> None:
+        super().__init__("Too Many Requests")
+        self.response = type("R", (), {"status_code": 429, "headers": {"retry-after": "7"}})()
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (gemini_429(), "rate_limited"),
+        (Header429(), "rate_limited"),
+        (TimeoutError("read timed out"), "model_timeout"),
+        (ConnectionError("Connection refused"), "model_unavailable"),
+        (ProviderError(503, "UNAVAILABLE: the model is overloaded"), "model_unavailable"),
+        (ProviderError(400, "API key not valid. Please pass a valid API key."), "model_auth"),
+        (ProviderError(403, "PERMISSION_DENIED"), "model_auth"),
+        (ProviderError(404, "models/gemini-9 is not found"), "model_not_found"),
+        (ValueError("Invalid argument: contents"), "model_error"),
+    ],
+)
+def test_classification(exc: Exception, kind: str) -> None:
+    assert classify(exc) == kind
+
+
+def test_retry_delay_from_gemini_retryinfo_header_and_attribute() -> None:
+    assert retry_delay_s(gemini_429("37s")) == 37.0
+    assert retry_delay_s(Header429()) == 7.0
+    assert retry_delay_s(ProviderError(429, "Please retry in 1.5s.")) == 1.5
+    assert retry_delay_s(ValueError("nothing")) is None
+
+
+def test_retries_honour_the_provider_delay_then_succeed() -> None:
+    model = EventChatModel(events=[gemini_429("3s"), TimeoutError("timed out"), "fine"])
+    waits: list[float] = []
+    reply = invoke_with_retries(model, "hi", FAST, sleep=waits.append)
+    assert reply.content[-1]["text"] == "fine" and model.calls == 3
+    assert waits[0] == 3.0  # the provider's 3 s beat our 0.01 s cap on backoff
+    assert 0 < waits[1] <= 0.01
+
+
+def test_permanent_failures_are_not_retried_and_transient_ones_give_up() -> None:
+    model = EventChatModel(events=[ProviderError(404, "not found"), "never"])
+    with pytest.raises(ModelCallError) as err:
+        invoke_with_retries(model, "hi", FAST, sleep=lambda s: None)
+    assert err.value.kind == "model_not_found" and not err.value.transient and model.calls == 1
+    model = EventChatModel(events=[gemini_429()] * 4)
+    with pytest.raises(ModelCallError) as err:
+        invoke_with_retries(model, "hi", FAST, sleep=lambda s: None)
+    assert err.value.kind == "rate_limited" and err.value.attempts == 4 and model.calls == 4
+
+
+def test_a_stalled_call_times_out() -> None:
+    class Stalls(EventChatModel):
+        def invoke(self, *a: object, **k: object) -> AIMessage:  # type: ignore[override]
+            time.sleep(5)
+            return AIMessage("late")
+
+    settings = CallSettings(max_retries=0, timeout_s=0.2)
+    start = time.monotonic()
+    with pytest.raises(ModelCallError) as err:
+        invoke_with_retries(Stalls(events=[]), "hi", settings, sleep=lambda s: None)
+    assert err.value.kind == "model_timeout" and time.monotonic() - start < 4
+
+
+def test_rate_limiter_is_used() -> None:
+    calls: list[bool] = []
+
+    class Limiter:
+        def acquire(self, blocking: bool = True) -> bool:
+            calls.append(blocking)
+            return True
+
+    invoke_with_retries(EventChatModel(events=["a"]), "hi", FAST, rate_limiter=Limiter())
+    assert calls == [True]
+
+
+@pytest.fixture(scope="module")
+def actx(tmp_path_factory: pytest.TempPathFactory) -> AuthorContext:
+    work = tmp_path_factory.mktemp("work")
+    return AuthorContext(task=load_task(TASK, work_dir=work), tpu=["v5e", "v6e"], work_dir=work, scope="t")
+
+
+def author(events: list, **kw: object) -> LLMAuthor:
+    return LLMAuthor(EventChatModel(events=events, **kw), model_name="fake", call_settings=FAST)
+
+
+PLAN = Plan(family="llm", summary="tiled", text="Tile M, N, K by 128.")
+
+
+def test_truncated_and_thinking_only_replies_are_reasked_and_counted(actx: AuthorContext) -> None:
+    a = author(
+        [
+            gemini3_message("```python\nimport jax\n", finish_reason="MAX_TOKENS"),
+            AIMessage(content=[{"type": "thinking", "thinking": "hmm", "signature": "x"}]),
+            "oops",
+        ]
+    )
+    with pytest.raises(AuthorError, match="unusable twice"):
+        a.implement(actx, PLAN)
+    assert a.usage.model_calls == 2 and a.usage.reasked_calls == 1
+    prompts = a.model.prompts
+    assert "cut off by the output token limit" in prompts[1] and "MAX_TOKENS" in prompts[1]
+
+    b = author([anthropic_message("No code, sorry."), anthropic_message("```python\n" + KERNEL + "```")])
+    assert b.implement(actx, PLAN).source == KERNEL
+    assert b.usage.model_calls == 2 and b.usage.reasked_calls == 1
+    assert "no code" in b.model.prompts[1]
+
+
+def test_usage_counts_every_call_and_estimates_when_unreported(actx: AuthorContext) -> None:
+    a = author([gemini_429(), "```python\n" + KERNEL + "```"])
+    a.implement(actx, PLAN)
+    assert a.usage.model_calls == 2 and a.usage.failed_calls == 1
+    assert a.usage.tokens == a.model.reported_tokens  # the provider's figures, exactly
+
+    b = author([AIMessage(content="```python\n" + KERNEL + "```")])  # reports no usage at all
+    b.implement(actx, PLAN)
+    # system prompt + user prompt + reply, characters / 4: the system prompt alone is > 1000 tokens
+    assert b.usage.tokens > (len(KERNEL) + 4000) // 4
+
+    c = author([openai_message("```python\n" + KERNEL + "```")])
+    c.implement(actx, PLAN)
+    assert c.usage.tokens == 1200 + len("```python\n" + KERNEL + "```") // 4
+
+
+def test_prompts_carry_tolerances_targets_and_the_tuning_convention(actx: AuthorContext) -> None:
+    a = author(["```python\n" + KERNEL + "```"])
+    draft = a.implement(actx, PLAN)
+    prompt = a.model.prompts[0]
+    assert "atol=" in prompt and "rtol=" in prompt and "JAX 0." in prompt
+    assert "TFLOP/s" in prompt and "GB/s" in prompt and "VMEM" in prompt and "TUNING_SPACE" in prompt
+    assert "declares no TUNING_SPACE" in draft.notes
+
+
+def test_reflect_structured_output_and_fallback(actx: AuthorContext) -> None:
+    ctx = actx.model_copy(update={"plan_text": "PLAN-TEXT-7", "tried_strategies": ["larger_tiles"]})
+    s = author(
+        ['{"decision": "continue", "next_strategy": "bf16_operands", "hint": "cast"}'], structured=True
+    )
+    r = s.reflect(ctx, [])
+    assert r.action == "continue" and r.next_strategy == "bf16_operands" and r.plan_hint == "cast"
+    prompt = s.model.prompts[0]
+    assert "PLAN-TEXT-7" in prompt
+    untried = prompt.split("## Strategies not tried yet")[1]
+    assert "larger_tiles" not in untried and "bf16_operands" in untried
+
+    f = author(['Thinking it over.\n```json\n{"decision": "STOP", "reason": "at roofline"}\n```'])
+    r = f.reflect(ctx, [])
+    assert r.action == "stop" and r.reasons == ["at roofline"]
+
+
+def test_tuning_space_from_the_declared_dict(actx: AuthorContext) -> None:
+    src = KERNEL.replace(
+        "BLOCK_K = 128\n", 'BLOCK_K = 128\nTUNING_SPACE = {"BLOCK_M": [128, 256], "BLOCK_K": [128, 512]}\n'
+    )
+    a = author([])
+    plan = PLAN.model_copy(update={"data": {"source": src}})
+    space = a.tuning_space(actx, plan)
+    assert len(space) == 4
+    cfg = next(c for c in space if c.as_dict() == {"BLOCK_M": 256, "BLOCK_K": 512})
+    rendered = a.render(actx, plan, cfg).source
+    assert "BLOCK_M = 256\n" in rendered and "BLOCK_K = 512\n" in rendered and "BLOCK_N = 128\n" in rendered
+    assert a.tuning_space(actx, PLAN.model_copy(update={"data": {"source": KERNEL}})) == []
+
+
+def test_tool_loop_looks_up_apis_and_checks_drafts_within_its_budget(actx: AuthorContext) -> None:
+    ask_lookup = AIMessage(
+        content="", tool_calls=[{"name": "lookup_pallas_api", "args": {"name": "pl.BlockSpec"}, "id": "c1"}]
+    )
+    ask_check = AIMessage(
+        content="",
+        tool_calls=[{"name": "check_draft", "args": {"source": "def computation(:\n"}, "id": "c2"}],
+    )
+    a = author([ask_lookup, ask_check, "```python\n" + KERNEL + "```"])
+    draft = a.implement(actx, PLAN)
+    assert draft.source == KERNEL and a.usage.tool_calls == 2 and a.usage.model_calls == 3
+    lookup_answer, check_answer = a.model.prompts[1], a.model.prompts[2]
+    assert "pl.BlockSpec(block_shape" in lookup_answer and "index_map" in lookup_answer
+    assert check_answer.startswith("failed at ")  # the harness's verdict on a draft that does not parse
+
+    over = author([ask_lookup, ask_lookup, "```python\n" + KERNEL + "```"])
+    over.max_tool_calls = 1
+    assert over.implement(actx, PLAN).source == KERNEL
+    assert over.usage.tool_calls == 1 and "tool budget of this step is spent" in over.model.prompts[2]
+
+
+def test_reflect_node_keeps_the_models_one_strategy(actx: AuthorContext, tmp_path: Path) -> None:
+    from langgraph.runtime import Runtime
+
+    from maxkernel.context import Context
+    from maxkernel.nodes.reflect import reflect
+    from maxkernel.state import AgentState, Attempt
+
+    best = Attempt(iteration=1, kind="implement", source_hash="ab" * 8, source_path=str(tmp_path / "k.py"),
+                   stage="accepted", accepted=True, estimated_speedup=1.5, estimated_bound="memory")  # fmt: skip
+    (tmp_path / "k.py").write_text(KERNEL)
+    state = AgentState(task_path=str(TASK), task=actx.task, iteration=1, max_iterations=3, improved=True,
+                       best=best, attempts=[best], strategy="full_k_panel")  # fmt: skip
+
+    def run(reply: str) -> dict:
+        model = EventChatModel(events=[reply])
+        store = tmp_path / f"r{len(reply)}.db"  # a store per reply: the same step's reply is cached by design
+        ctx = Context(model="fake", chat_model=model, tpu=["v5e"], store_path=str(store))
+        return reflect(state, Runtime(context=ctx))
+
+    chosen = run('{"decision": "continue", "next_strategy": "bf16_operands", "hint": "cast to bf16"}')
+    assert chosen["strategy"] == "bf16_operands" and chosen["feedback"] == "cast to bf16"
+    assert chosen["tried_strategies"] == ["full_k_panel"]
+    open_choice = run('{"decision": "continue", "hint": "bigger tiles"}')
+    assert open_choice["strategy"] == "larger_tiles"  # the profile's pick only when the model left it open

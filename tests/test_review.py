@@ -1,0 +1,138 @@
+"""Terminal review: verbatim display, the interactive prompt (stdin injected), `resume` without a flag,
+agent-inbox shaped payloads and responses, and `runs` statuses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import maxkernel.cli_agent as cli_agent
+from maxkernel.cli_review import interactive_review, show_review
+from maxkernel.nodes.review import CodeReview, FailureReview, PlanReview, validated
+
+TASK = Path(__file__).parent / "data" / "tasks" / "small_matmul"
+TRICKY = "o_ref[...] = x_ref[i] + y_ref[pl.ds(0, 8)]  # [/] [bold]not markup[/bold]\n"
+
+
+def answers(*replies: str):  # noqa: ANN201 - a fake `input`
+    it = iter(replies)
+
+    def ask(prompt: str) -> str:
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+
+    return ask
+
+
+def test_review_body_is_printed_verbatim_when_piped(capsys: pytest.CaptureFixture[str]) -> None:
+    show_review({"kind": "code_review", "iteration": 1, "code": TRICKY})
+    assert TRICKY in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("payload", "replies", "expected"),
+    [
+        ({"kind": "plan_review", "plan": "P"}, ["a"], {"action": "approve"}),
+        (
+            {"kind": "plan_review", "plan": "P"},
+            ["x", "f", "fuse less"],
+            {"action": "reject", "feedback": "fuse less"},
+        ),
+        ({"kind": "plan_review", "plan": "P"}, ["e"], {"action": "replace", "plan": "P edited"}),
+        ({"kind": "code_review", "code": TRICKY}, ["e"], {"action": "edit", "code": TRICKY + " edited"}),
+        (
+            {"kind": "code_review", "code": TRICKY},
+            ["f", "use bf16"],
+            {"action": "feedback", "feedback": "use bf16"},
+        ),
+        ({"kind": "failure", "stage": "compile", "message": "oom"}, ["s"], {"action": "stop"}),
+        ({"kind": "failure", "stage": "compile", "message": "oom"}, ["r"], {"action": "retry"}),
+        ({"kind": "plan_review", "plan": "P"}, ["l"], None),
+        ({"kind": "plan_review", "plan": "P"}, [], None),  # EOF: leave it paused
+    ],
+)
+def test_interactive_answers(payload: dict, replies: list[str], expected: dict | None) -> None:
+    value = interactive_review(payload, ask=answers(*replies), edit=lambda text, suffix: text + " edited")
+    assert value == expected
+
+
+def test_unchanged_edit_asks_again() -> None:
+    value = interactive_review(
+        {"kind": "plan_review", "plan": "P"}, ask=answers("e", "a"), edit=lambda text, suffix: text
+    )
+    assert value == {"action": "approve"}
+
+
+@pytest.mark.parametrize(
+    ("response", "schema", "expected"),
+    [
+        ([{"type": "accept", "args": None}], PlanReview, PlanReview(action="approve")),
+        ({"type": "edit", "args": {"action": "PlanReview", "args": {"plan": "new"}}}, PlanReview,
+         PlanReview(action="replace", plan="new")),
+        ([{"type": "response", "args": "smaller tiles"}], CodeReview, CodeReview(action="feedback", feedback="smaller tiles")),
+        ([{"type": "ignore", "args": None}], FailureReview, FailureReview(action="stop")),
+        ({"action": "retry"}, FailureReview, FailureReview(action="retry")),
+    ],
+)  # fmt: skip
+def test_agent_inbox_responses(response: object, schema: type, expected: object) -> None:
+    assert validated(response, schema) == expected
+
+
+def test_an_offered_action_only() -> None:
+    with pytest.raises(ValueError, match="does not answer"):
+        validated([{"type": "ignore", "args": None}], PlanReview)
+
+
+def test_runs_shows_never_started(tmp_path: Path) -> None:
+    row = {"thread_id": "t1", "status": "running"}
+    assert cli_agent._shown_status(row, {"checkpoint_db": str(tmp_path / "none.sqlite")}) == "never started"
+    assert cli_agent._shown_status({**row, "status": "rate_limited"}, {}) == "rate_limited"
+
+
+def test_resume_without_a_flag_shows_the_review_and_answers_interactively_on_a_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from maxkernel.cli import app
+
+    store = ["--store", str(tmp_path / "store.db")]
+    runner = CliRunner()
+    first = runner.invoke(
+        app,
+        ["optimize", str(TASK), "--model", "offline", "--mode", "hitl", "--iterations", "1", "--tpu", "v5e",
+         "--tune-configs", "0", "--thread-id", "rv-1", "--checkpoint-db", str(tmp_path / "ck.sqlite"),
+         "--work-dir", str(tmp_path / "work"), *store],
+    )  # fmt: skip
+    assert first.exit_code == 3, first.output
+    shown = runner.invoke(app, ["resume", "rv-1", *store])  # no flag, not a terminal: show it
+    assert shown.exit_code == 3, shown.output
+    assert "waiting for review" in shown.output and "plan_review" in shown.output
+    assert "answer with: maxkernel resume rv-1 --approve" in shown.output
+
+    # A terminal: approve the plan, then leave the code review paused.
+    monkeypatch.setattr(cli_agent, "stdin_is_terminal", lambda: True)
+    monkeypatch.setattr("builtins.input", answers("a", "l"))
+    second = runner.invoke(app, ["resume", "rv-1", *store])
+    assert second.exit_code == 3, second.output
+    assert "paused for review (code_review)" in second.output and "pallas_call" in second.output
+    runs = runner.invoke(app, ["runs", *store, "--json"])
+    assert json.loads(runs.output.strip().splitlines()[-1])["status"] == "paused:code_review"
+
+
+def test_a_run_whose_model_cannot_be_created_is_failed_to_start(tmp_path: Path) -> None:
+    from maxkernel.cli import app
+
+    store = ["--store", str(tmp_path / "store.db")]
+    runner = CliRunner()
+    bad = runner.invoke(
+        app,
+        ["optimize", str(TASK), "--model", "no_such_provider:model-x", "--thread-id", "bad-1",
+         "--checkpoint-db", str(tmp_path / "ck.sqlite"), "--work-dir", str(tmp_path / "work"), *store],
+    )  # fmt: skip
+    assert bad.exit_code == 2, bad.output
+    runs = runner.invoke(app, ["runs", *store, "--json"])
+    assert json.loads(runs.output.strip().splitlines()[-1])["status"] == "failed to start"
