@@ -7,7 +7,7 @@ trailing comment), so nothing is served from the results store; every run is a f
 evaluation. The first one also computes the task's reference outputs and TPU estimate, which later
 candidates of the same task reuse — that is the agent's steady state, reported separately.
 
-    python benchmarks/eval_speed.py [--runs 7]
+    python benchmarks/eval_speed.py [--runs 7] [--no-larger-shape]
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument(
+        "--no-larger-shape",
+        action="store_true",
+        help="leave out the check at a second, larger shape (to measure what it costs, under the same load)",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="maxkernel-bench-"))
     store = ResultsStore(work / "results.db")
@@ -40,7 +45,7 @@ def main() -> None:
     for i in range(args.runs + 1):
         candidate = source + f"\n# candidate {i}\n"
         t0 = time.perf_counter()
-        r = evaluate(task, candidate, EvalOptions(tpu=["v5e"]), store=store, work_dir=work)
+        r = evaluate(task, candidate, EvalOptions(tpu=["v5e"], larger_shape=not args.no_larger_shape), store=store, work_dir=work)
         wall = time.perf_counter() - t0
         assert r.accepted and not r.cached, r.error
         label = "cold (computes reference outputs and estimate)" if i == 0 else "warm"

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import EvalOptions, evaluate, larger_config
 from maxkernel.tools.store import ResultsStore
+from maxkernel.tools.taskcode import grow_dim
 from maxkernel.tools.tasks import KernelTask, TaskError, load_task
 
 CANDIDATES = Path(__file__).parent / "data" / "candidates"
@@ -49,6 +50,24 @@ def test_good_kernel_is_accepted(matmul_task: KernelTask, session_work: Path) ->
     assert r.max_abs_err is not None and r.max_abs_err < 1e-3
     assert r.timing is None  # no device here: nothing measured, nothing invented
     assert r.pallas.pallas_calls == 1 and r.pallas.work_inside > 0
+    # The second, larger shape ran too: the validation shapes grown x2, one secret input set.
+    assert r.correctness.larger_check.startswith("ran at float32[256,512]"), r.correctness.larger_check
+    assert r.correctness.larger is not None and r.correctness.larger.ok
+    assert r.correctness.larger.max_abs_err is not None and r.correctness.larger.max_abs_err < 1e-3
+
+
+def test_larger_shape_is_grown_within_the_task_and_the_memory_budget(matmul_task: KernelTask) -> None:
+    cfg, note = larger_config(matmul_task, OPTS)
+    assert note == "" and cfg is not None
+    assert [a.shape for a in cfg.dynamic] == [(256, 512), (512, 512), (512,)]
+    assert cfg.outputs[0].shape == (256, 512)
+    # Never past the task's own shapes: a dimension already at its own size stays there.
+    assert grow_dim(768, 1024) == 1024 and grow_dim(1024, 1024) == 1024 and grow_dim(24, 100) == 48
+    # 256x512 + 512x512 + 512 + 256x512 f32 is about 2 MiB; 1/8 of 8 MiB is 1 MiB: skipped, with the reason.
+    cfg, note = larger_config(matmul_task, OPTS.model_copy(update={"memory_mb": 8}))
+    assert cfg is None and note.startswith("skipped:") and "budget" in note
+    cfg, note = larger_config(matmul_task, OPTS.model_copy(update={"larger_shape": False}))
+    assert cfg is None and note == "skipped: not requested"
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,24 @@ def test_fallback_rejects(
     assert r.error is not None and r.error.stage in stages, r.error
 
 
+def test_correct_only_at_the_validation_size_is_caught_at_the_larger_shape(
+    task: KernelTask, tmp_path: Path
+) -> None:
+    """Same program at every shape (a Python-float scale picked by shape), right at the validation shapes:
+    every other check accepts it; one secret input set at the larger check shape rejects it."""
+    if not __import__("shutil").which("bwrap"):
+        pytest.skip("bubblewrap is not installed")
+    source = (HOSTILE / "larger_shape_branch.py").read_text()
+    without = evaluate(task, source, OPTS.model_copy(update={"larger_shape": False}), work_dir=tmp_path)
+    assert without.accepted, without.error  # what the larger-shape check exists for
+    assert without.correctness.larger is None and without.correctness.larger_check == "skipped: not requested"
+    r = run(task, "larger_shape_branch.py", tmp_path, "bubblewrap")
+    assert not r.accepted and r.error is not None and r.error.stage == "correctness", r.error
+    assert "at the larger check shape float32[256,512]" in r.error.message
+    assert r.correctness.sets and all(s.ok for s in r.correctness.sets)  # right at the validation shapes
+    assert r.correctness.larger is not None and not r.correctness.larger.ok
+
+
 def test_huge_stderr_is_read_as_a_tail(task: KernelTask, tmp_path: Path) -> None:
     import resource
 

@@ -86,6 +86,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     run_dir = Path(ctx.run_dir)
     val = [InputConfig.model_validate(c) for c in payload["validation_configs"]]
     own = [InputConfig.model_validate(c) for c in payload["configs"]]
+    larger = InputConfig.model_validate(payload["larger_config"]) if payload.get("larger_config") else None
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -105,8 +106,9 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     ctx.stage("trace")
     t0 = time.perf_counter()
     interpret = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
-    programs: dict[str, Any] = {"validation": [], "production": [], "estimate": None}
+    programs: dict[str, Any] = {"validation": [], "production": [], "estimate": None, "larger": None}
     executables = []
+    larger_exe = None
     try:
         for cfg in val:
             # Two separate traces of the same shapes: interpret mode (what runs here) and plain (what a TPU
@@ -124,6 +126,20 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     except Exception as exc:  # noqa: BLE001
         _reset_interpret()
         return {"ok": False, "stage": "trace", "message": f"{type(exc).__name__}: {_first_lines(str(exc))}"}
+    if larger is not None:  # the larger-shape check: traced and compiled now, run on the judge's one set
+        try:
+            with pltpu.force_tpu_interpret_mode(interpret):
+                traced = jax.jit(bind_static(candidate, larger.static)).trace(*_specs(larger))
+                larger_exe = traced.lower().compile()
+            plain = jax.jit(bind_static(candidate, larger.static)).trace(*_specs(larger))
+            programs["larger"] = {
+                "interpret": to_tree(traced.jaxpr), "plain": to_tree(plain.jaxpr), "out": _out_specs(traced)
+            }  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            _reset_interpret()
+            return {"ok": False, "stage": "trace",
+                    "message": f"at the larger check shape {larger.describe()}: {type(exc).__name__}: "
+                    f"{_first_lines(str(exc))}"}  # fmt: skip
     seconds["trace"] = time.perf_counter() - t0
 
     # The program for the TPU, at the task's own shapes, as an artifact the judge compiles itself. A Pallas
@@ -176,9 +192,22 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
                 outputs[output_name(ci, si, k)] = leaf
         if run_error:
             break
+    larger_error = None
+    # The judge drew a set at the larger shape only when it fit its memory budget.
+    drawn = input_name(len(val), 0, 0) in arrays
+    if larger_exe is not None and larger is not None and run_error is None and drawn:
+        inputs = [_typed(arrays[input_name(len(val), 0, k)], a) for k, a in enumerate(larger.dynamic)]
+        try:
+            with pltpu.force_tpu_interpret_mode(interpret):
+                out = larger_exe(*[jax.numpy.asarray(a) for a in inputs])
+                for k, leaf in enumerate(jax.tree_util.tree_leaves(out)):
+                    outputs[output_name(len(val), 0, k)] = np.asarray(leaf)
+        except Exception as exc:  # noqa: BLE001
+            _reset_interpret()
+            larger_error = f"{type(exc).__name__}: {_first_lines(str(exc))}"
     (run_dir / OUTPUTS_FILE).write_bytes(pack_arrays(outputs))
     seconds["correctness"] = time.perf_counter() - t0
-    return {"ok": True, "run_error": run_error, "seconds": seconds}
+    return {"ok": True, "run_error": run_error, "larger_error": larger_error, "seconds": seconds}
 
 
 def _load_candidate(path: Path) -> Any:

@@ -282,9 +282,10 @@ def compare(
 
 
 def summarise(c: CorrectnessResult) -> None:
-    c.ok = all(s.ok for s in c.sets) and len(c.sets) > 0
-    errs = [s.max_abs_err for s in c.sets if s.max_abs_err is not None]
-    rels = [s.max_rel_err for s in c.sets if s.max_rel_err is not None]
+    checked = c.sets + ([c.larger] if c.larger is not None else [])
+    c.ok = all(s.ok for s in checked) and len(c.sets) > 0
+    errs = [s.max_abs_err for s in checked if s.max_abs_err is not None]
+    rels = [s.max_rel_err for s in checked if s.max_rel_err is not None]
     c.max_abs_err = max(errs) if errs else None
     c.max_rel_err = max(rels) if rels else None
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from maxkernel.tools import taskcode
 from maxkernel.tools.candidate import (
     OUTPUTS_FILE,
     PROGRAMS_FILE,
@@ -78,6 +79,9 @@ COMPILE_BUDGET_S = 20.0
 MAX_PROGRAM_BYTES = 64 << 20
 MAX_ARRAY_FILE_BYTES = 4 << 30
 POLL_S = 0.02
+LARGER_MEMORY_FRACTION = 8
+"""The larger-shape check runs only when the reference's inputs and outputs there fit in this fraction of
+the evaluation's memory limit (the judge holds them, the candidate's interpreter holds them again)."""
 CANDIDATE_PRELOAD = (
     "numpy", "jax", "jax.numpy", "jax.export", "jax.experimental.pallas", "jax.experimental.pallas.tpu",
     "ml_dtypes", "ctypes", "maxkernel.tools.candidate", "maxkernel.tools.program_tree",
@@ -104,6 +108,10 @@ class EvalOptions(BaseModel):
         None, description="wall-clock limit for the whole evaluation; None: derived from the task"
     )
     memory_mb: int = 12_000
+    larger_shape: bool = Field(
+        True, description="also check one secret input set at a second, larger shape (the validation shapes "
+        "grown x2 towards the task's own) when it fits in memory",
+    )  # fmt: skip
     allow_unsandboxed: bool = Field(
         False,
         description="run the candidate even without bubblewrap (the offline author's kernels; a user's "
@@ -161,10 +169,40 @@ def evaluate(
     return result
 
 
-def _output_cap(task: KernelTask, options: EvalOptions) -> int:
+def larger_config(task: KernelTask, options: EvalOptions) -> tuple[InputConfig | None, str]:
+    """The second, larger shape the candidate is checked at (issue 10): the first validation config with
+    every dimension grown by `taskcode.grow_dim` towards the task's own config, or None and why not.
+
+    Pure shape arithmetic (no task code runs here); the output shapes are the validation outputs' under the
+    same map, for the memory budget only: the judge computes the reference's real ones and re-checks."""
+    if not options.larger_shape:
+        return None, "skipped: not requested"
+    if not task.validation_configs or not task.configs:
+        return None, "skipped: the task has no configurations"
+    val, own = task.validation_configs[0], task.configs[0]
+    if not all(a.dtype.startswith(("float", "bfloat")) for a in val.dynamic):
+        return None, "skipped: integer or boolean inputs (index-like values cannot be drawn at other shapes)"
+    mapping = taskcode.larger_map(val.dynamic, own.dynamic)
+    if mapping is None:
+        return None, "skipped: the validation and task shapes do not pair up axis by axis"
+    if not mapping:
+        return None, "skipped: no validation dimension is smaller than the task's own"
+    dynamic, static = taskcode.shrink_config(val.dynamic, val.static, mapping)
+    outputs, _ = taskcode.shrink_config(val.outputs, [], mapping)
+    cfg = InputConfig(dynamic=dynamic, static=static, outputs=outputs, atol=val.atol, rtol=val.rtol)
+    budget = (options.memory_mb << 20) // LARGER_MEMORY_FRACTION
+    need = cfg.input_bytes() + cfg.output_bytes()
+    if need > budget:
+        return None, (f"skipped: {cfg.describe()} needs {need >> 20} MiB of inputs and outputs, over the "
+                      f"budget of {budget >> 20} MiB (1/{LARGER_MEMORY_FRACTION} of the memory limit)")  # fmt: skip
+    return cfg, ""
+
+
+def _output_cap(task: KernelTask, options: EvalOptions, larger: InputConfig | None) -> int:
     """RLIMIT_FSIZE for both children: room for every input or output set, and for logs."""
     per_set = sum(c.input_bytes() + c.output_bytes() for c in task.validation_configs)
-    return max(64, (2 * per_set * options.input_sets >> 20) + 32)
+    extra = 2 * (larger.input_bytes() + larger.output_bytes()) if larger is not None else 0
+    return max(64, (2 * per_set * options.input_sets + extra >> 20) + 32)
 
 
 def _run(
@@ -182,11 +220,19 @@ def _run(
     candidate_path = cand_dir / "candidate.py"
     candidate_path.write_text(source)
     device = options.timing and accelerator_present()
-    file_mb = _output_cap(task, options)
+    larger, larger_note = larger_config(task, options)
+    file_mb = _output_cap(task, options, larger)
     task_json = task.model_dump(mode="json")
+    larger_json = larger.model_dump(mode="json") if larger is not None else None
     judge = SandboxedChild(
         "maxkernel.tools.judge:judge_job",
-        {"task": task_json, "input_sets": options.input_sets, "seed": options.seed},
+        {
+            "task": task_json,
+            "input_sets": options.input_sets,
+            "seed": options.seed,
+            "larger": larger_json,
+            "larger_budget_bytes": (options.memory_mb << 20) // LARGER_MEMORY_FRACTION,
+        },
         judge_dir,
         SandboxLimits(timeout_s=timeout, memory_mb=options.memory_mb, file_mb=file_mb, allow_device=device,
                       fallback_as_nobody=False),
@@ -200,6 +246,7 @@ def _run(
             "configs": task_json["configs"],
             "validation_configs": task_json["validation_configs"],
             "input_sets": [options.input_sets] * len(task.validation_configs),
+            "larger_config": larger_json,
             "estimate_generation": (first_generation(options.tpu)) if options.estimate else None,
         },
         cand_dir,
@@ -217,7 +264,7 @@ def _run(
     cand.start()
     try:
         return _orchestrate(task, options, judge, cand, result, time.monotonic() + timeout + 5,
-                            cached_ref_estimate, device)  # fmt: skip
+                            cached_ref_estimate, device, larger_note)  # fmt: skip
     finally:
         cand.kill()
         judge.kill()
@@ -238,6 +285,7 @@ def _orchestrate(
     deadline: float,
     cached_ref_estimate: float | None,
     device: bool,
+    larger_note: str,
 ) -> EvalResult:
     # Phase 1: the judge draws and computes the reference while the candidate loads and traces.
     while time.monotonic() < deadline:
@@ -293,7 +341,7 @@ def _orchestrate(
     if not judge_out.ok or judge_out.value is None or not judge_out.value.get("ok"):
         return _judge_failure(result, judge_out)
     return _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
-                    cached_ref_estimate)  # fmt: skip
+                    cached_ref_estimate, larger_note)  # fmt: skip
 
 
 def _judge_failure(result: EvalResult, outcome: SandboxOutcome) -> EvalResult:
@@ -345,8 +393,11 @@ def _read_programs(run_dir: Path, task: KernelTask) -> dict[str, Any]:
     for entry in [*val, *prod]:
         if not isinstance(entry, dict) or not isinstance(entry.get("plain"), dict):
             raise ValueError("a program entry is malformed")
-    for entry in val:
-        if not isinstance(entry.get("interpret"), dict) or not isinstance(entry.get("out"), list):
+    larger = data.get("larger")
+    for entry in [*val, *([larger] if larger is not None else [])]:
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), dict) for k in ("interpret", "plain")):
+            raise ValueError("a validation program entry is malformed")
+        if not isinstance(entry.get("out"), list):
             raise ValueError("a validation program entry is malformed")
     data["export_errors"] = [None if e is None else str(e)[:20_000] for e in errs]
     return data
@@ -377,6 +428,7 @@ def _verdict(
     cand_out: SandboxOutcome,
     judge: dict[str, Any],
     cached_ref_estimate: float | None,
+    larger_note: str,
 ) -> EvalResult:
     for name, secs in list((programs.get("seconds") or {}).items()) + list((judge.get("seconds") or {}).items()):
         if isinstance(secs, int | float):
@@ -406,6 +458,15 @@ def _verdict(
         prod_check, _ = check_pallas_does_work(prod)
         if not prod_check.ok:
             return _fail(result, "pallas", f"at the task's own shapes: {prod_check.reason}")
+    larger = programs.get("larger")
+    if larger is not None and programs["validation"]:
+        first = programs["validation"][0]["plain"]
+        plain = skeleton(larger["plain"])
+        diff = same_program(skeleton(larger["interpret"]), plain, exact=True)
+        diff = diff or same_program(skeleton(first), plain, exact=False)
+        if diff:
+            return _fail(result, "consistency", "the program at the larger check shape is not the one at the "
+                         f"validation shapes ({diff}): a kernel must not branch on shape")  # fmt: skip
 
     # What ships: the judge's reading of the exported TPU program, and its compile.
     for ci, tc in enumerate(judge.get("tpu_checks") or []):
@@ -424,7 +485,7 @@ def _verdict(
     if not options.tpu:
         result.warnings.append("no TPU generation requested: compiled means lowered for interpret mode only")
 
-    _correctness(task, options, result, cand, cand_out, judge)
+    _correctness(task, options, result, cand, cand_out, judge, larger_note)
     failed = [g for g, o in result.tpu_compile.items() if not o.ok]
     if result.error is not None:
         return result
@@ -433,7 +494,10 @@ def _verdict(
         return _fail(result, "compile", f"Mosaic compile failed for {', '.join(failed)}: {_first_lines(first, 6)}")
     assert result.correctness is not None
     if not result.correctness.ok:
-        bad = next(s for s in result.correctness.sets if not s.ok)
+        bad = next((s for s in result.correctness.sets if not s.ok), result.correctness.larger)
+        assert bad is not None
+        if bad is result.correctness.larger:
+            return _fail(result, "correctness", bad.message or "wrong at the larger check shape")
         return _fail(result, "correctness",
                      f"config {bad.config} input set {bad.input_set} ({bad.origin}): {bad.message}")  # fmt: skip
 
@@ -466,17 +530,22 @@ def _correctness(
     cand: SandboxedChild,
     cand_out: SandboxOutcome,
     judge: dict[str, Any],
+    larger_note: str = "",
 ) -> None:
     """Compare the candidate's outputs with the judge's, here, in numpy. A malformed read-back or a dead
     candidate is a failed set, never an exception."""
     val: list[InputConfig] = task.validation_configs
     origins = judge.get("origins") or [["task"] + ["random"] * (options.input_sets - 1)] * len(val)
-    correctness = CorrectnessResult(ok=True, scale=task.validation_note)
+    correctness = CorrectnessResult(ok=True, scale=task.validation_note, larger_check=larger_note)
     correctness.shapes_used = [c.describe() for c in val]
+    larger_cfg, larger_note = _judged_larger(task, judge, larger_note)
+    correctness.larger_check = larger_note
     result.correctness = correctness
     n_sets = options.input_sets
     wanted = {output_name(ci, si, k): spec for ci, cfg in enumerate(val)
               for si in range(n_sets) for k, spec in enumerate(cfg.outputs)}  # fmt: skip
+    larger_names = {output_name(len(val), 0, k): spec for k, spec in enumerate(larger_cfg.outputs)} \
+        if larger_cfg is not None else {}  # fmt: skip
     value = cand_out.value or {}
     run_error = value.get("run_error") if cand_out.ok else None
     if not cand_out.ok:
@@ -495,13 +564,16 @@ def _correctness(
         except (KeyError, TypeError, ValueError):
             stop = (0, 0)
         wanted = {k: v for k, v in wanted.items() if _index(k) < stop}
+    larger_error = value.get("larger_error") if cand_out.ok else None
+    if stop is None and larger_error is None:
+        wanted.update(larger_names)
     try:
         got = load_arrays(cand.run_dir / OUTPUTS_FILE, MAX_ARRAY_FILE_BYTES, wanted)
         want = load_arrays(
             Path(judge_dir_of(cand)) / EXPECTED_FILE,
             MAX_ARRAY_FILE_BYTES,
-            {output_name(ci, si, k): spec for ci, cfg in enumerate(val)
-             for si in range(n_sets) for k, spec in enumerate(cfg.outputs)},
+            {**{output_name(ci, si, k): spec for ci, cfg in enumerate(val)
+                for si in range(n_sets) for k, spec in enumerate(cfg.outputs)}, **larger_names},
         )  # fmt: skip
     except ReadBackError as exc:
         correctness.sets.append(
@@ -522,9 +594,36 @@ def _correctness(
             correctness.sets.append(compare(g, w, cfg, ci, si, origin))
         if stop is not None and ci >= stop[0]:
             break
+    if larger_cfg is not None and stop is None:
+        n = len(val)
+        if larger_error is not None:
+            check = SetCheck(config=n, input_set=0, origin="random", ok=False,
+                             message=f"at the larger check shape: {str(larger_error)[:4000]}")  # fmt: skip
+        else:
+            g = [got[output_name(n, 0, k)] for k in range(len(larger_cfg.outputs))]
+            w = [want[output_name(n, 0, k)] for k in range(len(larger_cfg.outputs))]
+            check = compare(g, w, larger_cfg, n, 0, "random")
+            if check.message:
+                check.message = f"at the larger check shape {larger_cfg.describe()}: {check.message}"
+        correctness.larger = check
     summarise(correctness)
     result.max_abs_err, result.max_rel_err = correctness.max_abs_err, correctness.max_rel_err
     result.correct = correctness.ok
+
+
+def _judged_larger(task: KernelTask, judge: dict[str, Any], note: str) -> tuple[InputConfig | None, str]:
+    """The larger check's configuration with the reference's own output shapes, as the judge computed them,
+    when the judge drew and ran it; else None and why not (the agent's reason, or the judge's)."""
+    info = judge.get("larger")
+    if not isinstance(info, dict):
+        return None, note or "skipped: the judge did not run it"
+    if not info.get("ran"):
+        return None, f"skipped: {str(info.get('reason', 'the judge did not run it'))[:400]}"
+    try:
+        cfg = InputConfig.model_validate(info["config"])
+    except (KeyError, ValueError) as exc:
+        return None, f"skipped: the judge's larger configuration is malformed: {exc}"
+    return cfg, f"ran at {cfg.describe()} (one secret input set)"
 
 
 def judge_dir_of(cand: SandboxedChild) -> Path:

@@ -79,6 +79,10 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         for cfg, sets in zip(val, input_sets, strict=True):
             fn = reference_fn(ref, cfg)  # compiled once per configuration
             expected.append([run_reference(ref, cfg, inputs, fn) for inputs, _origin in sets])
+        larger = None
+        if payload.get("larger") and input_sets:
+            larger = _larger_set(ref, payload["larger"], int(payload["larger_budget_bytes"]),
+                                 input_sets[0][0][0], seed, len(val))  # fmt: skip
     except taskcode.TaskCodeError as exc:
         return {"ok": False, "stage": "task", "message": str(exc)}
     if ctx.violations:
@@ -88,13 +92,16 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
               for si, (arrs, _o) in enumerate(sets) for k, a in enumerate(arrs)}  # fmt: skip
     outputs = {output_name(ci, si, k): a for ci, sets in enumerate(expected)
                for si, outs in enumerate(sets) for k, a in enumerate(outs)}  # fmt: skip
+    if larger is not None and larger.get("ran"):
+        inputs.update(larger.pop("inputs"))
+        outputs.update(larger.pop("outputs"))
     (run_dir / INPUTS_FILE).write_bytes(pack_arrays(inputs))
     origins = [[origin for _a, origin in sets] for sets in input_sets]
     seconds["reference"] = time.perf_counter() - t0
     ctx.stage(STAGE_INPUTS_READY)
 
     message = sys.stdin.buffer.readline(MAX_PROGRAMS_BYTES)
-    base: dict[str, Any] = {"ok": True, "origins": origins, "seconds": seconds}
+    base: dict[str, Any] = {"ok": True, "origins": origins, "seconds": seconds, "larger": larger}
     if not message.strip():
         return base  # the candidate never got as far as a program: nothing to compile
     request = json.loads(message)
@@ -121,6 +128,47 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     if sys.stdin.buffer.readline(64).strip() == b"release":
         (run_dir / EXPECTED_FILE).write_bytes(pack_arrays(outputs))
     return base
+
+
+def _larger_set(
+    ref: taskcode.Reference,
+    cfg_json: dict[str, Any],
+    budget: int,
+    like: list[np.ndarray],
+    seed: int,
+    index: int,
+) -> dict[str, Any]:
+    """One secret input set at the agent's larger check shape and the reference's outputs on it, stored as
+    config `index` (after the validation configs). The draws follow the statistics of the first validation
+    set's inputs (`like`). Never fails the task: a reference that cannot run there, or outputs over the
+    memory budget, make it a skipped check, with the reason."""
+    from maxkernel.tools.evaluation import reference_fn, run_reference
+
+    t0 = time.perf_counter()
+    cfg = InputConfig.model_validate(cfg_json)
+    try:
+        cfg.outputs = taskcode.output_specs(ref, cfg.dynamic, cfg.static)
+        need = cfg.input_bytes() + cfg.output_bytes()
+        if need > budget:
+            return {"ran": False, "reason": f"the reference's inputs and outputs at {cfg.describe()} need "
+                    f"{need >> 20} MiB, over the budget of {budget >> 20} MiB"}  # fmt: skip
+        rng = np.random.default_rng([seed, index, 0, 11])
+        stats = [
+            {"min": float(a.min()), "max": float(a.max()), "mean": float(a.mean()), "std": float(a.std())}
+            for a in (np.asarray(x, np.float64) for x in like)
+        ]
+        arrays = [taskcode.random_from_spec(s, rng, st) for s, st in zip(cfg.dynamic, stats, strict=True)]
+        outs = run_reference(ref, cfg, arrays, reference_fn(ref, cfg))
+    except Exception as exc:  # noqa: BLE001 - the reference was written for its own shapes; skip, say why
+        return {"ran": False, "reason": f"the reference does not run at {cfg.describe()}: "
+                f"{type(exc).__name__}: {_first_lines(str(exc), 3)}"}  # fmt: skip
+    return {
+        "ran": True,
+        "config": cfg.model_dump(mode="json"),
+        "seconds": round(time.perf_counter() - t0, 4),
+        "inputs": {input_name(index, 0, k): a for k, a in enumerate(arrays)},
+        "outputs": {output_name(index, 0, k): a for k, a in enumerate(outs)},
+    }
 
 
 def _inspect_and_compile(

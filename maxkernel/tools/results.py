@@ -159,6 +159,10 @@ class CorrectnessResult(BaseModel):
     sets: list[SetCheck] = Field(default_factory=list)
     shapes_used: list[str] = Field(default_factory=list, description="validation shapes, one line per config")
     scale: str = Field("", description="how the validation shapes were chosen")
+    larger_check: str = Field(
+        "", description="the check at a second, larger shape: 'ran at <shapes>', or 'skipped: <why>'"
+    )
+    larger: SetCheck | None = Field(None, description="its one input set, when it ran (counts towards ok)")
     max_abs_err: float | None = None
     max_rel_err: float | None = None
 

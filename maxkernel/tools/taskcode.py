@@ -320,6 +320,36 @@ def shrink_config(
     return new_dyn, new_static
 
 
+# --- growing shapes for the larger-shape check ------------------------------------------------------------
+
+# The harness checks the candidate once more at the validation shapes grown by this factor (never past the
+# task's own shapes): a kernel correct only at the validation size is caught there.
+LARGER_SHAPE_FACTOR = 2
+
+
+def grow_dim(d: int, ceiling: int, factor: int = LARGER_SHAPE_FACTOR) -> int:
+    """`d` times `factor`, keeping its tile multiple (128, else 8), never past `ceiling` (the task's own size)."""
+    if ceiling <= d:
+        return d
+    grain = TILE_MULTIPLE if d % TILE_MULTIPLE == 0 else 8 if d % 8 == 0 else 1
+    grown = min(d * factor, ceiling) // grain * grain
+    return max(d, grown)
+
+
+def larger_map(val: list[ArraySpec], own: list[ArraySpec]) -> dict[int, int] | None:
+    """One consistent old→new size map from a validation config towards the task's own config, each
+    dimension grown by `grow_dim` (equal dims stay equal, as in `shrink_map`). None when the two configs do
+    not pair up array by array and axis by axis; empty when nothing can grow."""
+    if len(val) != len(own) or any(len(a.shape) != len(b.shape) for a, b in zip(val, own, strict=True)):
+        return None
+    mapping: dict[int, int] = {}
+    for a, b in zip(val, own, strict=True):
+        for d, ceiling in zip(a.shape, b.shape, strict=True):
+            grown = grow_dim(d, ceiling)
+            mapping[d] = min(mapping.get(d, grown), grown)  # a size shared with a smaller axis grows less
+    return {d: n for d, n in mapping.items() if n != d}
+
+
 # --- input sets -------------------------------------------------------------------------------------------
 
 
