@@ -77,7 +77,9 @@ def read_source(path: Path) -> str:
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        console.print(f"[bold red]rejected:[/] {path} is not UTF-8 text (byte {exc.start}): not a Python module")
+        console.print(
+            f"[bold red]rejected:[/] {path} is not UTF-8 text (byte {exc.start}): not a Python module"
+        )
         raise typer.Exit(1) from exc
 
 
@@ -124,7 +126,9 @@ def eval_cmd(
             kt = load_task(task, scale=scale, work_dir=work_dir, timeout_s=timeout or TASK_LOAD_TIMEOUT_S)
     except TaskError as exc:
         raise fail_usage(str(exc)) from exc
-    options = EvalOptions(tpu=gens, input_sets=input_sets, timeout_s=timeout, allow_unsandboxed=allow_unsandboxed)
+    options = EvalOptions(
+        tpu=gens, input_sets=input_sets, timeout_s=timeout, allow_unsandboxed=allow_unsandboxed
+    )
     with console.status(f"evaluating {kernel.name} on {kt.task_id} ..."):
         result = evaluate(kt, source, options, store=ResultsStore(store), work_dir=work_dir)
     if result.error and result.error.stage == "task":
@@ -157,26 +161,59 @@ def synthesize_cmd(
     store: StoreOpt = Path(".maxkernel/results.db"),
     work_dir: WorkOpt = Path(".maxkernel"),
 ) -> None:
-    """Write a kernel with the offline author (no model) from the reference's jaxpr, and evaluate it."""
-    from maxkernel.authors.base import Attempt, AuthorContext, AuthorError
-    from maxkernel.authors.offline import OfflineAuthor
+    """Write a kernel with the offline author (no model) from the reference's jaxpr, and evaluate it.
+
+    This is one round of the agent graph (plan → implement → validate/test → repair), not a loop of its
+    own: no autotuning, no profile, `--repairs` repair attempts. It streams the graph's state and writes
+    kernel.py and a "no verdict yet" result.json each time a new kernel goes to the harness.
+    """
+    from maxkernel.context import Context
+    from maxkernel.graph.agent import compile_graph
+    from maxkernel.state import AgentInput, AgentState
 
     gens = parse_tpus(tpu)
-    try:
-        with console.status(f"loading task {task} ..."):
-            kt = load_task(task, scale=scale, work_dir=work_dir, timeout_s=timeout or TASK_LOAD_TIMEOUT_S)
-    except TaskError as exc:
-        raise fail_usage(str(exc)) from exc
-    author = OfflineAuthor()
-    ctx = AuthorContext(task=kt, tpu=gens, work_dir=work_dir)
-    with console.status(f"analysing {kt.task_id} ..."):
-        plan = author.plan(ctx)
-    dest = out_dir or Path("out") / kt.task_id
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "plan.md").write_text(plan.text)
-    if not plan.supported:
+    dest = out_dir
+    ctx = Context(
+        model="offline", tpu=gens, store_path=str(store), work_dir=str(work_dir), eval_timeout_s=timeout
+    )
+    run = AgentInput(
+        task_path=str(task),
+        scale=scale,
+        max_iterations=1,
+        tune_max_configs=0,
+        max_repairs=repairs,
+        # the graph's own finalize writes kernel.py/report.md here, away from synthesize's three files
+        out_dir=str(Path(work_dir).resolve() / "synthesize" / (dest.name if dest else Path(task).stem)),
+    )
+    state: AgentState | None = None
+    written: tuple[str | None, str | None] = (None, None)
+    with console.status(f"synthesizing a kernel for {task} ...") as spinner:
+        for values in compile_graph().stream(run.model_dump(), context=ctx, stream_mode="values"):
+            state = AgentState.model_validate(values)
+            if state.task is None:
+                continue
+            dest = dest or Path("out") / state.task.task_id
+            dest.mkdir(parents=True, exist_ok=True)
+            plan_text = state.plan.text if state.plan else None
+            if plan_text is not None and plan_text != written[1]:
+                (dest / "plan.md").write_text(plan_text)
+            if state.source_path is not None and state.source_path != written[0]:
+                (dest / "kernel.py").write_text(Path(state.source_path).read_text())
+                # Until the verdict is in, result.json says so: a killed synthesize never leaves a bare kernel.py.
+                pending = EvalResult(task_id=state.task.task_id, source_hash="").summary_json()
+                pending["status"] = "evaluating: no verdict yet (if this stays, the run was interrupted)"
+                pending["family"] = state.plan.family if state.plan else None
+                (dest / "result.json").write_text(json.dumps(pending, indent=2) + "\n")
+                spinner.update(f"evaluating the {pending['family']} kernel for {state.task.task_id} ...")
+            written = (state.source_path, plan_text)
+    assert state is not None
+    if state.task is None:
+        raise fail_usage(state.stop_reason or "the task could not be loaded")
+    assert dest is not None
+    plan = state.plan
+    if plan is not None and not plan.supported:
         (dest / "kernel.py").unlink(missing_ok=True)
-        summary = EvalResult(task_id=kt.task_id, source_hash="").summary_json()
+        summary = EvalResult(task_id=state.task.task_id, source_hash="").summary_json()
         summary["error"] = {"stage": "unsupported", "message": plan.unsupported_reason}
         summary["family"] = "unsupported"
         (dest / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -186,48 +223,19 @@ def synthesize_cmd(
             console.print(f"[bold red]unsupported:[/] {plan.unsupported_reason}")
             console.print(f"wrote {dest / 'plan.md'}, {dest / 'result.json'}")
         raise typer.Exit(1)
-    draft = author.implement(ctx, plan)
-    # The offline author's own kernels may run in the fallback mode where bubblewrap is missing.
-    options = EvalOptions(tpu=gens, timeout_s=timeout, allow_unsandboxed=True)
-    results_store = ResultsStore(store)
-    history: list[Attempt] = []
-    while True:
-        (dest / "kernel.py").write_text(draft.source)
-        # Until the verdict is in, result.json says so: a killed synthesize never leaves a bare kernel.py.
-        pending = EvalResult(task_id=kt.task_id, source_hash="").summary_json()
-        pending["status"] = "evaluating: no verdict yet (if this stays, the run was interrupted)"
-        pending["family"] = plan.family
-        (dest / "result.json").write_text(json.dumps(pending, indent=2) + "\n")
-        with console.status(f"evaluating the {plan.family} kernel for {kt.task_id} ..."):
-            result = evaluate(kt, draft.source, options, store=results_store, work_dir=work_dir)
-        if result.accepted or result.error is None or result.error.stage == "task" or len(history) >= repairs:
-            break
-        failure = f"{result.error.stage}: {result.error.message}"
-        history.append(
-            Attempt(
-                source_hash=result.source_hash,
-                stage=result.error.stage,
-                message=result.error.message,
-                config=draft.config.as_dict() if draft.config else None,
-            )
-        )
-        try:
-            draft = author.repair(ctx, plan, draft.source, failure, history)
-        except AuthorError:
-            break
-        if draft.plan_update is not None:
-            plan = draft.plan_update
-            (dest / "plan.md").write_text(plan.text)
+    result = state.eval_result
+    if plan is None or result is None:
+        raise fail_usage(f"task {state.task.task_id}: {state.stop_reason or 'no kernel was evaluated'}")
     summary = result.summary_json()
     summary["status"] = "finished"
     summary["family"] = plan.family
     summary["kernels"] = [k["family"] for k in plan.data.get("program", {}).get("kernels", [])]
-    summary["config"] = draft.config.as_dict() if draft.config else None
+    summary["config"] = state.source_config
     (dest / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
     if result.error and result.error.stage == "task":
         if json_out:
             print(json.dumps(summary))
-        raise fail_usage(f"task {kt.task_id}: {result.error.message}")
+        raise fail_usage(f"task {state.task.task_id}: {result.error.message}")
     if json_out:
         print(json.dumps(summary))
     else:

@@ -49,6 +49,10 @@ class Context:
             "description": "start non-offline authors from the offline author's kernel when it has one"
         },
     )
+    profile: bool = field(
+        default=True,
+        metadata={"description": "trace the best kernel each round (off for a one-shot synthesis)"},
+    )
     chat_model: Any = field(
         default=None,
         metadata={"description": "a ready LangChain chat model (Python API, tests); overrides `model`"},

@@ -31,15 +31,15 @@ class AgentInput(BaseModel):
     out_dir: str | None = Field(None, description="where finalize writes kernel.py, result.json, report.md")
     strategy: str | None = Field(None, description="optimisation strategy this run should apply first")
     tune_max_configs: int = Field(6, ge=0, description="configs the autotuner evaluates per round")
+    max_repairs: int = Field(3, ge=0, description="repair attempts per round before giving up on the round")
     start_source_path: str | None = Field(None, description="a kernel to start from (search: the parent's)")
     label: str | None = Field(None, description="branch label in a search: scopes run dirs and model replies")
 
 
 class Budgets(BaseModel):
-    """Limits a caller does not set per run. The per-run ones (`max_iterations`, `tune_max_configs`) are
-    input fields, read from the state: one default each, in `AgentInput`."""
+    """Limits a caller does not set per run. The per-run ones (`max_iterations`, `tune_max_configs`,
+    `max_repairs`) are input fields, read from the state: one default each, in `AgentInput`."""
 
-    max_repairs: int = Field(3, description="repair attempts per round before giving up on the round")
     patience: int = Field(2, description="stop after this many rounds without improvement")
     max_model_calls: int = 60
     max_tokens: int = 400_000

@@ -24,7 +24,13 @@ def matmul_task(data_dir: Path, session_work: Path) -> KernelTask:
 
 @pytest.mark.parametrize(
     ("raw", "safe"),
-    [("../../x", "_.._x"), ("a/b", "a_b"), ("..", "task"), ("ok-id_1.2", "ok-id_1.2"), ("/etc/passwd", "_etc_passwd")],
+    [
+        ("../../x", "_.._x"),
+        ("a/b", "a_b"),
+        ("..", "task"),
+        ("ok-id_1.2", "ok-id_1.2"),
+        ("/etc/passwd", "_etc_passwd"),
+    ],
 )
 def test_task_ids_are_one_path_component(raw: str, safe: str) -> None:
     assert safe_task_id(raw) == safe
@@ -45,7 +51,9 @@ def test_reference_with_import_side_effect_is_a_bad_task(data_dir: Path, tmp_pat
     task = tmp_path / "side_effect"
     shutil.copytree(data_dir / "tasks" / "small_matmul", task)
     ref = (task / "reference.py").read_text()
-    (task / "reference.py").write_text("import socket\nsocket.socket(socket.AF_INET).connect(('10.0.0.1', 9))\n" + ref)
+    (task / "reference.py").write_text(
+        "import socket\nsocket.socket(socket.AF_INET).connect(('10.0.0.1', 9))\n" + ref
+    )
     with pytest.raises(TaskError, match="sandbox forbids"):
         load_task(task, work_dir=tmp_path / "work")
 
@@ -107,10 +115,45 @@ def test_killed_synthesize_leaves_a_result(
     def killed(*_a: object, **_k: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "evaluate", killed)
+    import maxkernel.nodes.common as nodes_common
+
+    monkeypatch.setattr(nodes_common, "evaluate", killed)  # synthesize evaluates through the graph's nodes
     out = tmp_path / "out"
     CliRunner().invoke(cli.app, ["synthesize", str(data_dir / "tasks" / "small_matmul"), "--out", str(out),
                                  "--work-dir", str(tmp_path / "w"), "--store", str(tmp_path / "r.db")])  # fmt: skip
     assert (out / "kernel.py").exists()
     result = json.loads((out / "result.json").read_text())
     assert "no verdict yet" in result["status"] and result["accepted"] is False
+
+
+def test_synthesize_repairs_through_the_agent_graph(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`synthesize --repairs 1` is one round of the agent graph: a rejected kernel goes to the graph's repair
+    node once, and result.json reports the last verdict."""
+    import json
+
+    import maxkernel.cli as cli
+    import maxkernel.nodes.common as nodes_common
+    from maxkernel.tools.results import EvalResult, StageError
+
+    sources: list[str] = []
+
+    def rejects(task: KernelTask, source: str, *_a: object, **_k: object) -> EvalResult:
+        sources.append(source)
+        error = StageError(stage="compile", message=f"RESOURCE_EXHAUSTED: scoped VMEM ({len(sources)})")
+        return EvalResult(task_id=task.task_id, source_hash=str(len(sources)), error=error)
+
+    monkeypatch.setattr(nodes_common, "evaluate", rejects)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli.app, ["synthesize", str(data_dir / "tasks" / "small_matmul"), "--out", str(out),
+                                       "--repairs", "1", "--work-dir", str(tmp_path / "w"),
+                                       "--store", str(tmp_path / "r.db")])  # fmt: skip
+    assert res.exit_code == 1, res.output
+    assert len(sources) == 2 and sources[0] != sources[1]  # the repaired kernel is a different one
+    assert (out / "kernel.py").read_text() == sources[1]
+    result = json.loads((out / "result.json").read_text())
+    assert (
+        result["status"] == "finished" and result["error"]["message"] == "RESOURCE_EXHAUSTED: scoped VMEM (2)"
+    )
+    assert {p.name for p in out.iterdir()} == {"kernel.py", "plan.md", "result.json"}

@@ -42,7 +42,7 @@ def render_estimate(r: EvalResult) -> str:
 def profile(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     """Profile and summarise the best kernel (not the round's current one, which may be worse or wrong)."""
     best = state.best
-    if best is None:
+    if best is None or not runtime.context.profile:
         return {}
     assert state.task is not None
     ctx = runtime.context

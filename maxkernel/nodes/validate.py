@@ -40,7 +40,7 @@ def failed_at_validation(state: AgentState) -> bool:
 
 
 def can_repair(state: AgentState) -> bool:
-    return state.repairs < state.budgets.max_repairs and budget_exhausted(state) is None
+    return state.repairs < state.max_repairs and budget_exhausted(state) is None
 
 
 def route_after_validate(state: AgentState) -> Literal["test", "repair", "on_failure", "reflect"]:

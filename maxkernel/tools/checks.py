@@ -20,34 +20,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxkernel.tools.program_tree import MAX_EQNS, Tree, size_of, to_tree
+from maxkernel.tools.jaxpr import (
+    ELEMENTWISE_OUTSIDE,
+    FORBIDDEN,
+    KERNEL_DATA_MOVEMENT,
+    LAYOUT_OUTSIDE,
+    STRUCTURAL,
+    WARN_ONLY,
+)
+from maxkernel.tools.program_tree import MAX_EQNS, Tree, size_of, to_tree, tree_eqns
 from maxkernel.tools.results import PallasCheck
-
-LAYOUT_OUTSIDE = frozenset(
-    """reshape transpose broadcast_in_dim squeeze expand_dims pad convert_element_type slice dynamic_slice
-    dynamic_update_slice concatenate copy copy_p iota rev bitcast_convert_type reduce_precision gather split
-    device_put sharding_constraint stop_gradient optimization_barrier""".split()
-)
-ELEMENTWISE_OUTSIDE = frozenset(
-    """add sub mul div neg exp exp2 log log1p expm1 tanh logistic max min abs sign pow integer_pow sqrt rsqrt
-    cbrt erf erfc erf_inv select_n eq ne lt le gt ge and or not xor clamp floor ceil round sin cos tan
-    is_finite nextafter rem atan2 shift_left shift_right_logical shift_right_arithmetic square population_count
-    random_bits random_seed random_wrap random_unwrap random_fold_in random_split threefry2x32""".split()
-)
-STRUCTURAL = frozenset(
-    """pjit jit closed_call core_call custom_jvp_call custom_vjp_call custom_vjp_call_jaxpr remat checkpoint
-    cond named_call""".split()
-)
-FORBIDDEN = frozenset("pure_callback io_callback callback host_callback outside_call".split())
-WARN_ONLY = frozenset({"debug_callback", "debug_print"})
-
-# Inside a kernel: primitives that move or index data rather than compute.
-KERNEL_DATA_MOVEMENT = frozenset(
-    """get swap load store masked_load masked_swap program_id num_programs broadcast_in_dim reshape squeeze
-    transpose convert_element_type iota copy copy_p slice dynamic_slice concatenate dma_start dma_wait
-    semaphore_signal semaphore_wait semaphore_read run_scoped bitcast delay pjit closed_call cond scan while
-    expand_dims multiple_of""".split()
-)
 
 
 def _size(shape: list[int]) -> int:
@@ -142,11 +124,9 @@ class _Walker:
                 self.check.heavy_outside.append(f"{name} -> {shapes}")
 
     def _forbidden_inside(self, tree: Tree) -> None:
-        for eqn in tree.get("eqns", []):
+        for eqn in tree_eqns(tree):
             if eqn.get("p") in FORBIDDEN:
                 self.check.forbidden.append(f"{eqn.get('p')} (inside a kernel)")
-            for sub in [*eqn.get("subs", []), *eqn.get("branches", [])]:
-                self._forbidden_inside(sub)
 
 
 def check_pallas_does_work(program: Any) -> tuple[PallasCheck, list[str]]:

@@ -27,7 +27,7 @@ import functools
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -36,6 +36,15 @@ import jax.extend.core as jex_core
 import numpy as np
 from pydantic import BaseModel, Field
 
+from maxkernel.tools.jaxpr import (
+    FREE_IN_KERNEL,
+    FREE_IN_XLA,
+    KERNEL_CALL_PRIMITIVES,
+    REDUCTIONS,
+    TRANSCENDENTAL,
+    as_jaxpr,
+    sub_jaxprs,
+)
 from maxkernel.tools.tpu_specs import (
     PER_STEP_OVERHEAD_S,
     TpuSpec,
@@ -97,39 +106,6 @@ ASSUMPTIONS: dict[str, str] = {
 }
 
 BoundClass = Literal["memory", "compute", "overhead"]
-
-# Primitive classes for the body walk. Names are jaxpr primitive names in JAX 0.10.2.
-_TRANSCENDENTAL = frozenset(
-    {
-        "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "erfc", "erf_inv", "sin", "cos",
-        "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "pow", "rsqrt",
-        "sqrt", "cbrt", "lgamma", "digamma", "igamma", "random_gamma_grad", "bessel_i0e", "bessel_i1e",
-    }
-)  # fmt: skip
-_REDUCTIONS = frozenset(
-    {
-        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
-        "argmax", "argmin", "cumsum", "cummax", "cummin", "cumprod", "cumlogsumexp", "reduce_precision",
-    }
-)  # fmt: skip
-# Free in a kernel: loads/stores are vld/vst slots, shape ops are layout bookkeeping, the rest is scalar
-# or synchronisation work the model does not charge.
-_FREE_IN_KERNEL = frozenset(
-    {
-        "program_id", "num_programs", "get", "swap", "load", "store", "masked_load", "masked_swap",
-        "reshape", "squeeze", "expand_dims", "bitcast_convert_type", "dma_wait", "semaphore_signal",
-        "semaphore_wait", "semaphore_read", "barrier", "delay", "pjit", "jit", "debug_callback",
-        "debug_print", "multiple_of", "assume_multiple", "run_scoped", "optimization_barrier",
-    }
-)  # fmt: skip
-_FREE_IN_XLA = frozenset(
-    {"reshape", "squeeze", "expand_dims", "bitcast_convert_type", "optimization_barrier", "copy_p"}
-)
-_CALL_PRIMITIVES = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
-     "custom_vjp_call_jaxpr", "custom_lin", "shard_map", "run_scoped"}
-)  # fmt: skip
-
 
 # --------------------------------------------------------------------------------------------------------
 # Result models
@@ -469,7 +445,9 @@ def _hlo_once_bytes(hlo: str) -> float | None:
         sizes[m.group(1)] = out_bytes
         opcode = op.group(1)
         if opcode in ("while", "conditional", "call", "custom-call"):
-            return None  # a loop body's traffic repeats per trip: counting its operands once would under-price
+            return (
+                None  # a loop body's traffic repeats per trip: counting its operands once would under-price
+            )
         if opcode in _HLO_NO_TRAFFIC:
             continue
         operands = re.findall(r"%([\w.\-]+)", op.group(2))
@@ -511,42 +489,11 @@ def _precision_surcharge(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float) -> f
         elif name == "pallas_call":
             continue
         elif name == "scan":
-            total += _precision_surcharge(
-                _as_jaxpr(eqn.params["jaxpr"])[0], spec, mult * eqn.params["length"]
-            )
+            total += _precision_surcharge(as_jaxpr(eqn.params["jaxpr"])[0], spec, mult * eqn.params["length"])
         else:
-            for sub in _sub_jaxprs(eqn):
+            for sub in sub_jaxprs(eqn):
                 total += _precision_surcharge(sub, spec, mult)
     return total
-
-
-# --------------------------------------------------------------------------------------------------------
-# Jaxpr walking shared with maxkernel.tools.profile_trace
-# --------------------------------------------------------------------------------------------------------
-
-
-def _as_jaxpr(j: Any) -> tuple[jex_core.Jaxpr, Sequence[Any]]:
-    if isinstance(j, jex_core.ClosedJaxpr):
-        return j.jaxpr, j.consts
-    if isinstance(j, jex_core.Jaxpr):
-        return j, ()
-    raise TypeError(f"expected a Jaxpr or ClosedJaxpr, got {type(j).__name__}")
-
-
-def _sub_jaxprs(eqn: jex_core.JaxprEqn) -> list[jex_core.Jaxpr]:
-    """Every jaxpr nested in an eqn's params (call bodies, cond branches, scan/while bodies...)."""
-    return [_as_jaxpr(j)[0] for j in jex_core.jaxprs_in_params(eqn.params)]
-
-
-def iter_pallas_eqns(jaxpr: Any) -> Iterator[jex_core.JaxprEqn]:
-    """All pallas_call eqns in a (closed) jaxpr, at any depth outside kernels, in program order."""
-    jaxpr, _ = _as_jaxpr(jaxpr)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            yield eqn
-            continue
-        for sub in _sub_jaxprs(eqn):
-            yield from iter_pallas_eqns(sub)
 
 
 def pallas_call_name(eqn: jex_core.JaxprEqn) -> str:
@@ -684,7 +631,7 @@ def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, fractions: dict[int, np.nda
         if name == "dot_general":
             w.add(_dot_work(eqn, spec))
         elif name == "cond":
-            branches = [_body_work(_as_jaxpr(b)[0], spec) for b in eqn.params["branches"]]
+            branches = [_body_work(as_jaxpr(b)[0], spec) for b in eqn.params["branches"]]
             frac = (fractions or {}).get(pos)
             if frac is not None:
                 for b, f in zip(branches, frac, strict=True):
@@ -695,20 +642,20 @@ def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, fractions: dict[int, np.nda
                 w.add(max(branches, key=lambda b: b.cost_key(spec)))
                 w.notes.add("cond: most expensive branch charged every step (pl.when bodies included)")
         elif name == "scan":
-            w.add(_body_work(_as_jaxpr(eqn.params["jaxpr"])[0], spec), float(eqn.params["length"]))
+            w.add(_body_work(as_jaxpr(eqn.params["jaxpr"])[0], spec), float(eqn.params["length"]))
         elif name == "while":
-            w.add(_body_work(_as_jaxpr(eqn.params["body_jaxpr"])[0], spec))
+            w.add(_body_work(as_jaxpr(eqn.params["body_jaxpr"])[0], spec))
             w.notes.add("while loop in kernel: trip count unknown, body charged once (underestimate)")
         elif name == "dma_start":
             w.dma_bytes += _dma_bytes(eqn)
-        elif name in _CALL_PRIMITIVES or (name in _FREE_IN_KERNEL and _sub_jaxprs(eqn)):
-            for sub in _sub_jaxprs(eqn):
+        elif name in KERNEL_CALL_PRIMITIVES or (name in FREE_IN_KERNEL and sub_jaxprs(eqn)):
+            for sub in sub_jaxprs(eqn):
                 w.add(_body_work(sub, spec))
-        elif name in _FREE_IN_KERNEL:
+        elif name in FREE_IN_KERNEL:
             continue
-        elif name in _TRANSCENDENTAL:
+        elif name in TRANSCENDENTAL:
             w.transcendentals += sum(_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ()))
-        elif name in _REDUCTIONS:
+        elif name in REDUCTIONS:
             w.vpu_ops += sum(_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ()))
         else:
             # Elementwise / layout / compare / select / convert / iota / broadcast / addupdate: charge the
@@ -782,7 +729,7 @@ def _np_prim(eqn: jex_core.JaxprEqn, x: list[Any]) -> list[Any]:
     elif name == "clamp":
         out = np.clip(x[1], x[0], x[2])
     elif name in ("pjit", "jit", "closed_call"):
-        sub, sub_consts = _as_jaxpr(eqn.params.get("jaxpr") or eqn.params["call_jaxpr"])
+        sub, sub_consts = as_jaxpr(eqn.params.get("jaxpr") or eqn.params["call_jaxpr"])
         return _np_eval(sub, sub_consts, x)
     else:
         raise KeyError(name)
@@ -835,7 +782,7 @@ def _branch_fractions(
 
 def _block_indices(closed: Any, grid_idx: Sequence[np.ndarray], n: int) -> np.ndarray:
     """Block index tuple per step, shape (n, n_dims), evaluated vectorised over all steps."""
-    jaxpr, consts = _as_jaxpr(closed)
+    jaxpr, consts = as_jaxpr(closed)
     try:
         outs = _np_eval(jaxpr, consts, list(grid_idx))
     except KeyError:
@@ -850,7 +797,7 @@ def _block_indices(closed: Any, grid_idx: Sequence[np.ndarray], n: int) -> np.nd
 
 def _reads_prefetch(closed: Any, n_grid: int) -> bool:
     """Whether an index map uses any argument beyond the grid indices (the scalar-prefetch refs)."""
-    jaxpr, _ = _as_jaxpr(closed)
+    jaxpr, _ = as_jaxpr(closed)
     extra = set(jaxpr.invars[n_grid:])
     if not extra:
         return False
@@ -861,7 +808,7 @@ def _reads_prefetch(closed: Any, n_grid: int) -> bool:
 
 def _grid_only(closed: Any, n_grid: int) -> Any:
     """The index map with unused trailing (scalar-prefetch) parameters dropped."""
-    jaxpr, consts = _as_jaxpr(closed)
+    jaxpr, consts = as_jaxpr(closed)
     if len(jaxpr.invars) == n_grid:
         return closed
     trimmed = jaxpr.replace(invars=list(jaxpr.invars[:n_grid]))
@@ -968,7 +915,7 @@ def _estimate_call(eqn: jex_core.JaxprEqn, spec: TpuSpec, multiplicity: float) -
         if _memory_space(aval) in ("vmem", "default"):
             vmem += _nbytes(aval)
 
-    body, _ = _as_jaxpr(params["jaxpr"])
+    body, _ = as_jaxpr(params["jaxpr"])
     work = _body_work(body, spec, _branch_fractions(body, grid))
     notes |= work.notes
     manual_dma = work.dma_bytes * steps
@@ -1077,19 +1024,19 @@ class _ProgramWalk:
             if name == "pallas_call":
                 self.calls.append(_estimate_call(eqn, self.spec, mult))
             elif name == "scan":
-                self.walk(_as_jaxpr(eqn.params["jaxpr"])[0], mult * float(eqn.params["length"]))
+                self.walk(as_jaxpr(eqn.params["jaxpr"])[0], mult * float(eqn.params["length"]))
             elif name == "while":
                 self.notes.add("while loop outside kernels: trip count unknown, body counted once")
-                for sub in _sub_jaxprs(eqn):
+                for sub in sub_jaxprs(eqn):
                     self.walk(sub, mult)
             elif name == "cond":
                 self.notes.add("cond outside kernels: every branch counted (upper bound)")
-                for sub in _sub_jaxprs(eqn):
+                for sub in sub_jaxprs(eqn):
                     self.walk(sub, mult)
-            elif _sub_jaxprs(eqn):
-                for sub in _sub_jaxprs(eqn):
+            elif sub_jaxprs(eqn):
+                for sub in sub_jaxprs(eqn):
                     self.walk(sub, mult)
-            elif name in _FREE_IN_XLA:
+            elif name in FREE_IN_XLA:
                 continue
             else:
                 self._xla_op(eqn, mult)
@@ -1116,7 +1063,7 @@ def estimate_pallas(closed_jaxpr: Any, gen: str) -> PallasEstimate:
     it on every candidate, at production shapes, in milliseconds.
     """
     spec = get_spec(gen)
-    jaxpr, _ = _as_jaxpr(closed_jaxpr)
+    jaxpr, _ = as_jaxpr(closed_jaxpr)
     walk = _ProgramWalk(spec)
     walk.walk(jaxpr, 1.0)
     calls = walk.calls

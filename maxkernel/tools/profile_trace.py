@@ -35,7 +35,8 @@ import jax
 import jax.extend.core as jex_core
 from pydantic import BaseModel, Field
 
-from maxkernel.tools.estimate import iter_pallas_eqns, pallas_call_name
+from maxkernel.tools.estimate import pallas_call_name
+from maxkernel.tools.jaxpr import iter_pallas_eqns
 
 STEP_ANNOTATION = "maxkernel.step"
 """Name of the TraceAnnotation wrapped around each traced call; the summary sums these for wall time."""

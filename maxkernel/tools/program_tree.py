@@ -15,7 +15,11 @@ and compiles itself, and the two must agree.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from itertools import chain
 from typing import Any
+
+from maxkernel.tools.jaxpr import SHAPE_MASKING
 
 Tree = dict[str, Any]
 MAX_EQNS = 200_000
@@ -73,26 +77,37 @@ def to_tree(jaxpr: Any) -> Tree:
     return {"eqns": eqns}
 
 
+def tree_eqns(tree: Tree, *, kernels: bool = False) -> Iterator[Tree]:
+    """Every equation of a tree and of the trees nested in it (call bodies, cond branches and, with
+    `kernels`, pallas_call kernel bodies), depth first in program order. Iterative: a hostile tree nested
+    deeper than Python's recursion limit is walked, not a crash."""
+    end = object()
+    stack: list[Iterator[Any]] = [iter(tree.get("eqns", []))]
+    while stack:
+        eqn = next(stack[-1], end)
+        if eqn is end:
+            stack.pop()
+            continue
+        yield eqn
+        nested = [*eqn.get("subs", []), *eqn.get("branches", [])]
+        if kernels and "body" in eqn:
+            nested.append(eqn["body"])
+        if nested:
+            stack.append(chain.from_iterable(t.get("eqns", []) for t in nested))
+
+
 def size_of(tree: Tree) -> int:
     """Equations in the tree, all levels (stops counting past MAX_EQNS)."""
-    n, stack = 0, [tree]
-    while stack and n <= MAX_EQNS:
-        t = stack.pop()
-        for e in t.get("eqns", []):
-            n += 1
-            stack.extend(e.get("subs", []))
-            stack.extend(e.get("branches", []))
-            if "body" in e:
-                stack.append(e["body"])
+    n = 0
+    for _ in tree_eqns(tree, kernels=True):
+        n += 1
+        if n > MAX_EQNS:
+            break
     return n
 
 
-def _prims(tree: Tree, into: Counter[str]) -> Counter[str]:
-    for e in tree.get("eqns", []):
-        into[str(e.get("p"))] += 1
-        for sub in [*e.get("subs", []), *e.get("branches", [])] + ([e["body"]] if "body" in e else []):
-            _prims(sub, into)
-    return into
+def _prims(tree: Tree) -> Counter[str]:
+    return Counter(str(e.get("p")) for e in tree_eqns(tree, kernels=True))
 
 
 def skeleton(tree: Tree) -> dict[str, Any]:
@@ -101,35 +116,18 @@ def skeleton(tree: Tree) -> dict[str, Any]:
     kernels: list[dict[str, Any]] = []
     outside: Counter[str] = Counter()
 
-    def walk(t: Tree) -> None:
-        for e in t.get("eqns", []):
-            if e.get("p") == "pallas_call":
-                kernels.append(
-                    {
-                        "prims": dict(sorted(_prims(e.get("body", {}), Counter()).items())),
-                        "grid_rank": len(e.get("grid", [])),
-                        "blocks": len(e.get("blocks", [])),
-                    }
-                )
-                continue
+    for e in tree_eqns(tree):
+        if e.get("p") == "pallas_call":
+            kernels.append(
+                {
+                    "prims": dict(sorted(_prims(e.get("body", {})).items())),
+                    "grid_rank": len(e.get("grid", [])),
+                    "blocks": len(e.get("blocks", [])),
+                }
+            )
+        else:
             outside[str(e.get("p"))] += 1
-            for sub in [*e.get("subs", []), *e.get("branches", [])]:
-                walk(sub)
-
-    walk(tree)
     return {"kernels": kernels, "outside": dict(sorted(outside.items()))}
-
-
-SHAPE_MASKING: frozenset[str] = frozenset(
-    """lt le gt ge eq ne and or not select_n iota broadcast_in_dim convert_element_type min max rem
-    pad slice dynamic_slice dynamic_update_slice concatenate reshape squeeze expand_dims transpose
-    jit pjit closed_call""".split()
-)
-"""Primitives whose presence may legitimately depend on the shapes: the masks and padding a kernel needs
-only where a dim does not divide its block (unaligned validation shapes, aligned production ones), and the
-call wrappers around such helpers (whose bodies are walked and counted on their own). They
-compute no result of their own; a kernel that drops a dot, an exp or a reduction at one shape is still
-caught, and so is one that drops or adds a kernel."""
 
 
 def same_program(a: dict[str, Any], b: dict[str, Any], *, exact: bool) -> str | None:

@@ -11,7 +11,8 @@ Primitives fall into five kinds, and the partitioner treats each kind differentl
   They stay outside `pallas_call` as plain XLA, which the harness allows.
 * a template family's own kind (`families.EQUATION_KINDS`: a grouped matmul, a scan with a carry).
 
-Anything else (sorts, scatters, FFTs, ...) is unsupported.
+Anything else (sorts, scatters, FFTs, ...) is unsupported. The catalogs live in `maxkernel.tools.jaxpr`,
+next to the harness's and the estimator's (which differ on purpose; each says why).
 """
 
 from __future__ import annotations
@@ -23,27 +24,8 @@ from jax.extend import core as jcore
 
 from maxkernel.authors.offline.families import EQUATION_KINDS
 from maxkernel.authors.offline.trace import Traces, Unsupported
+from maxkernel.tools.jaxpr import ABSORBED, DOT, ELEMENTWISE, GLUE, RANDOM, REDUCE
 
-ELEMENTWISE = frozenset(
-    """add sub mul div neg exp exp2 log log1p expm1 tanh logistic max min abs sign pow integer_pow sqrt
-    rsqrt cbrt erf erfc erf_inv select_n eq ne lt le gt ge and or not xor clamp floor ceil round sin cos
-    tan atan2 is_finite rem square shift_left shift_right_logical shift_right_arithmetic add_any
-    reduce_precision nextafter asin acos atan sinh cosh asinh acosh atanh""".split()
-)
-ABSORBED = frozenset(
-    "convert_element_type broadcast_in_dim squeeze expand_dims transpose copy copy_p iota reshape".split()
-)
-REDUCE = frozenset("reduce_sum reduce_max reduce_min argmax argmin reduce_and reduce_or top_k".split())
-DOT = frozenset({"dot_general"})
-GLUE = frozenset(
-    """reshape slice dynamic_slice concatenate pad gather rev split dynamic_update_slice""".split()
-)
-RANDOM = frozenset(
-    """random_seed random_bits random_wrap random_unwrap random_fold_in random_split
-    bitcast_convert_type""".split()
-)
-"""Random-number plumbing runs outside kernels as XLA (the harness allows it there); so does any
-elementwise work that depends only on it (turning bits into a dropout mask)."""
 UNSUPPORTED_HINTS = {
     "sort": "a sort (lax.sort / argsort / top_k)",
     "cumsum": "a cumulative sum",

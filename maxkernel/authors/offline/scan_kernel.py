@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from maxkernel.authors.offline.dataflow import ELEMENTWISE, is_literal
+from maxkernel.authors.offline.dataflow import is_literal
 from maxkernel.authors.offline.emit import (
     EmitError,
     dtype_code,
@@ -29,6 +29,7 @@ from maxkernel.authors.offline.emit import (
 )
 from maxkernel.authors.offline.kernels import KernelBuilder, LowerError, nbytes, precision_arg
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec
+from maxkernel.tools.jaxpr import ELEMENTWISE
 
 if TYPE_CHECKING:
     from maxkernel.authors.offline.lower import Lowering

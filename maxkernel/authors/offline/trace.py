@@ -28,19 +28,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-CALL_PRIMITIVES = {
-    "pjit": "jaxpr",
-    "jit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat": "jaxpr",
-    "checkpoint": "jaxpr",
-    "named_call": "call_jaxpr",
-}
-
+from maxkernel.tools.jaxpr import CALL_PRIMITIVES, walk_eqns
 
 REWRITTEN: set[str] = set()
 """Primitives the last `trace_reference` rewrote into others (a convolution into patches + matmul)."""
@@ -245,17 +233,7 @@ def _scatter_as_masked_reduce(
 def _searchsorted_side(eqn: Any) -> str | None:
     """'left' or 'right' for `jnp.searchsorted`'s binary-search implementation (a scan whose body compares
     the query with `le`/`lt`), None for another implementation (which is inlined as it is)."""
-    names: list[str] = []
-
-    def walk(j: Any) -> None:
-        inner, _ = _as_closed(j)
-        for e in inner.eqns:
-            names.append(e.primitive.name)
-            for v in e.params.values():
-                if hasattr(v, "eqns") or (hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns")):
-                    walk(v)
-
-    walk(eqn.params["jaxpr"])
+    names = [e.primitive.name for e in walk_eqns(eqn.params["jaxpr"])]
     if "scan" not in names and "while" not in names:
         return None
     cmp = [n for n in names if n in ("lt", "lt_to", "le", "le_to")]
