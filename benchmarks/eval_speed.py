@@ -45,7 +45,13 @@ def main() -> None:
     for i in range(args.runs + 1):
         candidate = source + f"\n# candidate {i}\n"
         t0 = time.perf_counter()
-        r = evaluate(task, candidate, EvalOptions(tpu=["v5e"], larger_shape=not args.no_larger_shape), store=store, work_dir=work)
+        r = evaluate(
+            task,
+            candidate,
+            EvalOptions(tpu=["v5e"], larger_shape=not args.no_larger_shape),
+            store=store,
+            work_dir=work,
+        )
         wall = time.perf_counter() - t0
         assert r.accepted and not r.cached, r.error
         label = "cold (computes reference outputs and estimate)" if i == 0 else "warm"

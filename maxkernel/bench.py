@@ -233,7 +233,14 @@ class Bench:
     def _optimize_command(self, task: Path, thread: str, out: Path) -> list[str]:
         """A plain optimize run (the single round of a search bench: one round, whatever --iterations)."""
         iterations = 1 if self.s.algorithm else self.s.iterations
-        return [sys.executable, "-m", "maxkernel.cli", "optimize", str(task), *self._common(thread, out, iterations)]
+        return [
+            sys.executable,
+            "-m",
+            "maxkernel.cli",
+            "optimize",
+            str(task),
+            *self._common(thread, out, iterations),
+        ]
 
     def _common(self, thread: str, out: Path, iterations: int) -> list[str]:
         return [

@@ -132,7 +132,14 @@ def _drive(graph: Any, inp: Any, config: dict[str, Any], ctx: Context, *, search
 
 
 def _run(
-    graph: Any, inp: Any, config: dict[str, Any], ctx: Context, st: Any, thread_id: str, *, search: bool = False
+    graph: Any,
+    inp: Any,
+    config: dict[str, Any],
+    ctx: Context,
+    st: Any,
+    thread_id: str,
+    *,
+    search: bool = False,
 ) -> None:
     """Drive the run; a model failure or a crash is recorded as the run's status (never left 'running'),
     and a model failure exits with EXIT_MODEL_FAILURE, saying that the thread can be resumed."""
@@ -243,9 +250,7 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
     status = values.get("status", "unknown")
     best = values.get("best")
     if best is not None and best.kind == "baseline" and values.get("usage") and values["usage"].model_calls:
-        console.print(
-            "note: the kernel delivered is the offline baseline; no model-written kernel beat it"
-        )
+        console.print("note: the kernel delivered is the offline baseline; no model-written kernel beat it")
     store.upsert_run(
         thread_id,
         status=status,

@@ -65,7 +65,9 @@ def test_search_bench_searches_only_where_the_single_round_left_headroom(tmp_pat
     assert sorted(n for n, s in calls if s) == ["slow_task", "worse_search"]
     assert rows["fast_task"].estimated_speedup == 2.0 and not rows["fast_task"].searched
     assert rows["slow_task"].estimated_speedup == 1.4 and rows["slow_task"].single_estimated_speedup == 0.5
-    assert rows["worse_search"].estimated_speedup == 0.8 and rows["worse_search"].search_estimated_speedup == 0.6
+    assert (
+        rows["worse_search"].estimated_speedup == 0.8 and rows["worse_search"].search_estimated_speedup == 0.6
+    )
     assert not rows["broken"].searched
 
     assert family_of("op_flash_attention_causal") == "attention"

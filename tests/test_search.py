@@ -81,7 +81,9 @@ def test_parallel_search(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
     builds = []
     build_graph = maxkernel.graph.agent.build_graph
-    monkeypatch.setattr(maxkernel.graph.agent, "build_graph", lambda *a, **k: builds.append(1) or build_graph(*a, **k))
+    monkeypatch.setattr(
+        maxkernel.graph.agent, "build_graph", lambda *a, **k: builds.append(1) or build_graph(*a, **k)
+    )
     reset_agent_subgraph()
     model = routed()
     graph, ctx = setup(tmp_path, model)

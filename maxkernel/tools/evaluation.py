@@ -315,9 +315,7 @@ def estimate_summary(
     reference_s = cached_reference
     if reference_s is None:
         try:
-            reference_s = estimate_xla(
-                bind_static(ref.computation, cfg.static), specs, gen
-            ).estimated_seconds
+            reference_s = estimate_xla(bind_static(ref.computation, cfg.static), specs, gen).estimated_seconds
         except Exception as exc:  # noqa: BLE001
             notes.append(f"reference cost model failed: {type(exc).__name__}: {exc}")
     return with_reference(summary, reference_s, notes)

@@ -83,9 +83,18 @@ LARGER_MEMORY_FRACTION = 8
 """The larger-shape check runs only when the reference's inputs and outputs there fit in this fraction of
 the evaluation's memory limit (the judge holds them, the candidate's interpreter holds them again)."""
 CANDIDATE_PRELOAD = (
-    "numpy", "jax", "jax.numpy", "jax.export", "jax.experimental.pallas", "jax.experimental.pallas.tpu",
-    "ml_dtypes", "ctypes", "maxkernel.tools.candidate", "maxkernel.tools.program_tree",
-    "maxkernel.tools.taskcode", "maxkernel.tools.estimate",
+    "numpy",
+    "jax",
+    "jax.numpy",
+    "jax.export",
+    "jax.experimental.pallas",
+    "jax.experimental.pallas.tpu",
+    "ml_dtypes",
+    "ctypes",
+    "maxkernel.tools.candidate",
+    "maxkernel.tools.program_tree",
+    "maxkernel.tools.taskcode",
+    "maxkernel.tools.estimate",
 )
 """Imported before the candidate's process may drop to nobody (fallback, root agent): after the drop the
 interpreter's own files can be out of reach."""
@@ -127,7 +136,11 @@ class EvalOptions(BaseModel):
 def default_timeout(task: KernelTask, options: EvalOptions) -> float:
     """A hang should cost about a minute, not ten: the task's reference time (measured when it was
     loaded, compile included) for every input set, plus a compile budget per generation, in [60, 600] s."""
-    derived = 30.0 + COMPILE_BUDGET_S * max(1, len(options.tpu)) + 10.0 * task.reference_seconds * options.input_sets
+    derived = (
+        30.0
+        + COMPILE_BUDGET_S * max(1, len(options.tpu))
+        + 10.0 * task.reference_seconds * options.input_sets
+    )
     return float(min(TIMEOUT_CEILING_S, max(TIMEOUT_FLOOR_S, derived)))
 
 
@@ -154,7 +167,9 @@ def evaluate(
     t0 = time.monotonic()
     gen = first_generation(options.tpu)
     cached_ref_estimate = (
-        store.get_reference_estimate(task.fingerprint, gen) if store is not None and options.estimate else None
+        store.get_reference_estimate(task.fingerprint, gen)
+        if store is not None and options.estimate
+        else None
     )
     try:
         result = _run(task, source, source_hash, options, timeout, eval_dir, cached_ref_estimate)
@@ -234,8 +249,13 @@ def _run(
             "larger_budget_bytes": (options.memory_mb << 20) // LARGER_MEMORY_FRACTION,
         },
         judge_dir,
-        SandboxLimits(timeout_s=timeout, memory_mb=options.memory_mb, file_mb=file_mb, allow_device=device,
-                      fallback_as_nobody=False),
+        SandboxLimits(
+            timeout_s=timeout,
+            memory_mb=options.memory_mb,
+            file_mb=file_mb,
+            allow_device=device,
+            fallback_as_nobody=False,
+        ),
         read_paths=task_read_paths(task.reference_path),
         stdin=True,
     )
@@ -395,7 +415,9 @@ def _read_programs(run_dir: Path, task: KernelTask) -> dict[str, Any]:
             raise ValueError("a program entry is malformed")
     larger = data.get("larger")
     for entry in [*val, *([larger] if larger is not None else [])]:
-        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), dict) for k in ("interpret", "plain")):
+        if not isinstance(entry, dict) or not all(
+            isinstance(entry.get(k), dict) for k in ("interpret", "plain")
+        ):
             raise ValueError("a validation program entry is malformed")
         if not isinstance(entry.get("out"), list):
             raise ValueError("a validation program entry is malformed")
@@ -430,7 +452,9 @@ def _verdict(
     cached_ref_estimate: float | None,
     larger_note: str,
 ) -> EvalResult:
-    for name, secs in list((programs.get("seconds") or {}).items()) + list((judge.get("seconds") or {}).items()):
+    for name, secs in list((programs.get("seconds") or {}).items()) + list(
+        (judge.get("seconds") or {}).items()
+    ):
         if isinstance(secs, int | float):
             result.stage_seconds[str(name)[:40]] = round(float(secs), 4)
     if cand_out.violations:
@@ -476,10 +500,13 @@ def _verdict(
     export_error = next((e for e in programs["export_errors"] if e), None)
     for gen in options.tpu:
         if export_error:
-            result.tpu_compile[gen] = CompileOutcome(ok=False, error=f"lowering for the TPU failed: {export_error}")
+            result.tpu_compile[gen] = CompileOutcome(
+                ok=False, error=f"lowering for the TPU failed: {export_error}"
+            )
         else:
             result.tpu_compile[gen] = CompileOutcome.model_validate(
-                (judge.get("tpu_compile") or {}).get(gen) or {"ok": False, "error": "the judge did not compile it"}
+                (judge.get("tpu_compile") or {}).get(gen)
+                or {"ok": False, "error": "the judge did not compile it"}
             )
     result.compiled = all(o.ok for o in result.tpu_compile.values())
     if not options.tpu:
@@ -491,7 +518,9 @@ def _verdict(
         return result
     if failed:
         first = result.tpu_compile[failed[0]].error or ""
-        return _fail(result, "compile", f"Mosaic compile failed for {', '.join(failed)}: {_first_lines(first, 6)}")
+        return _fail(
+            result, "compile", f"Mosaic compile failed for {', '.join(failed)}: {_first_lines(first, 6)}"
+        )
     assert result.correctness is not None
     if not result.correctness.ok:
         bad = next((s for s in result.correctness.sets if not s.ok), result.correctness.larger)
@@ -508,7 +537,9 @@ def _verdict(
         if timing:
             result.timing = MeasuredTiming.model_validate(timing)
             if not result.timing.rechecked_correct:
-                return _fail(result, "timing", "on the device, the TPU program's outputs do not match the reference")
+                return _fail(
+                    result, "timing", "on the device, the TPU program's outputs do not match the reference"
+                )
         else:
             result.warnings.append("timing: no TPU/GPU here, nothing was measured")
     result.accepted = result.correct and result.uses_pallas and result.compiled
@@ -587,7 +618,9 @@ def _correctness(
             origin = origins[ci][si] if ci < len(origins) and si < len(origins[ci]) else "random"
             if stop is not None and (ci, si) >= stop:
                 msg = str(run_error.get("message", "the candidate failed on this input set"))[:4000]
-                correctness.sets.append(SetCheck(config=ci, input_set=si, origin=origin, ok=False, message=msg))
+                correctness.sets.append(
+                    SetCheck(config=ci, input_set=si, origin=origin, ok=False, message=msg)
+                )
                 break
             g = [got[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
             w = [want[output_name(ci, si, k)] for k in range(len(cfg.outputs))]

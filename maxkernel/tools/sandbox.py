@@ -183,7 +183,11 @@ def _bwrap_command(
     seen: set[str] = set()
     for p in ro_paths:
         rp = p.resolve()
-        if not rp.exists() or str(rp) in seen or any(str(rp).startswith(s + "/") for s in seen | set(SYSTEM_DIRS)):
+        if (
+            not rp.exists()
+            or str(rp) in seen
+            or any(str(rp).startswith(s + "/") for s in seen | set(SYSTEM_DIRS))
+        ):
             continue
         seen.add(str(rp))
         cmd += [*parents(rp), "--ro-bind", str(rp), str(rp)]
@@ -280,7 +284,9 @@ class SandboxedChild:
         for name in (PROGRESS_FILE, RESULT_FILE):
             (run_dir / name).unlink(missing_ok=True)
         (run_dir / "tmp").mkdir(exist_ok=True)
-        (run_dir / JOB_FILE).write_text(json.dumps({"entry": self.entry, "payload": self.payload, "preload": self.preload}))
+        (run_dir / JOB_FILE).write_text(
+            json.dumps({"entry": self.entry, "payload": self.payload, "preload": self.preload})
+        )
         env = {
             "PATH": "/usr/bin:/bin",
             "HOME": str(run_dir),

@@ -45,6 +45,7 @@ def _largest_tensor(line: str) -> int:
         best = max(best, n)
     return best
 
+
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _OP = re.compile(r"\b(stablehlo|mhlo)\.([a-z_]+)")
 _IDENT = re.compile(r"^[\w.<>$-]{1,120}$")
@@ -93,7 +94,9 @@ def check_tpu_program(text: str, expected_kernels: int | None = None) -> TpuProg
                 if kind == "custom_call":
                     tm = _TARGET.search(line)
                     target = (tm.group(1) or tm.group(2)) if tm else "?"
-                if kind == "reduce" and 0 < _largest_tensor(bare) <= SMALL_REDUCE_ELEMS:  # types unseen: heavy
+                if (
+                    kind == "reduce" and 0 < _largest_tensor(bare) <= SMALL_REDUCE_ELEMS
+                ):  # types unseen: heavy
                     kind = "reduce (small)"
                 ops.append((kind, target, in_cond))
             for cm in _CALL.finditer(bare):

@@ -171,7 +171,8 @@ def load_task(
         if outcome.violations:
             remove_tree(run_dir)
             raise TaskError(
-                "the task's code did something the sandbox forbids when loaded: " + "; ".join(outcome.violations)
+                "the task's code did something the sandbox forbids when loaded: "
+                + "; ".join(outcome.violations)
             )
         if not outcome.ok:
             remove_tree(run_dir)

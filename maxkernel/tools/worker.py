@@ -165,7 +165,11 @@ def main(run_dir_arg: str) -> int:
             # path is relative to it (it is the working directory).
             run_dir = ctx.run_dir = Path(".")
     except Exception as exc:  # noqa: BLE001 - the environment, not the job, is broken
-        result: dict[str, Any] = {"ok": False, "infrastructure": True, "error": f"{type(exc).__name__}: {exc}"}
+        result: dict[str, Any] = {
+            "ok": False,
+            "infrastructure": True,
+            "error": f"{type(exc).__name__}: {exc}",
+        }
         _write_result(run_dir, key, result)
         return 0
     try:
