@@ -28,22 +28,15 @@ BENIGN_CUSTOM_CALLS = frozenset(
 MOSAIC_TARGET = "tpu_custom_call"
 CONDITIONALS = ("stablehlo.case", "stablehlo.if")
 MAX_TEXT_CHARS = 64 << 20
-SMALL_REDUCE_ELEMS = 1 << 16
-"""A `reduce` whose every tensor on its line is at most this many elements is glue, not work: e.g. the
-bounds check over an index array that a gather with `mode="fill"` lowers to. The jaxpr-level check (which
-weighs work inside and outside kernels) still sees every reduction; this one guards what ships."""
-_TENSOR = re.compile(r"tensor<((?:\d+x)*)[a-z]\w*>")
+_TENSOR_TYPE = re.compile(r"tensor<(?:\d+x)*([a-z]\w*)>")
 
 
-def _largest_tensor(line: str) -> int:
-    best = 0
-    for dims in _TENSOR.findall(line):
-        n = 1
-        for d in dims.split("x"):
-            if d:
-                n *= int(d)
-        best = max(best, n)
-    return best
+def _boolean_only(line: str) -> bool:
+    """A `reduce` over booleans only (`and`/`or` of predicates: the bounds check a gather with
+    `mode="fill"` lowers to) is glue, not work. The jaxpr-level check still weighs every reduction; this
+    one guards what ships. A line whose types are not visible counts as work."""
+    types = _TENSOR_TYPE.findall(line)
+    return bool(types) and all(t == "i1" for t in types)
 
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -94,10 +87,8 @@ def check_tpu_program(text: str, expected_kernels: int | None = None) -> TpuProg
                 if kind == "custom_call":
                     tm = _TARGET.search(line)
                     target = (tm.group(1) or tm.group(2)) if tm else "?"
-                if (
-                    kind == "reduce" and 0 < _largest_tensor(bare) <= SMALL_REDUCE_ELEMS
-                ):  # types unseen: heavy
-                    kind = "reduce (small)"
+                if kind == "reduce" and _boolean_only(bare):
+                    kind = "reduce (predicates)"
                 ops.append((kind, target, in_cond))
             for cm in _CALL.finditer(bare):
                 if not bare.lstrip().startswith("func.func"):
