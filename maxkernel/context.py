@@ -97,8 +97,9 @@ class Context:
         )
 
     def budget_overrides(self) -> dict[str, Any]:
-        """The budgets this context sets, as `Budgets` field values."""
-        names = ("max_model_calls", "max_tokens", "max_wall_s", "patience", "max_repairs")
+        """The budgets this context sets, as `Budgets` field values (`max_repairs` is a state input field:
+        `prepare` sets it on the state)."""
+        names = ("max_model_calls", "max_tokens", "max_wall_s", "patience")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def __post_init__(self) -> None:

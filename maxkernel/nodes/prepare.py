@@ -39,6 +39,8 @@ def prepare(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         "budgets": state.budgets.model_copy(update=ctx.budget_overrides()),
         "usage": Usage(started_at=time.time()),
     }
+    if ctx.max_repairs is not None:
+        update["max_repairs"] = ctx.max_repairs
     if state.start_source_path:
         return {**update, **_start_from(state.model_copy(update=update), ctx, Path(state.start_source_path))}
     if (ctx.model == "offline" and ctx.chat_model is None) or not ctx.baseline:
