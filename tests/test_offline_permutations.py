@@ -102,3 +102,27 @@ def test_per_group_masked_dots_become_one_ragged_contraction(m, k, n, sizes) -> 
     rhs = rng.standard_normal((m, n)).astype(np.float32)
     _check(tgmm, kernel, (lhs, rhs, np.array(sizes, np.int32)), atol=1e-4)
     _compiles(kernel, [((m, k), jnp.float32), ((m, n), jnp.float32), ((g,), jnp.int32)])
+
+
+def linear_cross_entropy(h, w, labels):
+    logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1)) + m[:, 0]
+    picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+    return lse - picked
+
+
+@pytest.mark.parametrize(("t", "d", "v"), [(128, 256, 512), (40, 136, 1003)])
+def test_label_logit_is_picked_in_the_matmul_epilogue(t, d, v) -> None:
+    """take_along_axis on the logits becomes a one-hot row sum, so the logits never leave the matmul kernel
+    (a gather outside kernels would need them written to HBM)."""
+    specs = [((t, d), "bfloat16"), ((d, v), "bfloat16"), ((t,), "int32")]
+    assert "gather" not in _prims(linear_cross_entropy, [(s, jnp.dtype(x)) for s, x in specs])
+    program, kernel = _module(linear_cross_entropy, [Config(dynamic=specs, static=[])], ["h", "w", "labels"])
+    assert [k.family for k in program.kernels] == ["matmul_rowreduce"]
+    rng = np.random.default_rng(7)
+    h = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((d, v)) * d**-0.5, jnp.bfloat16)
+    labels = rng.integers(0, v, t).astype(np.int32)
+    _check(linear_cross_entropy, kernel, (h, w, labels), atol=1e-3)
+    _compiles(kernel, [((t, d), jnp.bfloat16), ((d, v), jnp.bfloat16), ((t,), jnp.int32)])

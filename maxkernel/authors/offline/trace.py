@@ -57,7 +57,8 @@ def _eval(
     jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], arg_facts: Sequence[str | None] | None = None
 ) -> list[Any]:
     """Re-trace `jaxpr` with the rewrites of `_apply`. `arg_facts`: what is known of each argument's value
-    beyond its type ("arange": a 1-D iota; "zeros": all zeros), which a call's body inherits."""
+    beyond its type ("arange": a 1-D iota; "zeros": all zeros; "input": a program input), which a call's
+    body inherits."""
     env: dict[Any, Any] = {}
     thunks: dict[Any, Callable[[], Any]] = {}
     facts: dict[Any, str] = {}  # vars whose value is known: "arange" (1-D iota) or "zeros"
@@ -163,6 +164,9 @@ def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -
         if name == "cumsum" and ins[0].ndim == 1 and not eqn.params["reverse"] and ins[0].dtype == np.int32:
             GROUPS.put(out, ("ends", ins[0]))
         return [out]
+    if name == "gather" and in_facts[0] != "input" and _is_take_along_rows(eqn, ins):
+        REWRITTEN.add("take_along_axis")
+        return [_take_along_rows_as_masked_sum(eqn, ins)]
     if name == "dot_general":
         ragged = GROUPS.ragged_dot(eqn, ins)
         if ragged is not None:
@@ -448,6 +452,60 @@ def _trace_of(v: Any) -> Any:
     return core_src.set_current_trace(trace) if trace is not None else contextlib.nullcontext()
 
 
+def _is_take_along_rows(eqn: Any, ins: list[Any]) -> bool:
+    """`jnp.take_along_axis(a, idx[:, None], axis=-1)` on a 2-D computed value: one element per row, picked
+    by a per-row index (the label's logit of a cross-entropy). Only for rows a matmul epilogue keeps whole
+    (`MATMUL_ROW_ELEMS`): a longer row's reduction runs in a kernel of its own, which would read `a` again."""
+    from maxkernel.authors.offline.partition import MATMUL_ROW_ELEMS
+
+    dn = eqn.params["dimension_numbers"]
+    operand, idx = ins
+    return (
+        operand.ndim == 2
+        and idx.ndim == 3
+        and tuple(idx.shape[1:]) == (1, 1)
+        and tuple(dn.operand_batching_dims) == (0,)
+        and tuple(dn.start_indices_batching_dims) == (0,)
+        and tuple(dn.collapsed_slice_dims) == (1,)
+        and tuple(dn.start_index_map) == (1,)
+        and tuple(dn.offset_dims) == ()
+        and tuple(eqn.params["slice_sizes"]) == (1, 1)
+        and int(operand.shape[1]) <= MATMUL_ROW_ELEMS
+        and np.issubdtype(operand.dtype, np.floating)
+    )
+
+
+def _take_along_rows_as_masked_sum(eqn: Any, ins: list[Any]) -> Any:
+    """`a[r, idx[r]]` as `sum_c where(c == idx[r], a[r, c], 0)`: a row reduction, which the kernel that
+    computes `a` (a matmul's epilogue, streamed across its column blocks) runs without writing `a` to HBM,
+    where a gather outside kernels needs `a` written out first. Exactly one term is non-zero, so the sum is
+    the element itself; an index out of range gives the gather's fill value (FILL_OR_DROP) or is clamped."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    operand, idx = ins
+    n_rows, n_cols = (int(d) for d in operand.shape)
+    col = idx.reshape(n_rows).astype(np.int32)
+    mode = str(eqn.params.get("mode"))
+    if "CLIP" in mode or "PROMISE" in mode:
+        col = lax.clamp(np.int32(0), col, np.int32(n_cols - 1))
+    hit = lax.eq(
+        lax.broadcasted_iota(np.int32, (n_rows, n_cols), 1), lax.broadcast_in_dim(col, (n_rows, n_cols), (0,))
+    )
+    picked = lax.reduce(
+        lax.select(hit, operand, jnp.zeros(operand.shape, operand.dtype)),
+        np.zeros((), operand.dtype),
+        lax.add,
+        (1,),
+    )
+    if "FILL" in mode:
+        fill = eqn.params.get("fill_value")
+        fill = np.nan if fill is None else fill
+        inside = lax.bitwise_and(lax.ge(col, np.int32(0)), lax.lt(col, np.int32(n_cols)))
+        picked = lax.select(inside, picked, jnp.full(picked.shape, fill, operand.dtype))
+    return lax.broadcast_in_dim(picked, (n_rows, 1), (0,))
+
+
 def _take_rows(x: Any, idx: Any) -> Any:
     """`x[idx]` along axis 0 for indices known to be in range: one gather (XLA glue), with no call around it
     (`jnp.take` is a jitted function, and the flattened jaxpr must not gain calls)."""
@@ -712,7 +770,7 @@ def flatten(fn: Callable[..., Any], specs: Sequence[jax.ShapeDtypeStruct]) -> An
     closed = jax.make_jaxpr(fn)(*specs)
 
     def run(*args: Any) -> list[Any]:
-        return _eval(closed.jaxpr, closed.consts, args)
+        return _eval(closed.jaxpr, closed.consts, args, ["input"] * len(args))
 
     flat = jax.make_jaxpr(run)(*specs)
     return _dce(flat)
@@ -928,6 +986,10 @@ def _candidates(integer: bool, atoms: list[Atom]) -> Any:
             yield f"{a.code} // 2", tuple(x // 2 for x in a.values)
             yield f"2 * {a.code}", tuple(2 * x for x in a.values)
         for a, b in itertools.combinations_with_replacement(dims, 2):
+            yield f"{a.code} * {b.code}", tuple(x * y for x, y in zip(a.values, b.values, strict=True))
+        # a dim times an integer static argument (tokens x top_k routed pairs)
+        counts = [a for a in atoms if not a.is_dim and all(float(x).is_integer() for x in a.values)]
+        for a, b in itertools.product(dims, counts):
             yield f"{a.code} * {b.code}", tuple(x * y for x, y in zip(a.values, b.values, strict=True))
         for a, b in itertools.permutations(dims, 2):
             if all(y and x % y == 0 for x, y in zip(a.values, b.values, strict=True)):
