@@ -143,7 +143,7 @@ def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -
         inner, consts = _as_closed(sub)
         return _eval(inner, consts, ins, in_facts)
     if name == "scan" and eqn.params["num_carry"] == 0:
-        return _scan_as_vmap(eqn, ins)
+        return _scan_as_vmap(eqn, ins, in_facts)
     if name == "stop_gradient":
         return [ins[0]]
     if name == "conv_general_dilated" and not _direct_conv_decision(eqn, ins):
@@ -359,9 +359,17 @@ class _GroupRows:
     """
 
     facts: dict[int, tuple[Any, tuple[Any, ...]]] = field(default_factory=dict)
+    slices: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)
+    """A per-group result -> (itself, the ragged dot over all groups, the group index it was sliced at)."""
 
     def clear(self) -> None:
         self.facts.clear()
+        self.slices.clear()
+
+    def whole(self, res: Any, index: Any) -> Any:
+        """The ragged dot over all groups when `res` is its slice at the map's own index `index`."""
+        hit = self.slices.get(id(res))
+        return hit[1] if hit is not None and hit[0] is res and hit[2] is index else None
 
     def put(self, v: Any, fact: tuple[Any, ...]) -> None:
         self.facts[id(v)] = (v, fact)
@@ -436,7 +444,9 @@ class _GroupRows:
             )  # [groups, k, n]
         zero = np.zeros((), np.int32)
         one = lax.dynamic_slice(full, (gid.astype(np.int32), zero, zero), (1, *full.shape[1:]))
-        return lax.squeeze(one, (0,))  # this group's [k, n]: a gather over the groups once vmapped
+        picked = lax.squeeze(one, (0,))  # this group's [k, n]: a gather over the groups once vmapped
+        self.slices[id(picked)] = (picked, full, gid)
+        return picked
 
 
 GROUPS = _GroupRows()
@@ -611,16 +621,27 @@ def _searchsorted_as_count(sorted_arr: Any, query: Any, side: str, dtype: Any) -
     return jnp.sum(before.astype(jnp.int32), axis=-1).astype(dtype)
 
 
-def _scan_as_vmap(eqn: Any, ins: list[Any]) -> list[Any]:
+def _scan_as_vmap(eqn: Any, ins: list[Any], in_facts: list[str | None]) -> list[Any]:
     """`lax.map(f, xs)` is a scan without a carry: every iteration is independent, so it is `vmap(f)(xs)`."""
     body, body_consts = _as_closed(eqn.params["jaxpr"])
     n_consts = eqn.params["num_consts"]
     consts, xs = ins[:n_consts], ins[n_consts:]
 
-    def one(*x: Any) -> list[Any]:
-        return _eval(body, body_consts, [*consts, *x])
+    wholes: dict[int, Any] = {}
 
-    return list(jax.vmap(one)(*xs))
+    def one(*x: Any) -> list[Any]:
+        res = _eval(body, body_consts, [*consts, *x])
+        for k, r in enumerate(res):
+            if len(x) == 1 and (w := GROUPS.whole(r, x[0])) is not None:
+                wholes[k] = w
+        return res
+
+    outs = list(jax.vmap(one)(*xs))
+    # mapped over arange(groups), the per-group slices of one ragged dot stack up to that dot itself
+    for k, w in wholes.items():
+        if in_facts[n_consts:] == ["arange"] and int(xs[0].shape[0]) == int(w.shape[0]):
+            outs[k] = w
+    return outs
 
 
 DIRECT_CONV_MAX_BLOCK_BYTES = 16 * 2**20
