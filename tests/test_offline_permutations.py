@@ -126,3 +126,38 @@ def test_label_logit_is_picked_in_the_matmul_epilogue(t, d, v) -> None:
     labels = rng.integers(0, v, t).astype(np.int32)
     _check(linear_cross_entropy, kernel, (h, w, labels), atol=1e-3)
     _compiles(kernel, [((t, d), jnp.bfloat16), ((d, v), jnp.bfloat16), ((t,), jnp.int32)])
+
+
+def grouped(lhs, rhs, group_sizes):
+    return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "sizes", "bm"),
+    [
+        (256, 256, 256, [64, 0, 100, 92], 64),  # aligned; an empty group; groups straddling row blocks
+        (200, 136, 72, [50, 0, 37, 110], 32),  # odd shapes; 3 trailing rows in no group (they stay zero)
+    ],
+)
+def test_grouped_matmul_row_blocks_visit_only_their_groups(m, k, n, sizes, bm) -> None:
+    """Small row blocks, so each block visits a span of groups and the later group steps repeat the last
+    (group, K block) index: the result must still be every group's rows times its own rhs."""
+    from maxkernel.authors.base import TileConfig
+
+    g = len(sizes)
+    specs = [((m, k), "float32"), ((g, k, n), "float32"), ((g,), "int32")]
+    program = lower_program(
+        trace_reference(grouped, [Config(dynamic=specs, static=[])], ["lhs", "rhs", "group_sizes"]), "t"
+    )
+    vals = default_config(program, TPU).as_dict()
+    vals.update({key: bm for key in vals if key.endswith("block_m")})
+    vals.update({key: 128 for key in vals if key.endswith("block_k")})  # several K blocks too
+    src = render(program, TileConfig.of(vals), TPU)
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    kernel = ns["computation"]
+    rng = np.random.default_rng(9)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    rhs = (rng.standard_normal((g, k, n)) * k**-0.5).astype(np.float32)
+    _check(grouped, kernel, (lhs, rhs, np.array(sizes, np.int32)), atol=2e-2)
+    _compiles(kernel, [((m, k), jnp.float32), ((g, k, n), jnp.float32), ((g,), jnp.int32)])

@@ -71,19 +71,34 @@ class GroupedMatmulBuilder(KernelBuilder):
         ln, rn, sn = names
         lsub = SUBLANE.get(lhs.aval.dtype.itemsize, 8)
         prec = precision_arg(e)
-        code = f'''def {s}_lhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
-    return (m_index, k_index)
+        code = f'''def {s}_group_span(m_index, sizes_ref, *, bm, n_groups):
+    """First and last group with rows in row block `m_index` (groups are consecutive runs of rows)."""
+    row0 = m_index * bm
+
+    def count(j, carry):
+        end, before, started = carry
+        end = end + sizes_ref[j]
+        before = before + jnp.where(end <= row0, 1, 0)  # group j ends before the block
+        started = started + jnp.where(end - sizes_ref[j] < row0 + bm, 1, 0)  # group j starts before its end
+        return end, before, started
+
+    _, before, started = lax.fori_loop(0, n_groups, count, (0, 0, 0))
+    first = jnp.minimum(before, n_groups - 1)
+    last = jnp.minimum(jnp.maximum(started - 1, first), n_groups - 1)
+    return first, last
 
 
-def {s}_rhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
-    return (g_index, k_index, n_index)
+def {s}_step(m_index, g_index, k_index, sizes_ref, *, bm, n_groups, n_k):
+    """(group, K block, active) of a grid step: group step `g_index` of a row block visits its
+    (first + g_index)-th group; steps past its last group repeat the last (group, K block) pair, so their
+    block indices do not change and the pipeline copies nothing for them."""
+    first, last = {s}_group_span(m_index, sizes_ref, bm=bm, n_groups=n_groups)
+    active = first + g_index <= last
+    group = jnp.minimum(first + g_index, last)
+    return group, jnp.where(active, k_index, n_k - 1), active
 
 
-def {s}_out_index_map(m_index, n_index, g_index, k_index, sizes_ref):
-    return (m_index, n_index)
-
-
-def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups):
+def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups, n_k):
     """Rows of lhs belong to consecutive groups (sizes in SMEM); group g multiplies rhs[g]."""
     m_index = pl.program_id(0)
     g_index = pl.program_id(2)
@@ -93,12 +108,13 @@ def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups):
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
+    group, _, active = {s}_step(m_index, g_index, k_index, sizes_ref, bm=bm, n_groups=n_groups, n_k=n_k)
     # first row of this group: the sizes of the groups before it
-    start = lax.fori_loop(0, n_groups, lambda j, acc: acc + jnp.where(j < g_index, sizes_ref[j], 0), 0)
-    end = start + sizes_ref[g_index]
+    start = lax.fori_loop(0, n_groups, lambda j, acc: acc + jnp.where(j < group, sizes_ref[j], 0), 0)
+    end = start + sizes_ref[group]
     row0 = m_index * bm
 
-    @pl.when((start < row0 + bm) & (end > row0))  # the group has rows in this block
+    @pl.when(active & (start < row0 + bm) & (end > row0))  # the group has rows in this block
     def _accumulate():
         rows = row0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
         lhs_blk = jnp.where((rows >= start) & (rows < end), lhs_ref[...], 0)  # other groups' rows -> 0
@@ -119,6 +135,19 @@ def {s}({ln}, {rn}, {sn}):
     n_m_p, n_n_p, n_k_p = _round_up(n_m, bm), _round_up(n_n, bn), _round_up(n_k, bk)
     {ln} = _pad_to({ln}, (n_m_p, n_k_p))
     {rn} = _pad_to({rn}, (n_groups, n_k_p, n_n_p))
+    step = functools.partial({s}_step, bm=bm, n_groups=n_groups, n_k=n_k_p // bk)
+
+    def lhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
+        _, k_block, _ = step(m_index, g_index, k_index, sizes_ref)
+        return (m_index, k_block)
+
+    def rhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
+        group, k_block, _ = step(m_index, g_index, k_index, sizes_ref)
+        return (group, k_block, n_index)
+
+    def out_index_map(m_index, n_index, g_index, k_index, sizes_ref):
+        return (m_index, n_index)
+
     out_shape = jax.ShapeDtypeStruct((n_m_p, n_n_p), {dtype_code(odt)})
     cost = pl.CostEstimate(
         flops=2 * n_m * n_n * n_k,
@@ -126,15 +155,15 @@ def {s}({ln}, {rn}, {sn}):
         bytes_accessed=_nbytes({ln}, {rn}, out_shape),
     )
     out = pl.pallas_call(
-        functools.partial({s}_kernel, bm=bm, n_groups=n_groups),
+        functools.partial({s}_kernel, bm=bm, n_groups=n_groups, n_k=n_k_p // bk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(n_m_p // bm, n_n_p // bn, n_groups, n_k_p // bk),
             in_specs=[
-                pl.BlockSpec((bm, bk), {s}_lhs_index_map),
-                pl.BlockSpec((None, bk, bn), {s}_rhs_index_map),
+                pl.BlockSpec((bm, bk), lhs_index_map),
+                pl.BlockSpec((None, bk, bn), rhs_index_map),
             ],
-            out_specs=pl.BlockSpec((bm, bn), {s}_out_index_map),
+            out_specs=pl.BlockSpec((bm, bn), out_index_map),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
         ),
         out_shape=out_shape,
@@ -217,11 +246,14 @@ def {s}({ln}, {rn}, {sn}):
             flops=2.0 * m * n * k,
             structure=(
                 "grid (M/bm, N/bn, groups, K/bk) with groups and K sequential; group sizes are scalar-prefetched "
-                "to SMEM, a step whose group has no row in the block is skipped, other groups' rows are masked "
+                "to SMEM, each row block visits only the groups it holds rows of (later group steps repeat the last "
+                "block index: no copy, no compute), other groups' rows are masked "
                 "to zero before the MXU, and the f32 accumulator is written once per output tile"
             ),
             notes=[
-                "the rhs block of every group is still fetched for every row block (skipped steps save compute, not DMA)"
+                "group step j of a row block visits its (first group + j); steps past its last group repeat the last "
+                "(group, K block) pair, so they copy nothing and skip the MXU: rhs[g] is read only by the row "
+                "blocks that hold rows of g (plus empty groups between them)"
             ],
         )
         return spec, f"{s}({', '.join(names)})"
