@@ -539,7 +539,8 @@ def _sort_as_rank(eqn: Any, ins: list[Any], iota_operands: list[bool]) -> list[A
     a masked reduction the kernel families run), the sorting permutation is the one-hot inverse of the
     ranks (`perm[p] = sum_j j * (rank_j == p)`, another masked reduction), and every operand is gathered by
     it. The ranks are remembered, so a scatter back through the permutation becomes a gather. A stable
-    order is a valid answer for an unstable sort; NaN keys are not ordered as `lax.sort` orders them."""
+    order is a valid answer for an unstable sort; NaN keys, and -0.0 against +0.0, are not ordered as
+    `lax.sort` orders them (its total order); validation on the task's inputs would show it."""
     import jax.numpy as jnp
     from jax import lax
 
