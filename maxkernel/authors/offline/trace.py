@@ -561,6 +561,9 @@ def _sort_as_rank(eqn: Any, ins: list[Any], iota_operands: list[bool]) -> list[A
     before = lax.bitwise_or(lax.lt(ki, kj), lax.bitwise_and(lax.eq(ki, kj), lax.lt(i, j)))
     one = lax.convert_element_type(before, jnp.int32)
     rank = lax.reduce(one, np.zeros((), np.int32), lax.add, (1,))  # i32[n]
+    # through glue (reversed twice) so the ranks are written by their own kernel: the inversion below
+    # reduces along the other axis, and one kernel holding both reduced axes whole would need [n, n] in VMEM
+    rank = lax.rev(lax.rev(rank, (0,)), (0,))
     # perm[p] = the j whose rank is p
     hit = lax.eq(lax.broadcast_in_dim(rank, shape, (1,)), lax.broadcasted_iota(jnp.int32, shape, 0))  # [p, j]
     jj = lax.broadcasted_iota(jnp.int32, shape, 1)
