@@ -176,6 +176,17 @@ class Axes:
                 pos += 1
         elif name == "ragged_dot_general":
             lhs, rhs, sizes = ins
+            rdn = eqn.params["ragged_dot_dimension_numbers"]
+            if tuple(rdn.rhs_group_dimensions) == ():  # ragged contraction: [m,k] x [m,n] -> [g,k,n]
+                self.union(self._node(lhs, 0), self._node(rhs, 0))
+                self.union(self._node(lhs, 1), self._node(out, 1))
+                self.union(self._node(rhs, 1), self._node(out, 2))
+                self.union(self._node(sizes, 0), self._node(out, 0))
+                for n in (self._node(lhs, 0),):
+                    if n is not None:
+                        self.contracted.add(n)
+                self.check_distinct([v for v in (*ins, *outs) if not is_literal(v)])
+                return
             self.union(self._node(lhs, 1), self._node(rhs, 1))
             self.union(self._node(lhs, 0), self._node(out, 0))
             self.union(self._node(rhs, 2), self._node(out, 1))

@@ -37,6 +37,18 @@ class GroupedMatmulBuilder(KernelBuilder):
         (lc, rc), (lb, rb) = dn.dot_dimension_numbers
         lhs, rhs, sizes = e.invars
         if (
+            tuple(lc) == (0,)
+            and tuple(rc) == (0,)
+            and not lb
+            and not rb
+            and tuple(dn.lhs_ragged_dimensions) == (0,)
+            and tuple(dn.rhs_group_dimensions) == ()
+            and len(lhs.aval.shape) == 2
+            and len(rhs.aval.shape) == 2
+            and p.get("group_offset") is None
+        ):
+            return self._build_ragged_contraction()
+        if (
             tuple(lc) != (1,)
             or tuple(rc) != (1,)
             or lb
@@ -59,19 +71,34 @@ class GroupedMatmulBuilder(KernelBuilder):
         ln, rn, sn = names
         lsub = SUBLANE.get(lhs.aval.dtype.itemsize, 8)
         prec = precision_arg(e)
-        code = f'''def {s}_lhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
-    return (m_index, k_index)
+        code = f'''def {s}_group_span(m_index, sizes_ref, *, bm, n_groups):
+    """First and last group with rows in row block `m_index` (groups are consecutive runs of rows)."""
+    row0 = m_index * bm
+
+    def count(j, carry):
+        end, before, started = carry
+        end = end + sizes_ref[j]
+        before = before + jnp.where(end <= row0, 1, 0)  # group j ends before the block
+        started = started + jnp.where(end - sizes_ref[j] < row0 + bm, 1, 0)  # group j starts before its end
+        return end, before, started
+
+    _, before, started = lax.fori_loop(0, n_groups, count, (0, 0, 0))
+    first = jnp.minimum(before, n_groups - 1)
+    last = jnp.minimum(jnp.maximum(started - 1, first), n_groups - 1)
+    return first, last
 
 
-def {s}_rhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
-    return (g_index, k_index, n_index)
+def {s}_step(m_index, g_index, k_index, sizes_ref, *, bm, n_groups, n_k):
+    """(group, K block, active) of a grid step: group step `g_index` of a row block visits its
+    (first + g_index)-th group; steps past its last group repeat the last (group, K block) pair, so their
+    block indices do not change and the pipeline copies nothing for them."""
+    first, last = {s}_group_span(m_index, sizes_ref, bm=bm, n_groups=n_groups)
+    active = first + g_index <= last
+    group = jnp.minimum(first + g_index, last)
+    return group, jnp.where(active, k_index, n_k - 1), active
 
 
-def {s}_out_index_map(m_index, n_index, g_index, k_index, sizes_ref):
-    return (m_index, n_index)
-
-
-def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups):
+def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups, n_k):
     """Rows of lhs belong to consecutive groups (sizes in SMEM); group g multiplies rhs[g]."""
     m_index = pl.program_id(0)
     g_index = pl.program_id(2)
@@ -81,12 +108,13 @@ def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups):
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
+    group, _, active = {s}_step(m_index, g_index, k_index, sizes_ref, bm=bm, n_groups=n_groups, n_k=n_k)
     # first row of this group: the sizes of the groups before it
-    start = lax.fori_loop(0, n_groups, lambda j, acc: acc + jnp.where(j < g_index, sizes_ref[j], 0), 0)
-    end = start + sizes_ref[g_index]
+    start = lax.fori_loop(0, n_groups, lambda j, acc: acc + jnp.where(j < group, sizes_ref[j], 0), 0)
+    end = start + sizes_ref[group]
     row0 = m_index * bm
 
-    @pl.when((start < row0 + bm) & (end > row0))  # the group has rows in this block
+    @pl.when(active & (start < row0 + bm) & (end > row0))  # the group has rows in this block
     def _accumulate():
         rows = row0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
         lhs_blk = jnp.where((rows >= start) & (rows < end), lhs_ref[...], 0)  # other groups' rows -> 0
@@ -107,6 +135,19 @@ def {s}({ln}, {rn}, {sn}):
     n_m_p, n_n_p, n_k_p = _round_up(n_m, bm), _round_up(n_n, bn), _round_up(n_k, bk)
     {ln} = _pad_to({ln}, (n_m_p, n_k_p))
     {rn} = _pad_to({rn}, (n_groups, n_k_p, n_n_p))
+    step = functools.partial({s}_step, bm=bm, n_groups=n_groups, n_k=n_k_p // bk)
+
+    def lhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
+        _, k_block, _ = step(m_index, g_index, k_index, sizes_ref)
+        return (m_index, k_block)
+
+    def rhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
+        group, k_block, _ = step(m_index, g_index, k_index, sizes_ref)
+        return (group, k_block, n_index)
+
+    def out_index_map(m_index, n_index, g_index, k_index, sizes_ref):
+        return (m_index, n_index)
+
     out_shape = jax.ShapeDtypeStruct((n_m_p, n_n_p), {dtype_code(odt)})
     cost = pl.CostEstimate(
         flops=2 * n_m * n_n * n_k,
@@ -114,15 +155,15 @@ def {s}({ln}, {rn}, {sn}):
         bytes_accessed=_nbytes({ln}, {rn}, out_shape),
     )
     out = pl.pallas_call(
-        functools.partial({s}_kernel, bm=bm, n_groups=n_groups),
+        functools.partial({s}_kernel, bm=bm, n_groups=n_groups, n_k=n_k_p // bk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(n_m_p // bm, n_n_p // bn, n_groups, n_k_p // bk),
             in_specs=[
-                pl.BlockSpec((bm, bk), {s}_lhs_index_map),
-                pl.BlockSpec((None, bk, bn), {s}_rhs_index_map),
+                pl.BlockSpec((bm, bk), lhs_index_map),
+                pl.BlockSpec((None, bk, bn), rhs_index_map),
             ],
-            out_specs=pl.BlockSpec((bm, bn), {s}_out_index_map),
+            out_specs=pl.BlockSpec((bm, bn), out_index_map),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
         ),
         out_shape=out_shape,
@@ -205,11 +246,197 @@ def {s}({ln}, {rn}, {sn}):
             flops=2.0 * m * n * k,
             structure=(
                 "grid (M/bm, N/bn, groups, K/bk) with groups and K sequential; group sizes are scalar-prefetched "
-                "to SMEM, a step whose group has no row in the block is skipped, other groups' rows are masked "
+                "to SMEM, each row block visits only the groups it holds rows of (later group steps repeat the last "
+                "block index: no copy, no compute), other groups' rows are masked "
                 "to zero before the MXU, and the f32 accumulator is written once per output tile"
             ),
             notes=[
-                "the rhs block of every group is still fetched for every row block (skipped steps save compute, not DMA)"
+                "group step j of a row block visits its (first group + j); steps past its last group repeat the last "
+                "(group, K block) pair, so they copy nothing and skip the MXU: rhs[g] is read only by the row "
+                "blocks that hold rows of g (plus empty groups between them)"
+            ],
+        )
+        return spec, f"{s}({', '.join(names)})"
+
+    def _build_ragged_contraction(self) -> tuple[KernelSpec, str]:
+        """`out[g] = lhs[rows of g].T @ rhs[rows of g]` (the transposed grouped matmul of MoE weight
+        gradients). Grid (group, K/bk, N/bn, row step): a group visits only the row blocks it overlaps --
+        step j of group g reads row block `first(g) + j`, clamped to the group's last block, so the steps past
+        it issue no new copy (the block index does not change) and `pl.when` skips their compute. Every row
+        block is read about once in total (plus one shared block per group boundary), not once per group."""
+        e = self.eqn
+        lhs, rhs, sizes = e.invars
+        out = self.outputs[0]
+        odt = dtype_name(out.aval)
+        m, k = (int(s) for s in lhs.aval.shape)
+        n = int(rhs.aval.shape[1])
+        g = int(sizes.aval.shape[0])
+        s = self.stem
+        c = self.cprefix
+        names = [self.low.name_of(v) for v in (lhs, rhs, sizes)]
+        ln, rn, sn = names
+        prec = precision_arg(e)
+        code = f'''def {s}_group_rows(g_index, sizes_ref, n_groups):
+    """First and one-past-last row of group `g_index`: the sizes of the groups before it, summed."""
+    start = lax.fori_loop(0, n_groups, lambda j, acc: acc + jnp.where(j < g_index, sizes_ref[j], 0), 0)
+    return start, start + sizes_ref[g_index]
+
+
+def {s}_row_block(g_index, m_index, sizes_ref, *, bm, n_groups):
+    """The row block step `m_index` of group `g_index` reads: the group's first block plus the step,
+    clamped to its last block (an unchanged block index means no new copy for the steps past the end)."""
+    start, end = {s}_group_rows(g_index, sizes_ref, n_groups)
+    # rows are non-negative: truncating division is floor division without the sign fix-up `//` lowers to
+    first = lax.div(start, jnp.int32(bm))
+    last = lax.div(jnp.maximum(end - 1, start), jnp.int32(bm))
+    return jnp.minimum(first + m_index, last)
+
+
+def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups):
+    """Accumulate lhs_blk.T @ rhs_blk over the row blocks of one group; rows of other groups count as 0."""
+    g_index = pl.program_id(0)
+    m_index = pl.program_id(3)
+
+    @pl.when(m_index == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    start, end = {s}_group_rows(g_index, sizes_ref, n_groups)
+    block = lax.div(start, jnp.int32(bm)) + m_index
+
+    @pl.when((block * bm < end) & (end > start))  # the step still lies inside the group
+    def _accumulate():
+        rows = block * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+        lhs_blk = jnp.where((rows >= start) & (rows < end), lhs_ref[...], 0)  # [bm, bk], other rows -> 0
+        acc_ref[...] += lax.dot_general(
+            lhs_blk, rhs_ref[...], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32{prec}
+        )  # [bk, bn]
+
+    @pl.when(m_index == pl.num_programs(3) - 1)
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def {s}({ln}, {rn}, {sn}):
+    """lax.ragged_dot_general with a ragged contracting dim as one Pallas kernel; pads rows, K, N, crops."""
+    n_m, n_k = {ln}.shape
+    n_n = {rn}.shape[1]
+    n_groups = {sn}.shape[0]
+    bm = _block(n_m, {c}BLOCK_M, 128)
+    bk = _block(n_k, {c}BLOCK_K, 128)
+    bn = _block(n_n, {c}BLOCK_N, 128)
+    n_m_p, n_k_p, n_n_p = _round_up(n_m, bm), _round_up(n_k, bk), _round_up(n_n, bn)
+    {ln} = _pad_to({ln}, (n_m_p, n_k_p))
+    {rn} = _pad_to({rn}, (n_m_p, n_n_p))
+    row_block = functools.partial({s}_row_block, bm=bm, n_groups=n_groups)
+
+    def lhs_index_map(g_index, k_index, n_index, m_index, sizes_ref):
+        return (row_block(g_index, m_index, sizes_ref), k_index)
+
+    def rhs_index_map(g_index, k_index, n_index, m_index, sizes_ref):
+        return (row_block(g_index, m_index, sizes_ref), n_index)
+
+    def out_index_map(g_index, k_index, n_index, m_index, sizes_ref):
+        return (g_index, k_index, n_index)
+
+    out_shape = jax.ShapeDtypeStruct((n_groups, n_k_p, n_n_p), {dtype_code(odt)})
+    cost = pl.CostEstimate(
+        flops=2 * n_m * n_k * n_n,
+        transcendentals=0,
+        bytes_accessed=_nbytes({ln}, {rn}, out_shape),
+    )
+    out = pl.pallas_call(
+        functools.partial({s}_kernel, bm=bm, n_groups=n_groups),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(n_groups, n_k_p // bk, n_n_p // bn, n_m_p // bm),
+            in_specs=[
+                pl.BlockSpec((bm, bk), lhs_index_map),
+                pl.BlockSpec((bm, bn), rhs_index_map),
+            ],
+            out_specs=pl.BlockSpec((None, bk, bn), out_index_map),
+            scratch_shapes=[pltpu.VMEM((bk, bn), jnp.float32)],
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes={c}VMEM_LIMIT_BYTES,
+        ),
+        cost_estimate=cost,
+    )({sn}.astype(jnp.int32), {ln}, {rn})
+    return _crop(out, (n_groups, n_k, n_n))
+'''
+        isz_l, isz_r = lhs.aval.dtype.itemsize, rhs.aval.dtype.itemsize
+        params = [
+            ParamSpec(
+                name=f"{c}BLOCK_M",
+                role="lane",
+                align=128,
+                extent=m,
+                default=0,
+                doc="rows (the contraction) per step",
+            ),
+            ParamSpec(
+                name=f"{c}BLOCK_K",
+                role="lane",
+                align=128,
+                extent=k,
+                default=0,
+                doc="output rows (lhs columns)",
+            ),
+            ParamSpec(name=f"{c}BLOCK_N", role="lane", align=128, extent=n, default=0, doc="output columns"),
+        ]
+        pm, pk, pn = (DimRef(kind="param", param=q.name, extent=q.extent) for q in params)
+        buffers = [
+            BufferSpec(
+                what=f"{ln} block",
+                dims=[pm, pk],
+                itemsize=isz_l,
+                kind="input",
+                axes=[3, 1],
+                hbm_bytes=nbytes(lhs),
+            ),
+            BufferSpec(
+                what=f"{rn} block",
+                dims=[pm, pn],
+                itemsize=isz_r,
+                kind="input",
+                axes=[3, 2],
+                hbm_bytes=nbytes(rhs),
+            ),
+            BufferSpec(
+                what="output block",
+                dims=[pk, pn],
+                itemsize=out.aval.dtype.itemsize,
+                kind="output",
+                axes=[0, 1, 2],
+                hbm_bytes=nbytes(out),
+            ),
+            BufferSpec(what="acc_ref", dims=[pk, pn], itemsize=4, copies=1, kind="scratch"),
+        ]
+        spec = KernelSpec(
+            name=s,
+            family=self.family,
+            title="transposed grouped matmul (ragged contraction): each group sums lhs.T @ rhs over its own rows",
+            code=code,
+            params=params,
+            grid=[
+                GridAxis(name="g_index", extent=g, param=None),
+                GridAxis(name="k_index", extent=k, param=params[1].name),
+                GridAxis(name="n_index", extent=n, param=params[2].name),
+                GridAxis(name="m_index", extent=m, param=params[0].name, semantics="arbitrary"),
+            ],
+            buffers=buffers,
+            flops=2.0 * m * n * k,
+            structure=(
+                "grid (groups, K/bk, N/bn, row steps) with the row steps sequential; group sizes are "
+                "scalar-prefetched to SMEM; step j of a group reads its (first block + j)-th row block, clamped to "
+                "its last one, so steps past the group's rows neither copy nor compute; rows of neighbouring groups "
+                "in a shared block are masked to zero before the MXU"
+            ),
+            notes=[
+                "the grid reserves every row block for every group; the steps a group does not need cost only the "
+                "per-step overhead (no DMA, no MXU work)"
             ],
         )
         return spec, f"{s}({', '.join(names)})"

@@ -369,7 +369,10 @@ class Lowering:
                 if v in node_of_var:
                     deps[k].add(node_of_var[v])
                 elif v in g.producer and part.status[g.producer[v]] == "float":
-                    raise LowerError("a value is needed outside kernels but never written")
+                    raise LowerError(
+                        "a value is needed outside kernels but never written (the "
+                        f"`{g.eqns[g.producer[v]].primitive.name}` -> {v.aval.str_short()} a {kind} reads)"
+                    )
         pos = {k: (obj if kind == "glue" else max(obj.owned)) for k, (kind, obj) in enumerate(nodes)}
         done: list[int] = []
         left = set(range(len(nodes)))

@@ -53,9 +53,18 @@ CONST_OPS = frozenset(
 `arange` used along two axes (`pos[:, None] >= pos[None, :]`) must not tie those axes together."""
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+def _eval(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], arg_facts: Sequence[str | None] | None = None
+) -> list[Any]:
+    """Re-trace `jaxpr` with the rewrites of `_apply`. `arg_facts`: what is known of each argument's value
+    beyond its type ("arange": a 1-D iota; "zeros": all zeros; "input": a program input), which a call's
+    body inherits."""
     env: dict[Any, Any] = {}
     thunks: dict[Any, Callable[[], Any]] = {}
+    facts: dict[Any, str] = {}  # vars whose value is known: "arange" (1-D iota) or "zeros"
+
+    def fact_of(v: Any) -> str | None:
+        return None if isinstance(v, jcore.Literal) else facts.get(v)
 
     def read(v: Any) -> Any:
         if isinstance(v, jcore.Literal):
@@ -68,7 +77,13 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         env[v] = c
     for v, a in zip(jaxpr.invars, args, strict=True):
         env[v] = a
+    for v, f in zip(jaxpr.invars, arg_facts or [None] * len(args), strict=True):
+        if f is not None:
+            facts[v] = f
     for eqn in jaxpr.eqns:
+        known = _value_fact(eqn, [fact_of(v) for v in eqn.invars])
+        if known is not None:
+            facts[eqn.outvars[0]] = known
         deferrable = (
             eqn.primitive.name in CONST_OPS
             and len(eqn.outvars) == 1
@@ -78,11 +93,25 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
             thunks[eqn.outvars[0]] = _thunk(eqn, read)
             continue
         ins = [read(v) for v in eqn.invars]
-        outs = _apply(eqn, ins)
+        outs = _apply(eqn, ins, [fact_of(v) for v in eqn.invars])
         for v, o in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+def _value_fact(eqn: Any, in_facts: list[str | None]) -> str | None:
+    """What is known of an equation's single result from its kind and its operands' facts."""
+    name = eqn.primitive.name
+    if len(eqn.outvars) != 1:
+        return None
+    if name == "iota" and len(eqn.outvars[0].aval.shape) == 1:
+        return "arange"
+    if name == "broadcast_in_dim" and isinstance(eqn.invars[0], jcore.Literal):
+        return "zeros" if np.all(np.asarray(eqn.invars[0].val) == 0) else None
+    if name in ("broadcast_in_dim", "convert_element_type", "reshape") and in_facts[:1] == ["zeros"]:
+        return "zeros"
+    return None
 
 
 def _thunk(eqn: Any, read: Callable[[Any], Any]) -> Callable[[], Any]:
@@ -92,37 +121,62 @@ def _thunk(eqn: Any, read: Callable[[Any], Any]) -> Callable[[], Any]:
     return run
 
 
-def _apply(eqn: Any, ins: list[Any]) -> list[Any]:
+def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -> list[Any]:
+    """One equation on traced values, with the rewrites above; `in_facts`: what is known of each operand's
+    value (see `_eval`)."""
     name = eqn.primitive.name
+    in_facts = in_facts or [None] * len(ins)
     if name in CALL_PRIMITIVES and eqn.params.get("name") == "searchsorted":
         side = _searchsorted_side(eqn)
         if side is not None:
             REWRITTEN.add("searchsorted")
-            return [_searchsorted_as_count(ins[0], ins[1], side, eqn.outvars[0].aval.dtype)]
+            out = _searchsorted_as_count(ins[0], ins[1], side, eqn.outvars[0].aval.dtype)
+            sizes = GROUPS.get(ins[0], "ends")
+            if sizes is not None and side == "right" and in_facts[1] == "arange":
+                GROUPS.put(out, ("row_group", sizes[1], 0))
+            return [out]
     if name in CALL_PRIMITIVES:
         key = CALL_PRIMITIVES[name]
         sub = eqn.params.get(key)
         if sub is None:  # a parameter spelling this JAX version uses that the table does not know
             sub = next(v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr"))
         inner, consts = _as_closed(sub)
-        return _eval(inner, consts, ins)
+        return _eval(inner, consts, ins, in_facts)
     if name == "scan" and eqn.params["num_carry"] == 0:
-        return _scan_as_vmap(eqn, ins)
+        return _scan_as_vmap(eqn, ins, in_facts)
     if name == "stop_gradient":
         return [ins[0]]
     if name == "conv_general_dilated" and not _direct_conv_decision(eqn, ins):
         REWRITTEN.add(name)
         return [_conv_as_patches(ins[0], ins[1], eqn.params)]
+    if name == "sort":
+        REWRITTEN.add(name)
+        return _sort_as_rank(eqn, ins, [f == "arange" for f in in_facts])
     if name in ("scatter", "scatter-add", "scatter_add") and len(ins) == 3:
         REWRITTEN.add(name)
+        rank = PERMUTATIONS.rank_of(ins[1])
+        if rank is not None:
+            return [_scatter_by_permutation(*ins, rank, eqn.params, add=name != "scatter")]
         return [_scatter_as_masked_reduce(*ins, eqn.params, add=name != "scatter")]
     if name in CUMULATIVE:
         REWRITTEN.add(name)
-        return [
-            _cumulative_as_masked_reduce(ins[0], name, int(eqn.params["axis"]), bool(eqn.params["reverse"]))
-        ]
+        out = _cumulative_as_masked_reduce(ins[0], name, int(eqn.params["axis"]), bool(eqn.params["reverse"]))
+        if name == "cumsum" and ins[0].ndim == 1 and not eqn.params["reverse"] and ins[0].dtype == np.int32:
+            GROUPS.put(out, ("ends", ins[0]))
+        return [out]
+    if name == "gather" and in_facts[0] != "input" and _is_take_along_rows(eqn, ins):
+        REWRITTEN.add("take_along_axis")
+        return [_take_along_rows_as_masked_sum(eqn, ins)]
+    if name == "dot_general":
+        ragged = GROUPS.ragged_dot(eqn, ins)
+        if ragged is not None:
+            REWRITTEN.add("ragged_dot_general")
+            return [ragged]
     out = eqn.primitive.bind(*ins, **eqn.params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+    outs = list(out) if eqn.primitive.multiple_results else [out]
+    PERMUTATIONS.follow(eqn, ins, outs)
+    GROUPS.follow(eqn, ins, outs, in_facts)
+    return outs
 
 
 CUMULATIVE = {"cumsum": "sum", "cummax": "max", "cummin": "min"}
@@ -230,6 +284,323 @@ def _scatter_as_masked_reduce(
     return jnp.moveaxis(out, 0, d) if d else out
 
 
+SORT_MAX_LEN = 1 << 17
+"""Longest sorted axis for the rank rewrite below (n² comparisons: 2¹⁷ is the routed (token, slot) pairs of
+a large MoE layer; beyond that the quadratic work swamps any kernel around it)."""
+
+
+@dataclass
+class _Permutations:
+    """Values of one trace known to be permutations of `arange(n)` (an argsort's result, and the index
+    arithmetic `x[p]` / `.at[p]` wraps it in), each with its inverse (the rank of every position). A scatter
+    whose indices are such a permutation writes every row exactly once, so it is a gather by the inverse:
+    `zeros.at[perm].set(u)[q] = u[rank[q]]` -- linear work and plain XLA glue, where a general scatter needs
+    the one-hot reduction. Keyed by object identity; the values are kept alive so an id is never reused."""
+
+    ranks: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    marks: dict[int, tuple[Any, str, int]] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.ranks.clear()
+        self.marks.clear()
+
+    def add(self, perm: Any, rank: Any) -> None:
+        self.ranks[id(perm)] = (perm, rank)
+
+    def rank_of(self, v: Any) -> Any:
+        hit = self.ranks.get(id(v))
+        return hit[1] if hit is not None and hit[0] is v else None
+
+    def _mark(self, v: Any) -> tuple[str, int] | None:
+        hit = self.marks.get(id(v))
+        return (hit[1], hit[2]) if hit is not None and hit[0] is v else None
+
+    def follow(self, eqn: Any, ins: list[Any], outs: list[Any]) -> None:
+        """Carry the permutation through the negative-index wrap jnp puts around an index
+        (`select_n(p < 0, p, p + n)`, a no-op on a permutation) and the reshapes to an index vector."""
+        name = eqn.primitive.name
+        if len(outs) != 1 or not ins:
+            return
+        lit = [getattr(v, "val", None) for v in eqn.invars]
+        first = ins[0]
+        rank = self.rank_of(first)
+        if rank is not None:
+            n = int(rank.shape[0])
+            if name == "lt" and len(lit) == 2 and lit[1] is not None and int(lit[1]) == 0:
+                self.marks[id(outs[0])] = (outs[0], "negative", id(first))
+            elif name == "add" and len(lit) == 2 and lit[1] is not None and int(lit[1]) == n:
+                self.marks[id(outs[0])] = (outs[0], "wrapped", id(first))
+            elif name in ("broadcast_in_dim", "reshape", "convert_element_type", "copy", "copy_p") and (
+                math.prod(outs[0].shape) == n and np.issubdtype(outs[0].dtype, np.integer)
+            ):
+                self.add(outs[0], rank)
+        if name == "select_n" and len(ins) == 3:
+            pred, keep, wrapped = (self._mark(ins[0]), self.rank_of(ins[1]), self._mark(ins[2]))
+            if keep is not None and pred == ("negative", id(ins[1])) and wrapped == ("wrapped", id(ins[1])):
+                self.add(outs[0], keep)
+
+
+PERMUTATIONS = _Permutations()
+
+
+@dataclass
+class _GroupRows:
+    """Rows split into consecutive groups by a sizes vector, followed through a reference written one group
+    at a time: `ends = cumsum(sizes)`, `row_group = searchsorted(ends, arange(m), side="right")`, and per
+    group `where(row_group == g, x, 0).T @ y` (a `lax.map` over the groups). That is a ragged contraction,
+    `out[g] = x[rows of g].T @ y[rows of g]` (`lax.ragged_dot_general` with a ragged contracting dim), which
+    the grouped family runs reading each row once instead of once per group. Facts, keyed by identity:
+
+    * ("ends", sizes) / ("row_group", sizes, axis): the cumulative sizes; each row's group id along `axis`;
+    * ("scalar", s): a broadcast of the 0-d value `s` (the group index inside the map);
+    * ("member", sizes, s, axis): `row_group == s`;
+    * ("masked", sizes, s, x, x_axis, axis): `where(member, x, 0)`, possibly transposed (rows along `axis`
+      of the value, along `x_axis` of `x`).
+    """
+
+    facts: dict[int, tuple[Any, tuple[Any, ...]]] = field(default_factory=dict)
+    slices: dict[int, tuple[Any, Any, Any]] = field(default_factory=dict)
+    """A per-group result -> (itself, the ragged dot over all groups, the group index it was sliced at)."""
+
+    def clear(self) -> None:
+        self.facts.clear()
+        self.slices.clear()
+
+    def whole(self, res: Any, index: Any) -> Any:
+        """The ragged dot over all groups when `res` is its slice at the map's own index `index`."""
+        hit = self.slices.get(id(res))
+        return hit[1] if hit is not None and hit[0] is res and hit[2] is index else None
+
+    def put(self, v: Any, fact: tuple[Any, ...]) -> None:
+        self.facts[id(v)] = (v, fact)
+
+    def get(self, v: Any, kind: str) -> tuple[Any, ...] | None:
+        hit = self.facts.get(id(v))
+        return hit[1] if hit is not None and hit[0] is v and hit[1][0] == kind else None
+
+    def _any(self, v: Any) -> tuple[Any, ...] | None:
+        hit = self.facts.get(id(v))
+        return hit[1] if hit is not None and hit[0] is v else None
+
+    def follow(self, eqn: Any, ins: list[Any], outs: list[Any], in_facts: list[str | None]) -> None:
+        name = eqn.primitive.name
+        if len(outs) != 1 or not ins:
+            return
+        out = outs[0]
+        f0 = self._any(ins[0])
+        if name == "broadcast_in_dim":
+            if getattr(ins[0], "ndim", None) == 0 and not isinstance(eqn.invars[0], jcore.Literal):
+                self.put(out, ("scalar", ins[0]))
+            elif f0 is not None and f0[0] in ("row_group", "member", "masked"):
+                dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
+                self.put(out, (*f0[:-1], dims[f0[-1]]))
+            return
+        if name == "reshape" and f0 is not None and f0[0] in ("row_group", "member", "masked"):
+            old, new = tuple(ins[0].shape), tuple(out.shape)
+            if new[: len(old)] == old and all(d == 1 for d in new[len(old) :]):  # trailing unit dims
+                self.put(out, f0)
+            return
+        if name == "transpose" and f0 is not None and f0[0] == "masked":
+            perm = tuple(int(d) for d in eqn.params["permutation"])
+            self.put(out, (*f0[:-1], perm.index(f0[-1])))
+            return
+        if name == "eq" and len(ins) == 2:
+            for a, b in ((ins[0], ins[1]), (ins[1], ins[0])):
+                rg, sc = self.get(a, "row_group"), self.get(b, "scalar")
+                scalar = sc[1] if sc is not None and a.shape == b.shape else b if b.ndim == 0 else None
+                if rg is not None and scalar is not None:
+                    self.put(out, ("member", rg[1], scalar, rg[2]))
+                    return
+            return
+        if name == "select_n" and len(ins) == 3 and in_facts[1] == "zeros":
+            mem = self.get(ins[0], "member")
+            if mem is not None and ins[2].ndim == 2 and ins[0].shape == ins[2].shape:
+                self.put(out, ("masked", mem[1], mem[2], ins[2], mem[3], mem[3]))
+
+    def ragged_dot(self, eqn: Any, ins: list[Any]) -> Any:
+        """The per-group dot of a masked operand as one ragged contraction, indexed at the group."""
+        from jax import lax
+
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        m = self.get(ins[0], "masked")
+        lhs, rhs = ins
+        if m is None or lb or rb or len(lc) != 1 or len(rc) != 1 or rhs.ndim != 2 or lhs.ndim != 2:
+            return None
+        _, sizes, gid, x, x_axis, axis = m
+        if int(lc[0]) != axis or gid.ndim != 0:
+            return None
+        rows_x = x if x_axis == 0 else lax.transpose(x, (1, 0))  # [m, k]
+        rows_y = rhs if int(rc[0]) == 0 else lax.transpose(rhs, (1, 0))  # [m, n]
+        dn = lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+        )
+        prec = eqn.params.get("precision")
+        pref = eqn.params.get("preferred_element_type")
+        # The operands are unbatched values from outside the group map; the ragged dot is bound in their own
+        # trace (ragged_dot_general's batching rule refuses even unbatched operands inside a vmap).
+        with _trace_of(rows_x):
+            full = lax.ragged_dot_general(
+                rows_x, rows_y, sizes.astype(np.int32), dn, precision=prec, preferred_element_type=pref
+            )  # [groups, k, n]
+        zero = np.zeros((), np.int32)
+        one = lax.dynamic_slice(full, (gid.astype(np.int32), zero, zero), (1, *full.shape[1:]))
+        picked = lax.squeeze(one, (0,))  # this group's [k, n]: a gather over the groups once vmapped
+        self.slices[id(picked)] = (picked, full, gid)
+        return picked
+
+
+GROUPS = _GroupRows()
+
+
+def _trace_of(v: Any) -> Any:
+    """A context binding primitives in the trace `v` belongs to (the current one for a non-tracer)."""
+    import contextlib
+
+    from jax._src import core as core_src
+
+    trace = getattr(v, "_trace", None)
+    return core_src.set_current_trace(trace) if trace is not None else contextlib.nullcontext()
+
+
+def _is_take_along_rows(eqn: Any, ins: list[Any]) -> bool:
+    """`jnp.take_along_axis(a, idx[:, None], axis=-1)` on a 2-D computed value: one element per row, picked
+    by a per-row index (the label's logit of a cross-entropy). Only for rows a matmul epilogue keeps whole
+    (`MATMUL_ROW_ELEMS`): a longer row's reduction runs in a kernel of its own, which would read `a` again."""
+    from maxkernel.authors.offline.partition import MATMUL_ROW_ELEMS
+
+    dn = eqn.params["dimension_numbers"]
+    operand, idx = ins
+    return (
+        operand.ndim == 2
+        and idx.ndim == 3
+        and tuple(idx.shape[1:]) == (1, 1)
+        and tuple(dn.operand_batching_dims) == (0,)
+        and tuple(dn.start_indices_batching_dims) == (0,)
+        and tuple(dn.collapsed_slice_dims) == (1,)
+        and tuple(dn.start_index_map) == (1,)
+        and tuple(dn.offset_dims) == ()
+        and tuple(eqn.params["slice_sizes"]) == (1, 1)
+        and int(operand.shape[1]) <= MATMUL_ROW_ELEMS
+        and np.issubdtype(operand.dtype, np.floating)
+    )
+
+
+def _take_along_rows_as_masked_sum(eqn: Any, ins: list[Any]) -> Any:
+    """`a[r, idx[r]]` as `sum_c where(c == idx[r], a[r, c], 0)`: a row reduction, which the kernel that
+    computes `a` (a matmul's epilogue, streamed across its column blocks) runs without writing `a` to HBM,
+    where a gather outside kernels needs `a` written out first. Exactly one term is non-zero, so the sum is
+    the element itself; an index out of range gives the gather's fill value (FILL_OR_DROP) or is clamped."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    operand, idx = ins
+    n_rows, n_cols = (int(d) for d in operand.shape)
+    col = idx.reshape(n_rows).astype(np.int32)
+    mode = str(eqn.params.get("mode"))
+    if "CLIP" in mode or "PROMISE" in mode:
+        col = lax.clamp(np.int32(0), col, np.int32(n_cols - 1))
+    hit = lax.eq(
+        lax.broadcasted_iota(np.int32, (n_rows, n_cols), 1), lax.broadcast_in_dim(col, (n_rows, n_cols), (0,))
+    )
+    picked = lax.reduce(
+        lax.select(hit, operand, jnp.zeros(operand.shape, operand.dtype)),
+        np.zeros((), operand.dtype),
+        lax.add,
+        (1,),
+    )
+    if "FILL" in mode:
+        fill = eqn.params.get("fill_value")
+        fill = np.nan if fill is None else fill
+        inside = lax.bitwise_and(lax.ge(col, np.int32(0)), lax.lt(col, np.int32(n_cols)))
+        picked = lax.select(inside, picked, jnp.full(picked.shape, fill, operand.dtype))
+    return lax.broadcast_in_dim(picked, (n_rows, 1), (0,))
+
+
+def _take_rows(x: Any, idx: Any) -> Any:
+    """`x[idx]` along axis 0 for indices known to be in range: one gather (XLA glue), with no call around it
+    (`jnp.take` is a jitted function, and the flattened jaxpr must not gain calls)."""
+    from jax import lax
+
+    dn = lax.GatherDimensionNumbers(
+        offset_dims=tuple(range(1, x.ndim)), collapsed_slice_dims=(0,), start_index_map=(0,)
+    )
+    return lax.gather(
+        x,
+        lax.broadcast_in_dim(idx, (idx.shape[0], 1), (0,)),
+        dn,
+        slice_sizes=(1, *x.shape[1:]),
+        mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
+
+
+def _sort_as_rank(eqn: Any, ins: list[Any], iota_operands: list[bool]) -> list[Any]:
+    """A 1-D sort (`jnp.sort`, `jnp.argsort`, `lax.sort` with one key) as ranks: the stable position of
+    element j is `#{i: k_i < k_j} + #{i < j: k_i == k_j}` (a comparison against every element and a sum --
+    a masked reduction the kernel families run), the sorting permutation is the one-hot inverse of the
+    ranks (`perm[p] = sum_j j * (rank_j == p)`, another masked reduction), and every operand is gathered by
+    it. The ranks are remembered, so a scatter back through the permutation becomes a gather. A stable
+    order is a valid answer for an unstable sort; NaN keys, and -0.0 against +0.0, are not ordered as
+    `lax.sort` orders them (its total order); validation on the task's inputs would show it."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    p = eqn.params
+    keys = ins[0]
+    if int(p.get("num_keys", 1)) != 1 or keys.ndim != 1 or any(x.shape != keys.shape for x in ins):
+        raise Unsupported("a sort other than a 1-D sort by one key")
+    n = int(keys.shape[0])
+    if n > SORT_MAX_LEN:
+        raise Unsupported(f"a sort of {n} elements (at most {SORT_MAX_LEN} as a rank computation)")
+    shape = (n, n)  # [j, i]: does element i sort before element j
+    kj = lax.broadcast_in_dim(keys, shape, (0,))
+    # the same keys along the other axis, through a copy (reversed twice: glue, which XLA folds away): one
+    # value broadcast along both axes of a kernel's block would tie those axes together in the partition
+    ki = lax.broadcast_in_dim(lax.rev(lax.rev(keys, (0,)), (0,)), shape, (1,))
+    j = lax.broadcasted_iota(jnp.int32, shape, 0)
+    i = lax.broadcasted_iota(jnp.int32, shape, 1)
+    before = lax.bitwise_or(lax.lt(ki, kj), lax.bitwise_and(lax.eq(ki, kj), lax.lt(i, j)))
+    one = lax.convert_element_type(before, jnp.int32)
+    rank = lax.reduce(one, np.zeros((), np.int32), lax.add, (1,))  # i32[n]
+    # through glue (reversed twice) so the ranks are written by their own kernel: the inversion below
+    # reduces along the other axis, and one kernel holding both reduced axes whole would need [n, n] in VMEM
+    rank = lax.rev(lax.rev(rank, (0,)), (0,))
+    # perm[p] = the j whose rank is p
+    hit = lax.eq(lax.broadcast_in_dim(rank, shape, (1,)), lax.broadcasted_iota(jnp.int32, shape, 0))  # [p, j]
+    jj = lax.broadcasted_iota(jnp.int32, shape, 1)
+    perm = lax.reduce(lax.select(hit, jj, jnp.zeros(shape, jnp.int32)), np.zeros((), np.int32), lax.add, (1,))
+    PERMUTATIONS.add(perm, rank)
+    outs = []
+    for x, is_iota in zip(ins, iota_operands, strict=True):
+        if is_iota:  # argsort's second operand: sorting `arange(n)` gives the permutation itself
+            outs.append(lax.convert_element_type(perm, x.dtype) if x.dtype != perm.dtype else perm)
+            PERMUTATIONS.add(outs[-1], rank)
+        else:
+            outs.append(_take_rows(x, perm))
+    return outs
+
+
+def _scatter_by_permutation(
+    operand: Any, indices: Any, updates: Any, rank: Any, params: dict[str, Any], *, add: bool
+) -> Any:
+    """A scatter of whole rows whose indices are a permutation of the operand's rows (`y.at[order].set(u)`
+    after an argsort): every row is written once, by update `rank[row]`, so the result is the updates
+    gathered by the inverse permutation (plus the operand for a scatter-add)."""
+    from jax import lax
+
+    dn = params["dimension_numbers"]
+    if (
+        tuple(dn.scatter_dims_to_operand_dims) != (0,)
+        or tuple(dn.inserted_window_dims) != (0,)
+        or tuple(getattr(dn, "operand_batching_dims", ())) != ()
+        or operand.shape[0] != rank.shape[0]
+        or tuple(dn.update_window_dims) != tuple(range(1, updates.ndim))
+        or updates.shape != operand.shape
+    ):
+        return _scatter_as_masked_reduce(operand, indices, updates, params, add=add)
+    moved = _take_rows(updates.astype(operand.dtype), rank)
+    return lax.add(operand, moved) if add else moved
+
+
 def _searchsorted_side(eqn: Any) -> str | None:
     """'left' or 'right' for `jnp.searchsorted`'s binary-search implementation (a scan whose body compares
     the query with `le`/`lt`), None for another implementation (which is inlined as it is)."""
@@ -254,16 +625,27 @@ def _searchsorted_as_count(sorted_arr: Any, query: Any, side: str, dtype: Any) -
     return jnp.sum(before.astype(jnp.int32), axis=-1).astype(dtype)
 
 
-def _scan_as_vmap(eqn: Any, ins: list[Any]) -> list[Any]:
+def _scan_as_vmap(eqn: Any, ins: list[Any], in_facts: list[str | None]) -> list[Any]:
     """`lax.map(f, xs)` is a scan without a carry: every iteration is independent, so it is `vmap(f)(xs)`."""
     body, body_consts = _as_closed(eqn.params["jaxpr"])
     n_consts = eqn.params["num_consts"]
     consts, xs = ins[:n_consts], ins[n_consts:]
 
-    def one(*x: Any) -> list[Any]:
-        return _eval(body, body_consts, [*consts, *x])
+    wholes: dict[int, Any] = {}
 
-    return list(jax.vmap(one)(*xs))
+    def one(*x: Any) -> list[Any]:
+        res = _eval(body, body_consts, [*consts, *x])
+        for k, r in enumerate(res):
+            if len(x) == 1 and (w := GROUPS.whole(r, x[0])) is not None:
+                wholes[k] = w
+        return res
+
+    outs = list(jax.vmap(one)(*xs))
+    # mapped over arange(groups), the per-group slices of one ragged dot stack up to that dot itself
+    for k, w in wholes.items():
+        if in_facts[n_consts:] == ["arange"] and int(xs[0].shape[0]) == int(w.shape[0]):
+            outs[k] = w
+    return outs
 
 
 DIRECT_CONV_MAX_BLOCK_BYTES = 16 * 2**20
@@ -413,7 +795,7 @@ def flatten(fn: Callable[..., Any], specs: Sequence[jax.ShapeDtypeStruct]) -> An
     closed = jax.make_jaxpr(fn)(*specs)
 
     def run(*args: Any) -> list[Any]:
-        return _eval(closed.jaxpr, closed.consts, args)
+        return _eval(closed.jaxpr, closed.consts, args, ["input"] * len(args))
 
     flat = jax.make_jaxpr(run)(*specs)
     return _dce(flat)
@@ -498,6 +880,8 @@ def trace_reference(
     """Flatten the reference at every configuration; raise `Unsupported` when the structures differ.
     `direct_conv`: keep stride-1 convolutions whole for the conv family instead of im2col patches."""
     REWRITTEN.clear()
+    PERMUTATIONS.clear()
+    GROUPS.clear()
     DIRECT_CONV.enabled, DIRECT_CONV.decisions, DIRECT_CONV.replay = direct_conv, [], False
     closed = []
     for cfg in configs:
@@ -627,6 +1011,10 @@ def _candidates(integer: bool, atoms: list[Atom]) -> Any:
             yield f"{a.code} // 2", tuple(x // 2 for x in a.values)
             yield f"2 * {a.code}", tuple(2 * x for x in a.values)
         for a, b in itertools.combinations_with_replacement(dims, 2):
+            yield f"{a.code} * {b.code}", tuple(x * y for x, y in zip(a.values, b.values, strict=True))
+        # a dim times an integer static argument (tokens x top_k routed pairs)
+        counts = [a for a in atoms if not a.is_dim and all(float(x).is_integer() for x in a.values)]
+        for a, b in itertools.product(dims, counts):
             yield f"{a.code} * {b.code}", tuple(x * y for x, y in zip(a.values, b.values, strict=True))
         for a, b in itertools.permutations(dims, 2):
             if all(y and x % y == 0 for x, y in zip(a.values, b.values, strict=True)):
