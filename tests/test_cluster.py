@@ -98,6 +98,36 @@ def test_task_bundle_round_trips_to_the_same_task(data_dir: Path, tmp_path: Path
     assert (folder / "kernel_task.yaml").read_bytes() == (src / "kernel_task.yaml").read_bytes()
 
 
+def test_bench_hands_the_cluster_to_every_task_process(tmp_path: Path) -> None:
+    from maxkernel.bench import Bench, BenchSettings
+
+    bench = Bench(
+        BenchSettings(suite=str(tmp_path), out_dir=str(tmp_path / "out"), ray_address="10.0.0.5:6379")
+    )
+    cmd = bench._command(tmp_path / "t", "th", tmp_path / "o")
+    assert cmd[cmd.index("--ray") + 1] == "10.0.0.5:6379"
+    plain = Bench(BenchSettings(suite=str(tmp_path), out_dir=str(tmp_path / "out2")))
+    assert "--ray" not in plain._command(tmp_path / "t", "th", tmp_path / "o")
+
+
+@needs_ray
+def test_auto_refuses_to_start_from_a_worker_thread() -> None:
+    if cluster.current() is not None:
+        pytest.skip("this process is connected already")
+    box: dict[str, BaseException] = {}
+
+    def start() -> None:
+        try:
+            cluster.connect(cluster.LOCAL_ADDRESS)
+        except cluster.ClusterError as exc:
+            box["e"] = exc
+
+    t = threading.Thread(target=start)
+    t.start()
+    t.join(30)
+    assert "main thread" in str(box.get("e")) and cluster.current() is None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -166,6 +166,12 @@ def connect(address: str, *, timeout_s: float = CONNECT_TIMEOUT_S, num_cpus: int
         if ray.is_initialized():  # a caller (a test, a notebook) connected already: use that cluster
             cluster = Cluster(requested=address, address=_gcs_address(), embedded=False)
         elif address == LOCAL_ADDRESS:
+            if threading.current_thread() is not threading.main_thread():
+                raise ClusterError(
+                    "an embedded Ray instance ('auto') starts from a process's main thread (a server's "
+                    "worker thread would take it down when it ends): start one with `ray start --head` "
+                    "and give its HOST:PORT"
+                )
             # In the calling thread: the processes Ray starts here die with the thread that forked them
             # (parent-death signal), so a helper thread would take the instance down when it ends.
             try:
