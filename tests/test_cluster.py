@@ -344,3 +344,49 @@ def test_a_stopped_driver_leaves_nothing_running_on_the_workers(
     while any(_alive(p) for p in [worker, *kids]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not [p for p in [worker, *kids] if _alive(p)], [_cmdline(p) for p in [worker, *kids] if _alive(p)]
+
+
+def test_an_agent_round_evaluates_through_ray_and_autotunes_in_parallel(
+    ray_cluster: cluster.Cluster, tmp_path: Path
+) -> None:
+    """One offline round with `ray_address` set: every evaluation (validate, autotune's configs) is a Ray
+    task, the configs of the round run at once (2 CPUs), and the store holds one row per kernel."""
+    from maxkernel.checkpointing import sqlite_checkpointer
+    from maxkernel.context import Context
+    from maxkernel.graph.agent import compile_graph
+
+    runner = cluster.runner_for(ray_cluster.requested)
+    assert runner is not None
+    before = runner.submitted
+    lock, active, peak = threading.Lock(), [0], [0]
+    original = runner.run
+
+    def watched(job):  # noqa: ANN001, ANN202 - records how many ran at once, then runs the real job
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            return original(job)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    runner.run = watched  # type: ignore[method-assign]
+    try:
+        graph = compile_graph(sqlite_checkpointer(tmp_path / "checkpoints.sqlite"))
+        ctx = Context(model="offline", tpu=["v5e"], store_path=str(tmp_path / "results.db"),
+                      work_dir=str(tmp_path / "w"), ray_address=ray_cluster.requested)  # fmt: skip
+        config = {"configurable": {"thread_id": "ray-round"}}
+        inputs = {"task_path": str(Path(__file__).parent / "data" / "tasks" / "small_matmul"),
+                  "max_iterations": 1, "tune_max_configs": 2, "out_dir": str(tmp_path / "out")}  # fmt: skip
+        graph.invoke(inputs, config, context=ctx)
+    finally:
+        del runner.run
+    state = graph.get_state(config).values
+    tuned = [a for a in state["attempts"] if a.kind == "tune"]
+    assert state["best"] is not None and state["best"].accepted
+    assert len(tuned) == 2 and state["tuning"]["evaluated"] == 2
+    evaluated = {a.source_hash for a in state["attempts"]}
+    assert runner.submitted - before == len(evaluated)  # every evaluation went to Ray, none twice
+    assert ResultsStore(tmp_path / "results.db").count_evaluations("small_matmul") == len(evaluated)
+    assert peak[0] == 2  # the two configs were in flight together
