@@ -21,10 +21,11 @@ Why this shape:
 - **Devices.** Evaluations that may time on a device ask for `{"TPU": 1}` (or one GPU) when the cluster
   has such a resource, so Ray runs one at a time per device; everything else asks for one CPU.
 - **Failures.** A worker that dies mid-evaluation is retried by Ray (`EVAL_RETRIES`); a retry that dies
-  too is an `infrastructure` result (returned, never stored). Ctrl-C, SIGTERM or the end of the driver
-  cancels every evaluation in flight with `ray.cancel(force=True)`, which kills the worker process; its
-  sandboxed children die with it (the reaper's parent-death signal, bubblewrap's --die-with-parent).
-  A driver killed with SIGKILL leaves its tasks to Ray, which kills the workers of a job whose driver died.
+  too is an `infrastructure` result (returned, never stored). Ctrl-C or SIGTERM (the CLI's handlers call
+  `cancel_all`) cancels every evaluation in flight with `ray.cancel(force=True)`, which kills the worker
+  process; its sandboxed children die with it (the reaper's parent-death signal, bubblewrap's
+  --die-with-parent). A driver killed with SIGKILL leaves its tasks to Ray, which kills the workers of a
+  job whose driver is gone (both tested in tests/test_cluster.py).
 - **Bad addresses.** An address that does not answer is a `ClusterError` after a bounded wait (a TCP probe,
   then `ray.init` under a deadline): the CLI turns it into exit 2, never a hang.
 
