@@ -346,6 +346,7 @@ def test_a_stopped_driver_leaves_nothing_running_on_the_workers(
     assert not [p for p in [worker, *kids] if _alive(p)], [_cmdline(p) for p in [worker, *kids] if _alive(p)]
 
 
+@pytest.mark.slow  # a whole offline agent round (~100 s on a loaded 2-core machine)
 def test_an_agent_round_evaluates_through_ray_and_autotunes_in_parallel(
     ray_cluster: cluster.Cluster, tmp_path: Path
 ) -> None:
