@@ -55,6 +55,9 @@ class BenchSettings(BaseModel):
         description="autotune configs per search-branch round: the branch's transform already picks a config, "
         "and evaluations shared with the single round are store hits, so one more config per branch suffices",
     )
+    ray_address: str | None = Field(
+        None, description="every task's process evaluates on this Ray cluster (tools/cluster.py)"
+    )
     search_below: float = Field(
         1.25,
         description="with an algorithm: every task first gets a single round; the search runs only where that "
@@ -249,7 +252,11 @@ class Bench:
             "--checkpoint-db", str(out / "checkpoints.sqlite"),
             "--store", str(self.out / "store.db"), "--work-dir", str(self.out / "work"),
             "--iterations", str(iterations), "--tune-configs", str(self.s.tune_configs),
+            *self._ray(),
         ]  # fmt: skip
+
+    def _ray(self) -> list[str]:
+        return ["--ray", self.s.ray_address] if self.s.ray_address else []
 
     def _command(self, task: Path, thread: str, out: Path) -> list[str]:
         common = self._common(thread, out, self.s.iterations)
@@ -307,7 +314,16 @@ class Bench:
                 list(runs.query("select 1 from runs where thread_id = ?", [thread]))
             )
         if resuming:
-            cmd = [sys.executable, "-m", "maxkernel.cli", "resume", thread, "--store", str(store)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "maxkernel.cli",
+                "resume",
+                thread,
+                "--store",
+                str(store),
+                *self._ray(),
+            ]
         elif search:
             cmd = self._command(task, thread, out)
         else:
@@ -332,7 +348,7 @@ class Bench:
         cmd = [
             sys.executable, "-m", "maxkernel.cli", "eval", str(task), str(kernel), "--json",
             "--tpu", ",".join(self.s.tpu), "--scale", self.s.scale,
-            "--store", str(self.out / "store.db"), "--work-dir", str(self.out / "work"),
+            "--store", str(self.out / "store.db"), "--work-dir", str(self.out / "work"), *self._ray(),
         ]  # fmt: skip
         row.human_kernel_path = str(kernel)
         log = out / "hand_written.log"

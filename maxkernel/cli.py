@@ -56,6 +56,42 @@ TimeoutOpt = Annotated[
     ),
 ]
 TASK_LOAD_TIMEOUT_S = 300.0
+RayOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray",
+        help="run evaluations on Ray: 'auto' (an embedded local instance) or a cluster's HOST:PORT (what "
+        "`ray start --head` prints); default $MAXKERNEL_RAY_ADDRESS, else locally without Ray",
+    ),
+]
+
+
+def use_ray(flag: str | None) -> str | None:
+    """The Ray address from --ray or $MAXKERNEL_RAY_ADDRESS, connected up front so that a bad address is
+    exit 2 in seconds (never a hang, never a traceback mid-run); None: evaluate locally. Ctrl-C and SIGTERM
+    then cancel the evaluations in flight on the workers before the process ends."""
+    import os
+    import signal
+
+    from maxkernel.tools import cluster
+
+    address = (flag or os.environ.get(cluster.RAY_ADDRESS_ENV) or "").strip() or None
+    if address is None:
+        return None
+    logging.getLogger("maxkernel.cluster").setLevel(logging.INFO)
+    try:
+        with console.status(f"connecting to Ray ({address}) ..."):
+            cluster.connect(address)
+    except cluster.ClusterError as exc:
+        raise fail_usage(str(exc)) from exc
+
+    def interrupted(signum: int, _frame: object) -> None:
+        cluster.cancel_all()
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupted)
+    return address
 
 
 def fail_usage(message: str) -> typer.Exit:
@@ -117,10 +153,12 @@ def eval_cmd(
     ] = False,
     store: StoreOpt = Path(".maxkernel/results.db"),
     work_dir: WorkOpt = Path(".maxkernel"),
+    ray: RayOpt = None,
 ) -> None:
     """Evaluate one candidate kernel: sandboxed load, trace, Pallas check, correctness, TPU compile."""
     gens = parse_tpus(tpu)
     source = read_source(kernel)
+    address = use_ray(ray)
     try:
         with console.status(f"loading task {task} ..."):
             kt = load_task(task, scale=scale, work_dir=work_dir, timeout_s=timeout or TASK_LOAD_TIMEOUT_S)
@@ -130,7 +168,11 @@ def eval_cmd(
         tpu=gens, input_sets=input_sets, timeout_s=timeout, allow_unsandboxed=allow_unsandboxed
     )
     with console.status(f"evaluating {kernel.name} on {kt.task_id} ..."):
-        result = evaluate(kt, source, options, store=ResultsStore(store), work_dir=work_dir)
+        from maxkernel.tools.cluster import runner_for
+
+        result = evaluate(
+            kt, source, options, store=ResultsStore(store), work_dir=work_dir, runner=runner_for(address)
+        )
     if result.error and result.error.stage == "task":
         if json_out:
             out.print_json(json.dumps(result.summary_json()))

@@ -23,7 +23,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from maxkernel.checkpointing import DEFAULT_CHECKPOINTS
-from maxkernel.cli import DEFAULT_TPU_TEXT, TPU_HELP, app, console, fail_usage, out, parse_tpus
+from maxkernel.cli import (
+    DEFAULT_TPU_TEXT,
+    TPU_HELP,
+    RayOpt,
+    app,
+    console,
+    fail_usage,
+    out,
+    parse_tpus,
+    use_ray,
+)
 from maxkernel.cli_review import REVIEW_FLAGS, interactive_review, show_review, stdin_is_terminal
 from maxkernel.context import Context, default_model
 from maxkernel.tools.results import SCORE_RANKS
@@ -317,6 +327,7 @@ def optimize_cmd(
     model_tools: Annotated[
         int, typer.Option("--model-tools", min=0, help="tool calls (API look-up, draft check) per step")
     ] = 4,
+    ray: RayOpt = None,
 ) -> None:
     """Run the agent loop on a task and write the best correct kernel, result.json and report.md."""
     if mode not in ("auto", "hitl"):
@@ -344,7 +355,7 @@ def optimize_cmd(
     }
     st, settings = _start_run(
         "agent", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir, describe=f"mode {mode}",
-        limits=limits,
+        limits=limits, ray_address=use_ray(ray),
     )  # fmt: skip
     ctx = _started_context(st, thread_id, settings)
     graph = _graph(checkpoint_db)
@@ -430,6 +441,7 @@ def _context(settings: dict[str, Any]) -> Context:
         tpu=list(settings["tpu"]),
         store_path=settings["store_path"],
         work_dir=settings["work_dir"],
+        ray_address=use_ray(settings.get("ray_address")),
         **limits,
     )
 
@@ -495,9 +507,11 @@ def resume_cmd(
         str | None, typer.Option("--checkpoint-db", help="override the recorded one")
     ] = None,
     store: StoreOpt = Path(DEFAULT_STORE),
+    ray: RayOpt = None,
 ) -> None:
     """Continue a paused (hitl), killed or model-failed run from its last checkpoint. Without an answer
-    flag, a pending review is shown (on a terminal: asked)."""
+    flag, a pending review is shown (on a terminal: asked). --ray overrides the recorded Ray address (an
+    embedded instance ends with its process)."""
     from langgraph.types import Command
 
     st = _store(store)
@@ -506,6 +520,8 @@ def resume_cmd(
         raise fail_usage(f"no run with thread id {thread_id!r} in {store}")
     _take_lease(store, thread_id)
     settings = json.loads(run["settings"])
+    if ray is not None:
+        settings["ray_address"] = ray
     graph = _graph(checkpoint_db or settings["checkpoint_db"], settings.get("graph", "agent"))
     config = {"configurable": {"thread_id": thread_id}}
     snapshot = graph.get_state(config)
@@ -655,8 +671,13 @@ def search_cmd(
         str | None, typer.Option("--strategies", help="comma-separated strategy names")
     ] = None,
     max_concurrency: Annotated[
-        int, typer.Option("--max-concurrency", min=1, help="branches running at once")
-    ] = 2,
+        int | None,
+        typer.Option(
+            "--max-concurrency",
+            min=1,
+            help="branches running at once (default 2; with --ray the cluster's CPUs)",
+        ),
+    ] = None,
     model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
     tpu: Annotated[str, typer.Option("--tpu", help=TPU_HELP)] = DEFAULT_TPU_TEXT,
     out_dir: Annotated[Path | None, typer.Option("--out", help="output dir (default out/TASK_ID)")] = None,
@@ -667,6 +688,7 @@ def search_cmd(
     store: StoreOpt = Path(DEFAULT_STORE),
     work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
     thread_id: Annotated[str | None, typer.Option("--thread-id", help="use this thread id")] = None,
+    ray: RayOpt = None,
 ) -> None:
     """Search over optimisation strategies (parallel branches or a beam) and keep the best kernel."""
     from maxkernel.strategies import get_strategy
@@ -682,9 +704,15 @@ def search_cmd(
         except KeyError as exc:
             raise fail_usage(str(exc.args[0])) from exc
     thread_id = thread_id or f"ms-{uuid.uuid4().hex[:12]}"
+    address = use_ray(ray)
+    if max_concurrency is None:
+        from maxkernel.tools.cluster import runner_for
+
+        runner = runner_for(address)
+        max_concurrency = runner.capacity if runner is not None else 2
     st, settings = _start_run(
         "search", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir,
-        describe=f"{algorithm} search", max_concurrency=max_concurrency,
+        describe=f"{algorithm} search", max_concurrency=max_concurrency, ray_address=address,
     )  # fmt: skip
     ctx = _started_context(st, thread_id, settings)
     graph = _graph(checkpoint_db, "search")
@@ -742,6 +770,7 @@ def bench_cmd(
             help="with --algorithm: search only tasks whose single round is correct and estimated below this",
         ),
     ] = 1.25,
+    ray: RayOpt = None,
 ) -> None:
     """Run the agent over a suite; resumable; writes results.db, results.csv, report.md and plots.
 
@@ -758,7 +787,14 @@ def bench_cmd(
             raise fail_usage("--scale must be cpu, tpu or a shrink factor in (0, 1] such as 0.125")
     if algorithm not in (None, "parallel", "beam"):
         raise fail_usage(f"--algorithm must be parallel or beam, not {algorithm!r}")
+    address = use_ray(ray)
+    if address is not None:  # each task's process connects to the same cluster (an embedded one: this one's)
+        from maxkernel.tools.cluster import current
+
+        cluster = current()
+        address = cluster.address if cluster is not None else address
     settings = BenchSettings(
+        ray_address=address,
         suite=str(suite.resolve()),
         out_dir=str(out_dir),
         model=model or default_model(),

@@ -43,6 +43,13 @@ class Context:
     eval_timeout_s: float | None = field(
         default=None, metadata={"description": "limit for one evaluation; None: derived from the task"}
     )
+    ray_address: str | None = field(
+        default=None,
+        metadata={
+            "description": "run evaluations on Ray: 'auto' (an embedded local instance) or a cluster's "
+            "HOST:PORT; None: in this process's sandboxed children (tools/cluster.py)"
+        },
+    )
     baseline: bool = field(
         default=True,
         metadata={

@@ -18,6 +18,7 @@ from maxkernel.nodes.common import (
     author_context,
     author_for,
     current_plan,
+    eval_slots,
     run_eval,
     save_source,
     store_at,
@@ -26,6 +27,7 @@ from maxkernel.nodes.common import (
 from maxkernel.nodes.finalize import write_best_so_far
 from maxkernel.state import AgentState, Attempt
 from maxkernel.strategies import HOPELESS_FACTOR, get_strategy, pick_config
+from maxkernel.tools.cluster import bounded_map
 from maxkernel.tools.tuning_table import TunedConfig, TuningKey, TuningTable, arg_spec, device_kind
 
 
@@ -123,20 +125,25 @@ def autotune(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         fresh = [i for i, c in enumerate(others) if c not in done]
         others, predicted = [others[i] for i in fresh], [predicted[i] for i in fresh]
     todo = _order(others, state.strategy, state.tune_max_configs + 1, predicted, seed)
-    tried: list[Attempt] = []
+    drafts: list[tuple[TileConfig, str, str, str]] = []  # (config, digest, path, source)
     for cfg in todo:
-        if len(tried) >= state.tune_max_configs:
+        if len(drafts) >= state.tune_max_configs:
             break
         try:
             draft = author.render(actx, plan, cfg)
         except AuthorError as exc:
             tried_note = f"render failed for {cfg.label()}: {exc}"
-            return {"tuning": {"space_size": len(space), "evaluated": len(tried), "note": tried_note}}
+            return {"tuning": {"space_size": len(space), "evaluated": 0, "note": tried_note}}
         digest, path = save_source(state, draft.source)
         if digest == state.source_hash:
             continue  # the kernel we already have, at its own config
-        result = run_eval(state, ctx, draft.source)
-        tried.append(to_attempt(state, "tune", digest, path, result, config=cfg.as_dict()))
+        drafts.append((cfg, digest, path, draft.source))
+    # Configs are independent evaluations: on a Ray cluster they run at once, up to its capacity.
+    results = bounded_map(lambda d: run_eval(state, ctx, d[3]), drafts, eval_slots(ctx), label="autotune")
+    tried: list[Attempt] = [
+        to_attempt(state, "tune", digest, path, result, config=cfg.as_dict())
+        for (cfg, digest, path, _), result in zip(drafts, results, strict=True)
+    ]
     pool = [a for a in ([current] if current else []) + tried if a.accepted]
     ranked = sorted(pool, key=lambda a: a.score(), reverse=True)
     winner = ranked[0] if ranked else current

@@ -17,6 +17,7 @@ from maxkernel.authors.base import Attempt as AuthorAttempt
 from maxkernel.authors.base import Author, AuthorContext, Plan
 from maxkernel.context import Context
 from maxkernel.state import AgentState, Attempt
+from maxkernel.tools.cluster import runner_for
 from maxkernel.tools.harness import EvalOptions, evaluate
 from maxkernel.tools.results import EvalResult
 from maxkernel.tools.store import ResultsStore
@@ -131,7 +132,21 @@ def run_eval(state: AgentState, ctx: Context, source: str) -> EvalResult:
         timeout_s=ctx.eval_timeout_s,
         allow_unsandboxed=ctx.model == "offline",
     )
-    return evaluate(state.task, source, options, store=store_at(ctx.store_path), work_dir=Path(ctx.work_dir))
+    return evaluate(
+        state.task,
+        source,
+        options,
+        store=store_at(ctx.store_path),
+        work_dir=Path(ctx.work_dir),
+        runner=runner_for(ctx.ray_address),
+    )
+
+
+def eval_slots(ctx: Context) -> int:
+    """Evaluations a node may have in flight at once: the Ray cluster's capacity, 1 without one (a local
+    evaluation already runs two sandboxed children)."""
+    runner = runner_for(ctx.ray_address)
+    return runner.capacity if runner is not None else 1
 
 
 def to_attempt(

@@ -31,7 +31,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -147,6 +147,37 @@ def machine_load_factor() -> float:
     return float(min(8.0, max(1.0, load / max(1, os.cpu_count() or 1))))
 
 
+class EvalJob(BaseModel):
+    """One evaluation to run, whatever runs it: all it needs, as plain data (a Ray worker gets it as JSON)."""
+
+    key: str = Field(description="the store key (`evaluation_key`): also the run dir's name")
+    task: KernelTask
+    source: str
+    options: EvalOptions
+    timeout_s: float
+    cached_reference_estimate: float | None = None
+    work_dir: str = Field(description="absolute; run dirs go under work_dir/evals")
+    keep_run_dir: bool = False
+
+
+class EvalRunner(Protocol):
+    """Where an evaluation job runs: `run_job` in this process when there is none, a Ray worker with
+    `cluster.RayRunner`. A runner returns the job's result; it never writes the store."""
+
+    def run(self, job: EvalJob) -> EvalResult: ...
+
+
+def run_job(job: EvalJob) -> EvalResult:
+    """Run one evaluation from scratch (no store): both sandboxed children, and the verdict decided here."""
+    eval_dir = fresh_run_dir(Path(job.work_dir) / "evals", job.key[:16])
+    try:
+        return _run(job.task, job.source, sha256_text(job.source), job.options, job.timeout_s, eval_dir,
+                    job.cached_reference_estimate)  # fmt: skip
+    finally:
+        if not job.keep_run_dir:
+            remove_tree(eval_dir)
+
+
 def default_timeout(task: KernelTask, options: EvalOptions, *, load_factor: float | None = None) -> float:
     """A hang should cost about a minute, not ten: the task's reference time (measured when it was
     loaded, compile included) for every input set, plus a compile budget per generation, stretched by the
@@ -168,7 +199,10 @@ def evaluate(
     store: ResultsStore | None = None,
     work_dir: Path | None = None,
     keep_run_dir: bool = False,
+    runner: EvalRunner | None = None,
 ) -> EvalResult:
+    """Look the evaluation up in the store, else run it (here, or through `runner`: a Ray cluster, see
+    `cluster.RayRunner`) and store what it decided. Only this process writes the store."""
     options = options or EvalOptions()
     source_hash = sha256_text(source)
     key = evaluation_key(task.fingerprint, source_hash, options.key_fields())
@@ -178,20 +212,23 @@ def evaluate(
             hit.cached = True
             return hit
         store.put_candidate(source_hash, task.task_id, source, origin="eval")
-    timeout = options.timeout_s or default_timeout(task, options)
-    eval_dir = fresh_run_dir(Path(work_dir or Path.cwd() / ".maxkernel") / "evals", key[:16])
     t0 = time.monotonic()
     gen = first_generation(options.tpu)
-    cached_ref_estimate = (
-        store.get_reference_estimate(task.fingerprint, gen)
-        if store is not None and options.estimate
-        else None
+    job = EvalJob(
+        key=key,
+        task=task,
+        source=source,
+        options=options,
+        timeout_s=options.timeout_s or default_timeout(task, options),
+        cached_reference_estimate=(
+            store.get_reference_estimate(task.fingerprint, gen)
+            if store is not None and options.estimate
+            else None
+        ),
+        work_dir=str(Path(work_dir or Path.cwd() / ".maxkernel").resolve()),
+        keep_run_dir=keep_run_dir,
     )
-    try:
-        result = _run(task, source, source_hash, options, timeout, eval_dir, cached_ref_estimate)
-    finally:
-        if not keep_run_dir:
-            remove_tree(eval_dir)
+    result = runner.run(job) if runner is not None else run_job(job)
     if store is not None and result.estimate and result.estimate.reference_estimated_seconds:
         store.put_reference_estimate(task.fingerprint, gen, result.estimate.reference_estimated_seconds)
     if store is not None and STAGE_INFO[result.error.stage if result.error else "timing"].cached:
