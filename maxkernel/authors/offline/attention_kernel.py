@@ -34,6 +34,17 @@ from maxkernel.authors.offline.kernels import (
 )
 from maxkernel.authors.offline.spec import BufferSpec
 
+LAYOUT_PRIMS = (
+    "convert_element_type",
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "copy",
+    "copy_p",
+)
+"""Primitives that move or widen a value without changing which rows/keys it describes."""
+
 MAX_GROUP_FOLD = 16
 """Most query heads folded into one block per K/V head: the score tile is group x bq x bkv f32 (x3 live)."""
 
@@ -176,6 +187,8 @@ class AttentionBuilder(Builder):
         self.mask_select: tuple[Any, Any] | None = None  # (masked value, its unmasked input), see block_mask
         pred = self.block_mask(info.logits if info.softmax else info.probs, "-inf" if info.softmax else "0")
         scheduled = pred is not None and self.plan_schedule(pred)
+        if pred is not None and not scheduled:
+            self.plan_length_clamp(pred)
         step = f"pl.program_id({getattr(self, 'step_axis', 0)})"
         first = f"(step_flags_ref[{step}] & 1) != 0" if scheduled else f"{kv_index} == 0"
         last = (
@@ -507,6 +520,87 @@ class AttentionBuilder(Builder):
             "the grid walks only the (q block, key block) pairs the static mask leaves alive (tables built at "
             "trace time, scalar-prefetched): masked key blocks are neither fetched nor computed nor stepped over; "
             "the grid figures above are the dense logical grid"
+        )
+        return True
+
+    def strip_layout(self, var: Any) -> Any:
+        """The value under converts, broadcasts and reshapes computed in this region (same data per row)."""
+        own = set(self.region.eqns())
+        while not is_literal(var):
+            p = self.g.producer.get(var)
+            if p is None or p not in own or self.g.eqns[p].primitive.name not in LAYOUT_PRIMS:
+                return var
+            var = self.g.eqns[p].invars[0]
+        return var
+
+    def plan_length_clamp(self, pred: Any) -> bool:
+        """Key blocks past a per-row length are not fetched: the K/V index maps clamp the key block to the
+        row's last live one, read from a scalar-prefetched table, so the pipeline issues no new copy for
+        them (the block index does not change); the mask's own `pl.when` skips their compute.
+
+        Applies to a mask `key_position < length` (or `<=`) whose length is an operand indexed by one grid
+        axis only (a sequence's length in decode or paged attention): the table is that operand, divided
+        by the key block once in the wrapper.
+        """
+        g = self.g
+        own = set(self.region.eqns())
+        p = g.producer.get(self.strip_layout(pred))
+        if p is None or p not in own or g.eqns[p].primitive.name not in ("lt", "le", "gt", "ge"):
+            return False
+        e = g.eqns[p]
+        if any(is_literal(v) for v in e.invars):
+            return False
+        kv = self.ax.find(self.kv_class)
+        sides = [{self.ax.find(c) for c in self.ax.footprint(v)} for v in e.invars]
+        if sides[0] == {kv} and kv not in sides[1]:
+            pos_side = 0
+        elif sides[1] == {kv} and kv not in sides[0]:
+            pos_side = 1
+        else:
+            return False
+        bound = self.strip_layout(e.invars[1 - pos_side])
+        if bound not in self.input_set or not str(bound.aval.dtype).startswith("int"):
+            return False
+        spanned = [d for d in self.dims if self.spans(bound, d)]
+        if len(spanned) != 1 or spanned[0].role != "grid" or self.kv.axis is None:
+            return False
+        row = spanned[0]
+        # live keys: pos < L (lt with pos left, gt with L left) or pos <= L (le / ge likewise)
+        op = (
+            e.primitive.name
+            if pos_side == 0
+            else {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}[e.primitive.name]
+        )
+        if op not in ("lt", "le"):
+            return False
+        extra = "" if op == "le" else " - 1"
+        name = self.local(bound)
+        grid = [
+            (
+                d.key,
+                f"{d.padded} // {d.blk}" if d.role in ("tiled", "seq") else d.ext,
+                "arbitrary" if d.role == "seq" else "parallel",
+            )
+            for d in sorted((d for d in self.dims if d.axis is not None), key=lambda d: d.axis)
+        ]
+        self.schedule = StepSchedule(
+            prefetch=["kv_last"],
+            grid=grid,
+            axis_code={
+                self.kv.axis: (
+                    f"pl.program_id({self.kv.axis})",
+                    f"jnp.minimum({self.kv.key}_index, kv_last_ref[{row.key}_index])",
+                )
+            },
+            wrapper_lines=[
+                "# the last key block each row needs: the K/V index maps stop there, so later blocks are not fetched",
+                f"kv_last = jnp.clip((jnp.reshape({name}, (-1,)).astype(jnp.int32){extra}) // {self.kv.blk}, 0, "
+                f"{self.kv.padded} // {self.kv.blk} - 1)",
+            ],
+        )
+        self.notes.append(
+            "key blocks past each row's length are neither fetched (the K/V index maps clamp to the last live "
+            "block, from a scalar-prefetched table) nor computed (pl.when)"
         )
         return True
 
