@@ -147,6 +147,8 @@ def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
         cands = candidates(p)
         fit = [c for c in cands if c <= start] or cands[:1]
         vals[p.name] = fit[-1]
+        if kernel.family in LEAST_PADDING_FAMILIES:
+            vals[p.name] = _least_padding(p, cands, vals[p.name])
     if kernel.family == "rowwise" and vals:
         _size_rows(kernel, vals)
     start = dict(vals)
@@ -220,6 +222,34 @@ def _size_rows(kernel: KernelSpec, vals: dict[str, int]) -> None:
     cands = candidates(p)
     fit = [c for c in cands if c <= max(want, cands[0])]
     vals[p.name] = fit[-1] if fit else cands[0]
+
+
+LEAST_PADDING_FAMILIES = ("attention", "linear_attention")
+"""Families whose padded rows/keys are computed in full (a score tile per block pair): an unaligned sequence
+(577 ViT tokens) padded up to whole 256/512 blocks does 2-3x the work, where one whole-dim block pads only to
+the (8, 128) tile inside VMEM, with no HBM pad copy."""
+
+MAX_PADDING = 1.125
+"""Padded extent / extent above which a block that needs no padding is preferred."""
+
+MAX_WHOLE_SEQUENCE = 1024
+"""Longest dim taken whole to avoid padding: beyond it a masked (causal, banded) kernel loses the key
+blocks it skips, and the score tile grows past what the start sizes were chosen for."""
+
+
+def _least_padding(p: ParamSpec, cands: list[int], v: int) -> int:
+    """The start value, unless it pads the dim by more than `MAX_PADDING` while a larger candidate up to
+    `MAX_WHOLE_SEQUENCE` needs no padding at all (a divisor, or the whole dim); the VMEM fit is checked
+    after, as for any start."""
+
+    def padded(c: int) -> int:
+        b = block_for(p.extent, c, p.align)
+        return -(-p.extent // b) * b
+
+    if padded(v) <= p.extent * MAX_PADDING:
+        return v
+    exact = [c for c in cands if v < c <= MAX_WHOLE_SEQUENCE and padded(c) == p.extent]
+    return exact[0] if exact else v
 
 
 def _smaller(p: ParamSpec, v: int) -> int | None:
