@@ -34,6 +34,20 @@ from maxkernel.authors.offline.kernels import (
 )
 from maxkernel.authors.offline.spec import BufferSpec
 
+LAYOUT_PRIMS = (
+    "convert_element_type",
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "copy",
+    "copy_p",
+)
+"""Primitives that move or widen a value without changing which rows/keys it describes."""
+
+MAX_GROUP_FOLD = 16
+"""Most query heads folded into one block per K/V head: the score tile is group x bq x bkv f32 (x3 live)."""
+
 
 class AttentionBuilder(Builder):
     """Flash attention: online softmax over key blocks, scores never leave VMEM."""
@@ -58,13 +72,17 @@ class AttentionBuilder(Builder):
         lfree = [c for c in lfree if c is not None]
         q_cls = lfree[-1:] if lfree else []
         grid = [c for c in rows if c not in q_cls]
+        shared = self.shared_kv_rows(grid, lfree) if q_cls else []
+        grid = [c for c in grid if c not in shared]
         dims: list[SpaceDim] = []
         for k, c in enumerate(grid):
             dims.append(SpaceDim(key=f"h{k}" if len(grid) > 1 else "h", classes=[c], role="grid"))
+        # query heads that share one K/V head (grouped-query attention) ride in one block: [group, bq, d]
+        self.grp: SpaceDim | None = SpaceDim(key="g", classes=shared, role="full") if shared else None
         self.q = SpaceDim(key="q", classes=q_cls, role="tiled", param=f"{self.cprefix}BLOCK_Q")
         self.kv = SpaceDim(key="kv", classes=[kv], role="seq", param=f"{self.cprefix}BLOCK_KV")
         self.kv.lane_use = True
-        dims += [self.q, self.kv]
+        dims += [*self.rows_lead(), self.q, self.kv]
         self.dq: list[SpaceDim] = []
         for i, d in enumerate(info.score_dots):
             e = g.eqns[d]
@@ -88,12 +106,54 @@ class AttentionBuilder(Builder):
                 axis += 1
         self.kv.axis = axis
         self.dims = dims
-        self.score = Space("score", [self.q, self.kv])
-        self.epi = Space("epi", [self.q, self.dv])
+        self.score = Space("score", [*self.rows_lead(), self.q, self.kv])
+        self.epi = Space("epi", [*self.rows_lead(), self.q, self.dv])
+        if self.grp is not None:
+            self.notes.append(
+                "the query heads of one K/V group share a block ([group, bq, d] against one [bkv, d] K/V "
+                "block): each K/V block is fetched once per group, not once per query head, and the MXU sees "
+                "group x bq rows per key block"
+            )
         if not info.softmax:
             uses_positions = any(g.eqns[i].primitive.name == "iota" for i in self.region.eqns())
             self.family = "linear_attention" if uses_positions else "fused_mlp"
             self.stem = self.stem.replace("_attention", f"_{self.family}")
+
+    def shared_kv_rows(self, grid: list[Any], lfree: list[Any]) -> list[Any]:
+        """Query-only row axes (the heads of a K/V group): free on the query side, absent from every K and V
+        operand. Keeping them whole in the query block lets one fetched K/V block serve the whole group,
+        instead of the grid refetching it once per query head. Only small groups: the score tile grows by
+        the group size."""
+        g, ax = self.g, self.ax
+        info = self.region.attention
+        assert info is not None
+        kv_fp: set[Any] = set()
+        for d in info.score_dots:
+            e = g.eqns[d]
+            kv_fp |= {ax.find(c) for c in ax.footprint(e.invars[1 - self.q_side(e)])}
+        pv = g.eqns[info.pv_dot]
+        kv_fp |= {ax.find(c) for c in ax.footprint(pv.invars[1 - info.probs_side])}
+        free = {ax.find(c) for c in lfree}
+        shared = [c for c in grid if ax.find(c) in free and ax.find(c) not in kv_fp]
+        size = math.prod(max(ax.extents_all(c)) for c in shared) if shared else 1
+        if size <= 1 or size > MAX_GROUP_FOLD:
+            return []
+        return shared
+
+    def rows_lead(self) -> list[SpaceDim]:
+        """The row dims before the query rows in every tile (the K/V group), empty without one."""
+        return [self.grp] if self.grp is not None else []
+
+    def row_dot(self, lhs: str, rhs: str, dims: str, tail: str) -> str:
+        """An MXU product whose lhs may carry the K/V group as a leading dim: [group, bq, x] is merged to
+        [group * bq, x] so the group's rows share one pass over the rhs (Mosaic compiles the merge for
+        aligned and unaligned bq alike), and the result is split back."""
+        if self.grp is None:
+            return f"lax.dot_general({lhs}, {rhs}, {dims}{tail})"
+        return (
+            f"lax.dot_general({lhs}.reshape(-1, {lhs}.shape[-1]), {rhs}, {dims}{tail})"
+            f".reshape({lhs}.shape[:-1] + (-1,))"
+        )
 
     def q_side(self, e: Any) -> int:
         """Which operand of a score dot holds the queries (the other's free dim is the key axis)."""
@@ -108,9 +168,14 @@ class AttentionBuilder(Builder):
 
     def scratch(self) -> list[tuple[str, str, list[SpaceDim | str]]]:
         info = self.region.attention
-        acc = [("acc_ref", "jnp.float32", [self.q, self.dv])]
+        lead: list[SpaceDim | str] = [*self.rows_lead()]
+        acc = [("acc_ref", "jnp.float32", [*lead, self.q, self.dv])]
         if info is not None and info.softmax:
-            return [("m_ref", "jnp.float32", [self.q, "1"]), ("l_ref", "jnp.float32", [self.q, "1"]), *acc]
+            return [
+                ("m_ref", "jnp.float32", [*lead, self.q, "1"]),
+                ("l_ref", "jnp.float32", [*lead, self.q, "1"]),
+                *acc,
+            ]
         return acc
 
     def make_body(self) -> list[str]:
@@ -122,6 +187,8 @@ class AttentionBuilder(Builder):
         self.mask_select: tuple[Any, Any] | None = None  # (masked value, its unmasked input), see block_mask
         pred = self.block_mask(info.logits if info.softmax else info.probs, "-inf" if info.softmax else "0")
         scheduled = pred is not None and self.plan_schedule(pred)
+        if pred is not None and not scheduled:
+            self.plan_length_clamp(pred)
         step = f"pl.program_id({getattr(self, 'step_axis', 0)})"
         first = f"(step_flags_ref[{step}] & 1) != 0" if scheduled else f"{kv_index} == 0"
         last = (
@@ -140,7 +207,7 @@ class AttentionBuilder(Builder):
             e = g.eqns[d]
 
             def score_dot(scope: Scope, space: Space, e: Any = e, i: int = i) -> tuple[str, frozenset[str]]:
-                qs = Space(f"q{i}", [self.q, self.dq[i]])
+                qs = Space(f"q{i}", [*self.rows_lead(), self.q, self.dq[i]])
                 ks = Space(f"k{i}", [self.kv, self.dq[i]])
                 side = self.q_side(e)
                 qv, kvv = e.invars[side], e.invars[1 - side]
@@ -151,7 +218,7 @@ class AttentionBuilder(Builder):
                     qv, kvv, prec = narrow_q, narrow_k, ""
                 a, am = self.value(qv, qs, scope)
                 b, bm = self.value(kvv, ks, scope)
-                a, _ = self.materialise(
+                a, am = self.materialise(
                     a,
                     am,
                     {self.q.key, self.dq[i].key} if self.q.classes else {self.dq[i].key},
@@ -164,11 +231,11 @@ class AttentionBuilder(Builder):
                 pref = "jnp.float32" if is_float(dt) else dtype_code(dt)
                 nm = self.fresh("scores")
                 mat = frozenset({self.q.key, self.kv.key}) if self.q.classes else frozenset({self.kv.key})
+                if self.grp is not None and self.grp.key in am:
+                    mat |= {self.grp.key}
                 cast = "" if dt == "float32" else f".astype({dtype_code(dt)})"
-                scope.add(
-                    f"{nm} = lax.dot_general({a}, {b}, (((1,), (1,)), ((), ())), preferred_element_type={pref}{prec}){cast}"
-                    + self.comment(dt, space, mat)
-                )
+                dot = self.row_dot(a, b, "(((1,), (1,)), ((), ()))", f", preferred_element_type={pref}{prec}")
+                scope.add(f"{nm} = {dot}{cast}" + self.comment(dt, space, mat))
                 return nm, mat
 
             main.special[e.outvars[0]] = score_dot
@@ -202,7 +269,7 @@ class AttentionBuilder(Builder):
                 )
                 main.add(f"    {gcode} = jnp.where(kv_pos < n_kv, {gcode}, -jnp.inf)")
                 main.add("m_prev = m_ref[...]  # f32[bq, 1]: row max over the key blocks seen so far")
-                main.add(f"m_next = jnp.maximum(m_prev, jnp.max({gcode}, axis=1, keepdims=True))")
+                main.add(f"m_next = jnp.maximum(m_prev, jnp.max({gcode}, axis=-1, keepdims=True))")
                 main.add(
                     "m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows whose keys are all masked so far"
                 )
@@ -210,7 +277,7 @@ class AttentionBuilder(Builder):
                 main.add(
                     "rescale = jnp.exp(m_prev - m_safe)  # corrects what was accumulated under the old max"
                 )
-                main.add("l_ref[...] = rescale * l_ref[...] + jnp.sum(probs, axis=1, keepdims=True)")
+                main.add("l_ref[...] = rescale * l_ref[...] + jnp.sum(probs, axis=-1, keepdims=True)")
                 main.add("m_ref[...] = m_next")
                 pcast = "probs" if pdt == "float32" else f"probs.astype({dtype_code(pdt)})"
                 pv_expr = self.pv_product(pcast, pdt, v_var, vspace, main)
@@ -262,7 +329,9 @@ class AttentionBuilder(Builder):
             div = " / l_ref[...]" if info.softmax and info.normalised_before_pv else ""
             cast = "" if odt == "float32" else f".astype({dtype_code(odt)})"
             expr = f"(acc_ref[...]{div}){cast}" if cast and div else f"acc_ref[...]{div}{cast}"
-            mat = frozenset(k for k, d in ((self.q.key, self.q), (self.dv.key, self.dv)) if d.classes)
+            mat = frozenset(
+                k for k, d in ((self.q.key, self.q), (self.dv.key, self.dv), *self.lead_pairs()) if d.classes
+            )
             scope.add(f"{nm} = {expr}" + self.comment(odt, space, mat))
             return nm, mat
 
@@ -276,14 +345,18 @@ class AttentionBuilder(Builder):
                     nm = self.fresh(ref[0])
                     dt = dtype_name(var.aval)
                     cast = "" if dt == "float32" else f".astype({dtype_code(dt)})"
-                    scope.add(f"{nm} = {ref}[...]{cast}" + self.comment(dt, space, frozenset({self.q.key})))
-                    return nm, frozenset({self.q.key})
+                    rows = frozenset({self.q.key, *(d.key for d in self.rows_lead())})
+                    scope.add(f"{nm} = {ref}[...]{cast}" + self.comment(dt, space, rows))
+                    return nm, rows
 
                 fin.special[var] = load_stat
         names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
         for v, nm in zip(self.outputs, names, strict=True):
             self.store(v, f"{nm}_ref", self.epi, fin)
         return main.lines + fin.lines
+
+    def lead_pairs(self) -> list[tuple[str, SpaceDim]]:
+        return [(d.key, d) for d in self.rows_lead()]
 
     def note(self, text: str) -> None:
         """Add a note once (the update body may be emitted twice: masked and mask-free blocks)."""
@@ -325,8 +398,13 @@ class AttentionBuilder(Builder):
             scope,
             dtype_name(src.aval),
         )
+        nt = "(((1,), (0,)), ((), ()))"
         if narrow is None:
-            return f"jnp.dot({pcode}, {v}, preferred_element_type=jnp.float32{prec})"
+            if self.grp is not None and not pcode.isidentifier():
+                named = self.fresh("p")
+                scope.add(f"{named} = {pcode}")
+                pcode = named
+            return self.row_dot(pcode, v, nt, f", preferred_element_type=jnp.float32{prec}")
         p = self.fresh("p")
         # Every output rounded to 16 bits: two terms (16 mantissa bits of the probabilities, error 2^-17)
         # are far below the output's own rounding (2^-9); an f32 output keeps all three.
@@ -354,7 +432,9 @@ class AttentionBuilder(Builder):
                 else "probabilities split into two bf16 terms (16 bits, below the 16-bit output's rounding)"
             )
         )
-        return " + ".join(f"jnp.dot({p}_{t}, {v}, preferred_element_type=jnp.float32)" for t in terms)
+        return " + ".join(
+            self.row_dot(f"{p}_{t}", v, nt, ", preferred_element_type=jnp.float32") for t in terms
+        )
 
     def plan_schedule(self, pred: Any) -> bool:
         """Walk only the (q block, key block) pairs the mask leaves alive, when the mask is static.
@@ -440,6 +520,87 @@ class AttentionBuilder(Builder):
             "the grid walks only the (q block, key block) pairs the static mask leaves alive (tables built at "
             "trace time, scalar-prefetched): masked key blocks are neither fetched nor computed nor stepped over; "
             "the grid figures above are the dense logical grid"
+        )
+        return True
+
+    def strip_layout(self, var: Any) -> Any:
+        """The value under converts, broadcasts and reshapes computed in this region (same data per row)."""
+        own = set(self.region.eqns())
+        while not is_literal(var):
+            p = self.g.producer.get(var)
+            if p is None or p not in own or self.g.eqns[p].primitive.name not in LAYOUT_PRIMS:
+                return var
+            var = self.g.eqns[p].invars[0]
+        return var
+
+    def plan_length_clamp(self, pred: Any) -> bool:
+        """Key blocks past a per-row length are not fetched: the K/V index maps clamp the key block to the
+        row's last live one, read from a scalar-prefetched table, so the pipeline issues no new copy for
+        them (the block index does not change); the mask's own `pl.when` skips their compute.
+
+        Applies to a mask `key_position < length` (or `<=`) whose length is an operand indexed by one grid
+        axis only (a sequence's length in decode or paged attention): the table is that operand, divided
+        by the key block once in the wrapper.
+        """
+        g = self.g
+        own = set(self.region.eqns())
+        p = g.producer.get(self.strip_layout(pred))
+        if p is None or p not in own or g.eqns[p].primitive.name not in ("lt", "le", "gt", "ge"):
+            return False
+        e = g.eqns[p]
+        if any(is_literal(v) for v in e.invars):
+            return False
+        kv = self.ax.find(self.kv_class)
+        sides = [{self.ax.find(c) for c in self.ax.footprint(v)} for v in e.invars]
+        if sides[0] == {kv} and kv not in sides[1]:
+            pos_side = 0
+        elif sides[1] == {kv} and kv not in sides[0]:
+            pos_side = 1
+        else:
+            return False
+        bound = self.strip_layout(e.invars[1 - pos_side])
+        if bound not in self.input_set or not str(bound.aval.dtype).startswith("int"):
+            return False
+        spanned = [d for d in self.dims if self.spans(bound, d)]
+        if len(spanned) != 1 or spanned[0].role != "grid" or self.kv.axis is None:
+            return False
+        row = spanned[0]
+        # live keys: pos < L (lt with pos left, gt with L left) or pos <= L (le / ge likewise)
+        op = (
+            e.primitive.name
+            if pos_side == 0
+            else {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}[e.primitive.name]
+        )
+        if op not in ("lt", "le"):
+            return False
+        extra = "" if op == "le" else " - 1"
+        name = self.local(bound)
+        grid = [
+            (
+                d.key,
+                f"{d.padded} // {d.blk}" if d.role in ("tiled", "seq") else d.ext,
+                "arbitrary" if d.role == "seq" else "parallel",
+            )
+            for d in sorted((d for d in self.dims if d.axis is not None), key=lambda d: d.axis)
+        ]
+        self.schedule = StepSchedule(
+            prefetch=["kv_last"],
+            grid=grid,
+            axis_code={
+                self.kv.axis: (
+                    f"pl.program_id({self.kv.axis})",
+                    f"jnp.minimum({self.kv.key}_index, kv_last_ref[{row.key}_index])",
+                )
+            },
+            wrapper_lines=[
+                "# the last key block each row needs: the K/V index maps stop there, so later blocks are not fetched",
+                f"kv_last = jnp.clip((jnp.reshape({name}, (-1,)).astype(jnp.int32){extra}) // {self.kv.blk}, 0, "
+                f"{self.kv.padded} // {self.kv.blk} - 1)",
+            ],
+        )
+        self.notes.append(
+            "key blocks past each row's length are neither fetched (the K/V index maps clamp to the last live "
+            "block, from a scalar-prefetched table) nor computed (pl.when)"
         )
         return True
 
@@ -534,13 +695,13 @@ class AttentionBuilder(Builder):
         return total
 
     def flops_code(self) -> str:
-        rows = " * ".join(d.ext for d in [*self.grid_dims(), self.q] if d.classes) or "1"
+        rows = " * ".join(d.ext for d in [*self.grid_dims(), *self.rows_lead(), self.q] if d.classes) or "1"
         inner = " + ".join(d.ext for d in [*self.dq, self.dv] if d.classes) or "1"
         return f"2 * {rows} * n_kv * ({inner})"
 
     def transcendentals_code(self) -> str:
         info = self.region.attention
-        rows = " * ".join(d.ext for d in [*self.grid_dims(), self.q] if d.classes) or "1"
+        rows = " * ".join(d.ext for d in [*self.grid_dims(), *self.rows_lead(), self.q] if d.classes) or "1"
         return f"{rows} * n_kv" if info is not None and info.softmax else "0"
 
     def temporaries(self) -> list[BufferSpec]:

@@ -35,8 +35,11 @@ STARTS = {
     "BLOCK_M": 512,
     "BLOCK_N": 512,
     "BLOCK_K": 512,
-    "BLOCK_Q": 256,
-    "BLOCK_KV": 512,
+    # attention: a grid step costs ~0.35 us of overhead, and 1024 x 1024 score tiles (12 MiB of f32 temporaries)
+    # still fit the 16 MiB default target; the block model rates them faster than 256 x 512 on the suite's causal,
+    # sliding-window and grouped-query tasks (their coarser mask skip costs less than the steps saved)
+    "BLOCK_Q": 1024,
+    "BLOCK_KV": 1024,
     "BLOCK_ROWS": 256,
     "BLOCK_COLS": 1024,
     "BLOCK_RED": 4096,
@@ -147,6 +150,8 @@ def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
         cands = candidates(p)
         fit = [c for c in cands if c <= start] or cands[:1]
         vals[p.name] = fit[-1]
+        if kernel.family in LEAST_PADDING_FAMILIES:
+            vals[p.name] = _least_padding(p, cands, vals[p.name])
     if kernel.family == "rowwise" and vals:
         _size_rows(kernel, vals)
     start = dict(vals)
@@ -160,6 +165,17 @@ def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
             shrinkable = [p for p in kernel.params if _smaller(p, vals[p.name]) is not None]
             if not shrinkable:
                 break
+            rows_first = [
+                p
+                for p in shrinkable
+                if kernel.family in LEAST_PADDING_FAMILIES
+                and p.role == "sublane"
+                and vals[p.name] > MIN_ROWS_FIRST
+            ]
+            if rows_first:
+                # attention: fewer query rows before fewer keys (a narrow key block leaves the score tile's lanes
+                # and the per-row softmax bookkeeping poorly used; a grouped-query block is group x rows tall)
+                shrinkable = rows_first
             p = max(shrinkable, key=lambda p: (block_for(p.extent, vals[p.name], 1), p.role != "sublane"))
             vals[p.name] = _smaller(p, vals[p.name])  # type: ignore[assignment]
         if vmem_estimate(kernel, vals) <= target:
@@ -220,6 +236,38 @@ def _size_rows(kernel: KernelSpec, vals: dict[str, int]) -> None:
     cands = candidates(p)
     fit = [c for c in cands if c <= max(want, cands[0])]
     vals[p.name] = fit[-1] if fit else cands[0]
+
+
+LEAST_PADDING_FAMILIES = ("attention", "linear_attention")
+"""Families whose padded rows/keys are computed in full (a score tile per block pair): an unaligned sequence
+(577 ViT tokens) padded up to whole 256/512 blocks does 2-3x the work, where one whole-dim block pads only to
+the (8, 128) tile inside VMEM, with no HBM pad copy."""
+
+MAX_PADDING = 1.125
+"""Padded extent / extent above which a block that needs no padding is preferred."""
+
+MAX_WHOLE_SEQUENCE = 1024
+"""Longest dim taken whole to avoid padding: beyond it a masked (causal, banded) kernel loses the key
+blocks it skips, and the score tile grows past what the start sizes were chosen for."""
+
+
+MIN_ROWS_FIRST = 256
+"""Attention query blocks shrink first, down to this many rows, when the default tiles exceed the target."""
+
+
+def _least_padding(p: ParamSpec, cands: list[int], v: int) -> int:
+    """The start value, unless it pads the dim by more than `MAX_PADDING` while a larger candidate up to
+    `MAX_WHOLE_SEQUENCE` needs no padding at all (a divisor, or the whole dim); the VMEM fit is checked
+    after, as for any start."""
+
+    def padded(c: int) -> int:
+        b = block_for(p.extent, c, p.align)
+        return -(-p.extent // b) * b
+
+    if padded(v) <= p.extent * MAX_PADDING:
+        return v
+    exact = [c for c in cands if v < c <= MAX_WHOLE_SEQUENCE and padded(c) == p.extent]
+    return exact[0] if exact else v
 
 
 def _smaller(p: ParamSpec, v: int) -> int | None:
