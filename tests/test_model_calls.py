@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage
@@ -243,3 +244,53 @@ def test_reflect_node_keeps_the_models_one_strategy(actx: AuthorContext, tmp_pat
     assert chosen["tried_strategies"] == ["full_k_panel"]
     open_choice = run('{"decision": "continue", "hint": "bigger tiles"}')
     assert open_choice["strategy"] == "larger_tiles"  # the profile's pick only when the model left it open
+
+
+PLAN_JSON = '{"summary": "tiled matmul, fused epilogue", "strategy": "larger_tiles", "plan": "Tile by 256."}'
+
+
+def test_plan_structured_output_chooses_one_strategy(actx: AuthorContext) -> None:
+    s = author([PLAN_JSON], structured=True)
+    p = s.plan(actx)
+    assert (p.summary, p.strategy, p.text) == ("tiled matmul, fused epilogue", "larger_tiles", "Tile by 256.")
+    assert s.usage.model_calls == 1 and s.usage.tokens == s.model.reported_tokens
+    assert "(your choice)" in s.model.prompts[0] and "Strategy: <name>" in s.model.prompts[0]
+
+    # The round already has a strategy: it is the plan's, whatever the model names (chosen once).
+    given = author([PLAN_JSON], structured=True)
+    p = given.plan(actx.model_copy(update={"strategy": "full_k_panel", "scope": "t2"}))
+    assert p.strategy == "full_k_panel" and "(your choice)" not in given.model.prompts[0]
+
+
+@pytest.mark.parametrize("structured", [True, False])
+def test_plan_from_markdown_when_structured_output_fails_or_is_missing(
+    actx: AuthorContext, structured: bool
+) -> None:
+    reply = anthropic_message("# Fused matmul + bias + relu\nStrategy: **fuse_chain**\nTile M, N by 128.")
+    a = author([reply], structured=structured)
+    p = a.plan(actx.model_copy(update={"scope": f"md{structured}"}))
+    # one reply, read from its text: a failed structured parse never costs a second call
+    assert a.model.calls == 1 and a.usage.model_calls == 1
+    assert p.summary == "Fused matmul + bias + relu" and p.strategy == "fuse_chain"
+    assert p.text.startswith("# Fused matmul") and a.usage.tokens == a.model.reported_tokens
+
+
+def test_plan_node_records_the_models_strategy_as_the_rounds(actx: AuthorContext, tmp_path: Path) -> None:
+    from langgraph.runtime import Runtime
+
+    from maxkernel.context import Context
+    from maxkernel.nodes.plan import plan
+    from maxkernel.state import AgentState
+
+    def run(strategy: str | None) -> Any:
+        model = EventChatModel(events=[PLAN_JSON], structured=True)
+        ctx = Context(
+            model="fake", chat_model=model, tpu=["v5e"], store_path=str(tmp_path / f"{strategy}.db")
+        )
+        state = AgentState(task_path=str(TASK), task=actx.task, strategy=strategy)
+        return plan(state, Runtime(context=ctx)).update
+
+    chosen = run(None)
+    assert chosen["strategy"] == "larger_tiles" and chosen["plan"].strategy == "larger_tiles"
+    kept = run("cache_reused_block")
+    assert "strategy" not in kept and kept["plan"].strategy == "cache_reused_block"

@@ -43,6 +43,9 @@ class AuthorContext(BaseModel):
     profile: str | None = Field(None, description="trace summary / estimates of the best kernel (markdown)")
     plan_text: str | None = Field(None, description="the current round's plan (reflect and repair read it)")
     tried_strategies: list[str] = Field(default_factory=list, description="strategies this run applied")
+    usage_key: str = Field(
+        "", description="the run (thread/branch) model usage is charged to in the store; empty: not recorded"
+    )
     scope: str = Field(
         "",
         description="where in a run this call happens (thread/round/step); identical scope+prompt = same call",
@@ -103,6 +106,11 @@ class Plan(BaseModel):
     unsupported_reason: str | None = None
     default_config: TileConfig | None = None
     hints: list[str] = Field(default_factory=list, description="guidance folded in (reflection, humans)")
+    strategy: str | None = Field(
+        None,
+        description="the ONE strategy this plan applies: the round's when it had one, else the author's "
+        "own choice (which the plan node then records as the round's)",
+    )
     data: dict[str, Any] = Field(default_factory=dict)
 
 

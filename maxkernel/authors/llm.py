@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from maxkernel.authors import usage_ledger
 from maxkernel.authors.base import (
     Attempt,
     AuthorContext,
@@ -81,6 +82,20 @@ class ReflectionReply(BaseModel):
     @classmethod
     def _norm(cls, v: Any) -> Any:
         return str(v).strip().lower() if v is not None else "continue"
+
+
+class PlanReply(BaseModel):
+    """The plan decision (structured output, or JSON / markdown read from free text)."""
+
+    summary: str = Field("", description="one line: the kernel this plan writes")
+    strategy: str | None = Field(
+        None,
+        description="the ONE optimisation strategy the plan applies: the given one when the prompt names "
+        "it, else your own choice (a library name or a few words)",
+    )
+    plan: str = Field(
+        description="the plan in markdown: computation, kernel structure, tiling, bytes moved, VMEM, tuning"
+    )
 
 
 def init_model(spec: str, settings: CallSettings | None = None) -> Any:
@@ -174,12 +189,19 @@ class LLMAuthor:
             json.dumps([self.name, ctx.scope, kind, [str(m.content) for m in messages]]).encode()
         ).hexdigest()
 
-    def _call(self, messages: list[Any], runner: Any = None) -> Any:
-        """One logical call with retries; every attempt is counted."""
+    def _charge(self, key: str, *, calls: int = 0, failed: int = 0, tokens: int = 0) -> None:
+        """Count usage here and in the store's ledger under the run's key (`authors.usage_ledger`): the
+        ledger outlives this process, so a kill or a failed step loses none of it."""
+        self.usage.model_calls += calls
+        self.usage.failed_calls += failed
+        self.usage.tokens += tokens
+        usage_ledger.record(self.store, key, calls=calls, failed=failed, tokens=tokens)
+
+    def _call(self, messages: list[Any], runner: Any = None, key: str = "") -> Any:
+        """One logical call with retries; every attempt is counted (and charged to run `key`)."""
 
         def failed(kind: str, exc: BaseException) -> None:
-            self.usage.model_calls += 1
-            self.usage.failed_calls += 1
+            self._charge(key, calls=1, failed=1)
 
         reply = invoke_with_retries(
             runner or self.model,
@@ -189,15 +211,15 @@ class LLMAuthor:
             sleep=self._sleep,
             on_failure=failed,
         )
-        self.usage.model_calls += 1
+        self._charge(key, calls=1)
         return reply
 
-    def _count_tokens(self, messages: list[Any], parsed: ParsedReply) -> None:
+    def _count_tokens(self, messages: list[Any], parsed: ParsedReply, key: str = "") -> None:
         if parsed.total_tokens is not None:
-            self.usage.tokens += int(parsed.total_tokens)
+            self._charge(key, tokens=int(parsed.total_tokens))
         else:  # no usage reported: count what was sent (system prompt included) and received
             sent = sum(len(str(m.content)) for m in messages)
-            self.usage.tokens += (sent + len(parsed.text) + len(parsed.thinking)) // 4
+            self._charge(key, tokens=(sent + len(parsed.text) + len(parsed.thinking)) // 4)
 
     def _ask(self, ctx: AuthorContext, prompt: str, *, want_code: bool = False) -> str:
         """The answer text for `prompt`. A truncated or thinking-only reply is re-asked once (shorter); with
@@ -214,9 +236,9 @@ class LLMAuthor:
         runner, tools = self._tool_runner(ctx) if want_code else (None, {})
         reasked, tool_calls_used = False, 0
         while True:
-            reply = self._call(messages, runner)
+            reply = self._call(messages, runner, ctx.usage_key)
             parsed = parse_message(reply)
-            self._count_tokens(messages, parsed)
+            self._count_tokens(messages, parsed, ctx.usage_key)
             requested = getattr(reply, "tool_calls", None) or []
             if requested and tools and tool_calls_used < self.max_tool_calls:
                 messages = [*messages, reply]
@@ -265,29 +287,38 @@ class LLMAuthor:
         except Exception as exc:  # noqa: BLE001 - a tool error is an answer for the model, not a crash
             return f"tool error: {type(exc).__name__}: {exc}"
 
-    def _decide(self, ctx: AuthorContext, prompt: str, schema: type[BaseModel]) -> BaseModel:
-        """A decision as `schema`: structured output where the model has it, else JSON parsed from text."""
+    def _decide(
+        self,
+        ctx: AuthorContext,
+        prompt: str,
+        schema: type[BaseModel],
+        fallback: Any = None,
+    ) -> BaseModel:
+        """A decision as `schema`: structured output where the model has it, else read from the reply's text
+        (`fallback(text)`, default: JSON or `field: value` lines). A structured reply that does not validate
+        is read from its own raw text: one reply, never a second call for the same decision."""
+        read = fallback or (lambda text: parse_decision(text, schema))
         messages = self._messages(ctx, prompt)
         key = self._key(ctx, messages, kind=schema.__name__)
         if self.store is not None and (cached := self.store.get_model_reply(key)) is not None:
             self.usage.cached_calls += 1
             return schema.model_validate_json(cached)
+        runner = _structured(self.model, schema)
         decision: BaseModel | None = None
-        try:
-            runner = self.model.with_structured_output(schema)
-        except (NotImplementedError, AttributeError, TypeError, ValueError):
-            runner = None
-        if runner is not None:
-            raw = self._call(messages, _ParseTolerant(runner))
-            # Structured output hides the provider's usage report: count what was sent.
-            self.usage.tokens += sum(len(str(m.content)) for m in messages) // 4
+        if runner is None:
+            decision = read(self._ask(ctx, prompt))
+        else:
+            out = self._call(messages, _ParseTolerant(runner), ctx.usage_key)
+            raw, parsed = (out.get("raw"), out.get("parsed")) if isinstance(out, dict) else (None, out)
+            if raw is not None:
+                self._count_tokens(messages, parse_message(raw), ctx.usage_key)
+            else:  # structured output hid the provider's usage report: count what was sent
+                self._charge(ctx.usage_key, tokens=sum(len(str(m.content)) for m in messages) // 4)
             try:
-                decision = raw if isinstance(raw, schema) else schema.model_validate(raw)
-            except ValueError:  # the structured parse failed (or returned None): read text below
-                decision = None
-        if decision is None:
-            text = self._ask(ctx, prompt)
-            decision = parse_decision(text, schema)
+                decision = parsed if isinstance(parsed, schema) else schema.model_validate(parsed)
+            except ValueError:  # the structured parse failed (or returned None): read the reply's text
+                text = parse_message(raw).text if raw is not None else ""
+                decision = read(text) if text.strip() else read(self._ask(ctx, prompt))
         if self.store is not None:
             self.store.put_model_reply(key, self.name, decision.model_dump_json())
         return decision
@@ -314,19 +345,25 @@ class LLMAuthor:
 
     # --- Author ---------------------------------------------------------------------------------------
     def plan(self, ctx: AuthorContext) -> Plan:
-        text = self._ask(
-            ctx,
-            render(
-                "plan",
-                **self._common(ctx),
-                history=_history(ctx.history),
-                strategy=_strategy_text(ctx.strategy),
-            ),
-        ).strip()
+        """The round's plan as a `PlanReply`. The strategy is chosen once: the round's (`ctx.strategy`, set
+        by reflect, a human or a search branch) when there is one, else the model's own choice here."""
+        prompt = render(
+            "plan",
+            **self._common(ctx),
+            history=_history(ctx.history),
+            strategy=_strategy_text(ctx.strategy),
+        )
+        reply = self._decide(ctx, prompt, PlanReply, fallback=parse_plan_text)
+        assert isinstance(reply, PlanReply)
+        text = reply.plan.strip()
         if not text:
             raise AuthorError("the model returned an empty plan")
-        summary = next((ln.strip("# ").strip() for ln in text.splitlines() if ln.strip()), "plan")
-        return Plan(family="llm", summary=summary[:200], text=text, data={"strategy": ctx.strategy})
+        first = next((ln.strip("# ").strip() for ln in text.splitlines() if ln.strip()), "plan")
+        summary = (reply.summary.strip() or first)[:200]
+        chosen = ctx.strategy or (reply.strategy or "").strip() or None
+        if ctx.strategy and reply.strategy and reply.strategy.strip() != ctx.strategy:
+            log.info("plan named strategy %r; the round's strategy is %r", reply.strategy, ctx.strategy)
+        return Plan(family="llm", summary=summary, text=text, strategy=chosen)
 
     def implement(self, ctx: AuthorContext, plan: Plan) -> Draft:
         reply = self._ask(ctx, render("implement", **self._common(ctx), plan=plan.text), want_code=True)
@@ -412,6 +449,19 @@ class LLMAuthor:
         )
 
 
+def _structured(model: Any, schema: type[BaseModel]) -> Any:
+    """`with_structured_output(schema, include_raw=True)` (the raw reply keeps usage and text for a parse
+    that fails), or without `include_raw` where an integration lacks it; None when the model has neither."""
+    for kwargs in ({"include_raw": True}, {}):
+        try:
+            return model.with_structured_output(schema, **kwargs)
+        except TypeError:
+            continue
+        except (NotImplementedError, AttributeError, ValueError):
+            return None
+    return None
+
+
 class _ParseTolerant:
     """A structured-output runnable whose parse failures come back as None instead of raising, so they are
     not mistaken for provider failures (the text fallback handles them)."""
@@ -464,6 +514,26 @@ def parse_decision(text: str, schema: type[BaseModel]) -> BaseModel:
         return schema.model_validate(fields)
     except ValueError as exc:
         raise AuthorError(f"could not read a {schema.__name__} from the reply: {text[:200]!r}") from exc
+
+
+_STRATEGY_LINE = re.compile(r"^\W*strategy\W*[:=]\s*(?P<name>[^\n]+)$", re.IGNORECASE | re.MULTILINE)
+
+
+def parse_plan_text(text: str) -> PlanReply:
+    """A plan from a model without structured output: a JSON object when the reply holds one that
+    validates, else the markdown itself (summary: its first line; strategy: a `Strategy: ...` line)."""
+    raw = extract_json_object(text)
+    if raw is not None:
+        try:
+            return PlanReply.model_validate(json.loads(raw))
+        except ValueError:
+            pass
+    text = text.strip()
+    if not text:
+        raise AuthorError("the model returned an empty plan")
+    m = _STRATEGY_LINE.search(text)
+    strategy = m.group("name").strip().strip("*`'\". ") if m else None
+    return PlanReply(summary="", strategy=strategy or None, plan=text)
 
 
 def declared_tuning_space(source: str) -> dict[str, list[int | str]] | None:

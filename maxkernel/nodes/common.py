@@ -100,6 +100,7 @@ def author_context(state: AgentState, ctx: Context, *, feedback: str | None = No
         profile=state.trace_summary,
         plan_text=state.plan.text if state.plan else None,
         tried_strategies=[s for s in (*state.tried_strategies, state.strategy) if s],
+        usage_key=usage_key(state),
         # Stable when a node re-runs after a resume, different for every new step of the run.
         scope=f"{thread_id()}/{state.label or ''}/{state.iteration}/{len(state.attempts)}/{len(state.human)}",
     )
@@ -177,15 +178,28 @@ def budget_exhausted(state: AgentState) -> str | None:
     return None
 
 
+def usage_key(state: AgentState) -> str:
+    """The key a run's model usage is charged to in the store's ledger: one per thread and search branch."""
+    return f"{thread_id()}/{state.label or ''}"
+
+
 def usage_update(state: AgentState, author: Author, before: tuple[int, int]) -> dict[str, Any]:
+    """The state's usage after a step. With a store, the ledger's totals for this run (every call made,
+    failed ones and those of steps lost to a kill included); else the author's counters since `before`."""
     usage = getattr(author, "usage", None)
     calls, tokens = (usage.model_calls, usage.tokens) if usage is not None else (0, 0)
     if hasattr(author, "recorded"):
         author.recorded = (calls, tokens)  # type: ignore[attr-defined]
-    d_calls, d_tokens = calls - before[0], tokens - before[1]
-    if not (d_calls or d_tokens):
-        return {}
-    usage = state.usage.model_copy(
-        update={"model_calls": state.usage.model_calls + d_calls, "tokens": state.usage.tokens + d_tokens}
+    from maxkernel.authors import usage_ledger
+
+    ledger = usage_ledger.totals(
+        getattr(author, "store", None), usage_key(state), since=state.usage.started_at
     )
-    return {"usage": usage}
+    if ledger is not None:
+        new_calls, new_tokens = ledger
+    else:
+        new_calls = state.usage.model_calls + calls - before[0]
+        new_tokens = state.usage.tokens + tokens - before[1]
+    if (new_calls, new_tokens) == (state.usage.model_calls, state.usage.tokens):
+        return {}
+    return {"usage": state.usage.model_copy(update={"model_calls": new_calls, "tokens": new_tokens})}
