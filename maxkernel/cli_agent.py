@@ -48,11 +48,9 @@ def _take_lease(store: Path, thread_id: str) -> None:
     import fcntl
     import os
 
-    from maxkernel.tools.tasks import safe_task_id
-
     if thread_id in _LEASES:
         return  # this process holds it already (optimize, then resume in one process: tests, notebooks)
-    path = Path(store).resolve().parent / "leases" / f"{safe_task_id(thread_id)}.lock"
+    path = _lease_path(store, thread_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(path, "a+")  # noqa: SIM115 - held for the life of the process
     try:
@@ -69,6 +67,52 @@ def _take_lease(store: Path, thread_id: str) -> None:
     fh.write(f"pid {os.getpid()}")
     fh.flush()
     _LEASES[thread_id] = fh
+
+
+def _lease_path(store: Path, thread_id: str) -> Path:
+    from maxkernel.tools.tasks import safe_task_id
+
+    return Path(store).resolve().parent / "leases" / f"{safe_task_id(thread_id)}.lock"
+
+
+def _owner() -> dict[str, Any]:
+    """Who runs a thread, recorded with every 'running' status: `runs` tells a live run from one whose
+    process was killed (pid + host; the heartbeat says how recently it finished a step)."""
+    import os
+    import socket
+    import time
+
+    return {"owner_pid": os.getpid(), "owner_host": socket.gethostname(), "heartbeat_at": time.time()}
+
+
+def _owner_gone(row: dict[str, Any], store: Path | None) -> bool | None:
+    """True when the process that last ran this thread is gone, False when it is alive, None when this
+    machine cannot tell (another host, or a run recorded before owners were). On the owner's host the
+    thread's lease decides (a lock the kernel drops when its holder dies, even by `kill -9`; a reused pid
+    cannot fake it); without a lease file, whether the pid exists."""
+    import fcntl
+    import os
+    import socket
+
+    pid, host = row.get("owner_pid"), row.get("owner_host")
+    if not pid or host != socket.gethostname():
+        return None
+    lease = _lease_path(store, row["thread_id"]) if store is not None else None
+    if lease is not None and lease.exists():
+        with open(lease, "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # held: its owner is alive
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # a process with that pid exists (another user's)
+    return False
 
 
 def _graph(checkpoint_db: str, kind: str = "agent") -> Any:
@@ -118,11 +162,22 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
     return escape(f"[round {it}] {node}" + (": " + " | ".join(bits) if bits else ""))
 
 
-def _drive(graph: Any, inp: Any, config: dict[str, Any], ctx: Context, *, search: bool = False) -> None:
-    """Stream the run, one line per finished node (search runs: one line per branch verdict)."""
+def _drive(
+    graph: Any,
+    inp: Any,
+    config: dict[str, Any],
+    ctx: Context,
+    *,
+    search: bool = False,
+    beat: Any = None,
+) -> None:
+    """Stream the run, one line per finished node (search runs: one line per branch verdict); `beat()`
+    after each step (the run's heartbeat)."""
     seen: dict[str, Any] = {}
     with console.status("working ...") as status:
         for chunk in graph.stream(inp, config, context=ctx, stream_mode="updates"):
+            if beat is not None:
+                beat()
             for node, update in chunk.items():
                 if node == "__interrupt__":
                     continue
@@ -143,10 +198,20 @@ def _run(
 ) -> None:
     """Drive the run; a model failure or a crash is recorded as the run's status (never left 'running'),
     and a model failure exits with EXIT_MODEL_FAILURE, saying that the thread can be resumed."""
+    import time
+
     from maxkernel.authors.model_calls import FAILURE_KINDS, ModelCallError
 
+    st.upsert_run(thread_id, status="running", **_owner())
     try:
-        _drive(graph, inp, config, ctx, search=search)
+        _drive(
+            graph,
+            inp,
+            config,
+            ctx,
+            search=search,
+            beat=lambda: st.upsert_run(thread_id, heartbeat_at=time.time()),
+        )
     except ModelCallError as exc:
         st.upsert_run(thread_id, status=exc.kind)
         snapshot = graph.get_state(config)
@@ -397,6 +462,7 @@ def _start_run(
         task_path=str(task.resolve()),
         settings=json.dumps(settings),
         status="running",
+        **_owner(),
         out_dir=str(out_dir.resolve()) if out_dir else None,
     )
     console.print(
@@ -554,9 +620,10 @@ def runs_cmd(
 ) -> None:
     """List agent runs (threads) with status, task and best result."""
     rows = _store(store).list_runs()
-    if json_out:
+    if json_out:  # the recorded row, plus what `runs` makes of it (`shown_status`)
         for r in rows:
-            print(json.dumps(r))
+            shown = _shown_status(r, json.loads(r.get("settings") or "{}"), store)
+            print(json.dumps({**r, "shown_status": shown}))
         return
     t = Table(title=f"runs in {store}")
     for col in ("thread", "task", "status", "best", "model", "started"):
@@ -574,7 +641,7 @@ def runs_cmd(
         t.add_row(
             r["thread_id"],
             r.get("task_id") or "",
-            _shown_status(r, settings),
+            _shown_status(r, settings, store),
             best_text,
             settings.get("model", ""),
             r.get("created_at") or "",
@@ -582,26 +649,46 @@ def runs_cmd(
     out.print(t)
 
 
-def _shown_status(row: dict[str, Any], settings: dict[str, Any]) -> str:
-    """The recorded status, except that a 'running' thread with no checkpoint at all never started."""
+def _shown_status(row: dict[str, Any], settings: dict[str, Any], store: Path | None = None) -> str:
+    """The recorded status, except for a 'running' thread: with no checkpoint at all it never started;
+    whose process is gone (killed, crashed, machine rebooted) it is interrupted and resumable; run by
+    another host, it says which and when it last finished a step."""
+    import socket
+    import time
+
     status = row.get("status") or ""
     if status != "running":
         return status
-    db = settings.get("checkpoint_db") or ""
-    if db.startswith(("postgres://", "postgresql://")):
-        return status
-    if not Path(db).exists():
+    if not _has_checkpoint(row["thread_id"], settings.get("checkpoint_db") or ""):
         return "never started"
+    gone = _owner_gone(row, store)
+    if gone:
+        return "interrupted (process gone), resumable"
+    host = row.get("owner_host")
+    if gone is None and host and host != socket.gethostname():
+        beat = row.get("heartbeat_at")
+        age = f", last step {time.time() - float(beat):.0f} s ago" if beat else ""
+        return f"running on {host}{age}"
+    return status
+
+
+def _has_checkpoint(thread_id: str, db: str) -> bool:
+    """Whether the checkpoint database holds anything for the thread (True when it cannot be read here:
+    a Postgres URL or a locked file is no evidence of a run that never started)."""
+    if db.startswith(("postgres://", "postgresql://")):
+        return True
+    if not Path(db).exists():
+        return False
     import sqlite3
 
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
             found = conn.execute(
-                "SELECT 1 FROM checkpoints WHERE thread_id = ? LIMIT 1", (row["thread_id"],)
+                "SELECT 1 FROM checkpoints WHERE thread_id = ? LIMIT 1", (thread_id,)
             ).fetchone()
     except sqlite3.Error:
-        return status
-    return status if found else "never started"
+        return True
+    return found is not None
 
 
 @app.command("profile")
