@@ -43,6 +43,15 @@ class AuthorContext(BaseModel):
     profile: str | None = Field(None, description="trace summary / estimates of the best kernel (markdown)")
     plan_text: str | None = Field(None, description="the current round's plan (reflect and repair read it)")
     tried_strategies: list[str] = Field(default_factory=list, description="strategies this run applied")
+    tool_messages: list[Any] = Field(
+        default_factory=list,
+        description="this step's conversation after its prompt: the model's tool-calling turns and the tool "
+        "node's answers (LangChain messages, from the checkpointed state)",
+    )
+    tools_left: int = Field(
+        0,
+        description="tool calls this step may still ask for; 0 (a caller with no tool node): answer without",
+    )
     usage_key: str = Field(
         "", description="the run (thread/branch) model usage is charged to in the store; empty: not recorded"
     )
@@ -126,6 +135,16 @@ class Draft(BaseModel):
     )
 
 
+class ToolRequest(BaseModel):
+    """An implement/repair step that cannot answer yet: the model asked for tools. The graph's tool node
+    runs them (in the sandbox, for a draft check) and calls the step again with `AuthorContext.tool_messages`
+    extended by this message and the tools' answers."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    message: Any = Field(description="the model's reply (an AIMessage whose tool_calls are to be run)")
+
+
 class Attempt(BaseModel):
     """One evaluated kernel as an author sees it. Extra fields (the graph's richer record) are ignored, so
     `Attempt.model_validate(graph_attempt.model_dump())` works."""
@@ -167,15 +186,16 @@ class Author(Protocol):
         """Analyse the task and say what kernel to write (or that none can be written, and why)."""
         ...
 
-    def implement(self, ctx: AuthorContext, plan: Plan) -> Draft:
-        """Write the kernel the plan describes, at the plan's default config."""
+    def implement(self, ctx: AuthorContext, plan: Plan) -> Draft | ToolRequest:
+        """Write the kernel the plan describes, at the plan's default config (or, when `ctx.tools_left`,
+        ask for tools first)."""
         ...
 
     def repair(
         self, ctx: AuthorContext, plan: Plan, source: str, failure: str, history: list[Attempt]
-    ) -> Draft:
-        """Write a new source that avoids `failure` (the harness's stage and message). Raises
-        `AuthorError` when the author has nothing left to try."""
+    ) -> Draft | ToolRequest:
+        """Write a new source that avoids `failure` (the harness's stage and message), or ask for tools
+        first. Raises `AuthorError` when the author has nothing left to try."""
         ...
 
     def tuning_space(self, ctx: AuthorContext, plan: Plan) -> list[TileConfig]:

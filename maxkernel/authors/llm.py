@@ -8,6 +8,10 @@ from structured output, or JSON/keywords in text for models without it. Calls go
 `authors.model_calls` (timeout, retries honouring the provider's delay, rate limiter); a call that fails
 for good raises `ModelCallError`, which ends the run in a named, resumable state.
 Model-written kernels declare what the autotuner may vary in a module-level `TUNING_SPACE` literal dict.
+Implement and repair may ask for tools (`authors.model_tools`): the author then returns a `ToolRequest`, the
+graph's tool node runs the calls, and the step calls the author again with the conversation so far.
+Plans and reflections are `PlanReply` / `ReflectionReply` (structured output with the raw reply kept, so a
+parse that fails is read from the same reply's text).
 
 Every reply is cached in the results store under a hash of (model, messages), so a node that re-runs after
 a resume gets the same reply instead of a new (billed, different) one.
@@ -36,6 +40,7 @@ from maxkernel.authors.base import (
     Plan,
     Reflection,
     TileConfig,
+    ToolRequest,
 )
 from maxkernel.authors.model_calls import (
     CallSettings,
@@ -82,6 +87,9 @@ class ReflectionReply(BaseModel):
     @classmethod
     def _norm(cls, v: Any) -> Any:
         return str(v).strip().lower() if v is not None else "continue"
+
+
+TOOLS_SPENT = "The tool budget of this step is spent: answer now, without tools."
 
 
 class PlanReply(BaseModel):
@@ -165,7 +173,6 @@ class LLMAuthor:
         store: ResultsStore | None = None,
         call_settings: CallSettings | None = None,
         sleep: Any = None,
-        max_tool_calls: int = 4,
     ) -> None:
         self.call_settings = call_settings or CallSettings()
         self.model = init_model(model, self.call_settings) if isinstance(model, str) else model
@@ -174,7 +181,6 @@ class LLMAuthor:
         self.usage = LLMUsage()
         self.rate_limiter = make_rate_limiter(self.call_settings.requests_per_second)
         self._sleep = sleep or time.sleep
-        self.max_tool_calls = max_tool_calls
         # (calls, tokens) already written to a run's state (nodes.common.usage_of / usage_update)
         self.recorded: tuple[int, int] = (0, 0)
 
@@ -221,39 +227,48 @@ class LLMAuthor:
             sent = sum(len(str(m.content)) for m in messages)
             self._charge(key, tokens=(sent + len(parsed.text) + len(parsed.thinking)) // 4)
 
-    def _ask(self, ctx: AuthorContext, prompt: str, *, want_code: bool = False) -> str:
-        """The answer text for `prompt`. A truncated or thinking-only reply is re-asked once (shorter); with
-        `want_code`, so is a reply without a kernel module. Replies are cached per (scope, prompt)."""
-        from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    def _ask(self, ctx: AuthorContext, prompt: str) -> str:
+        """The answer text for `prompt` (no tools). See `_converse`."""
+        answer = self._converse(ctx, prompt, want_code=False)
+        assert isinstance(answer, str)
+        return answer
 
-        messages = self._messages(ctx, prompt)
-        key = self._key(ctx, messages)
+    def _converse(self, ctx: AuthorContext, prompt: str, *, want_code: bool) -> str | ToolRequest:
+        """The answer text for `prompt`, continuing this step's tool conversation (`ctx.tool_messages`), or
+        a `ToolRequest` when the model asks for tools and the step may still use some (`ctx.tools_left`):
+        the graph's tool node runs them and calls the step again. A truncated or thinking-only reply is
+        re-asked once (shorter); with `want_code`, so is a reply without a kernel module. Final answers are
+        cached per (scope, conversation), so a step re-run after a resume does not call the model again."""
+        from langchain_core.messages import AIMessage, HumanMessage
+
+        conversation = [*self._messages(ctx, prompt), *ctx.tool_messages]
+        key = self._key(ctx, conversation)
         if self.store is not None:
             cached = self.store.get_model_reply(key)
             if cached is not None:
                 self.usage.cached_calls += 1
                 return cached
-        runner, tools = self._tool_runner(ctx) if want_code else (None, {})
-        reasked, tool_calls_used = False, 0
+        tools_left = ctx.tools_left if want_code else 0
+        # Bound while tools may be used, and after they were (providers reject tool turns with no tools).
+        runner = self._tool_runner(ctx) if want_code and (tools_left > 0 or ctx.tool_messages) else None
+        messages = list(conversation)
+        if runner is not None and tools_left <= 0:
+            messages.append(HumanMessage(TOOLS_SPENT))
+        reasked = False
         while True:
             reply = self._call(messages, runner, ctx.usage_key)
             parsed = parse_message(reply)
             self._count_tokens(messages, parsed, ctx.usage_key)
             requested = getattr(reply, "tool_calls", None) or []
-            if requested and tools and tool_calls_used < self.max_tool_calls:
-                messages = [*messages, reply]
-                for call in requested:
-                    tool_calls_used += 1
-                    messages.append(
-                        ToolMessage(self._run_tool(tools, call), tool_call_id=call.get("id") or "")
-                    )
-                continue
+            if requested and runner is not None and tools_left > 0:
+                self.usage.tool_calls += len(requested)
+                return ToolRequest(message=reply)
             text = parsed.text
             problem = _reply_problem(parsed, want_code)
             if problem is None:
                 break
             if requested:
-                problem += " (the tool budget of this step is spent: answer now, without tools)"
+                problem += " " + TOOLS_SPENT
             if reasked:
                 raise AuthorError(f"the model's reply was unusable twice: {problem}")
             reasked = True
@@ -263,29 +278,16 @@ class LLMAuthor:
             self.store.put_model_reply(key, self.name, text)
         return text
 
-    def _tool_runner(self, ctx: AuthorContext) -> tuple[Any, dict[str, Any]]:
-        """The model with the API-lookup and draft-check tools bound, or (None, {}) when tools are off or
-        the model cannot take tools."""
-        if self.max_tool_calls <= 0:
-            return None, {}
+    def _tool_runner(self, ctx: AuthorContext) -> Any:
+        """The model with the API-lookup and draft-check tools bound (`authors.model_tools`; the graph's
+        tool node runs them), or None when the model cannot take tools."""
         from maxkernel.authors.model_tools import tools_for
 
         tools = tools_for(ctx.task, list(ctx.tpu), Path(ctx.work_dir), self.store)
         try:
-            runner = self.model.bind_tools(tools)
+            return self.model.bind_tools(tools)
         except (NotImplementedError, AttributeError, TypeError, ValueError):
-            return None, {}
-        return runner, {t.name: t for t in tools}
-
-    def _run_tool(self, tools: dict[str, Any], call: dict[str, Any]) -> str:
-        tool = tools.get(call.get("name", ""))
-        if tool is None:
-            return f"unknown tool {call.get('name')!r}; tools: {', '.join(tools)}"
-        self.usage.tool_calls += 1
-        try:
-            return str(tool.invoke(call.get("args") or {}))
-        except Exception as exc:  # noqa: BLE001 - a tool error is an answer for the model, not a crash
-            return f"tool error: {type(exc).__name__}: {exc}"
+            return None
 
     def _decide(
         self,
@@ -365,15 +367,17 @@ class LLMAuthor:
             log.info("plan named strategy %r; the round's strategy is %r", reply.strategy, ctx.strategy)
         return Plan(family="llm", summary=summary, text=text, strategy=chosen)
 
-    def implement(self, ctx: AuthorContext, plan: Plan) -> Draft:
-        reply = self._ask(ctx, render("implement", **self._common(ctx), plan=plan.text), want_code=True)
+    def implement(self, ctx: AuthorContext, plan: Plan) -> Draft | ToolRequest:
+        reply = self._converse(ctx, render("implement", **self._common(ctx), plan=plan.text), want_code=True)
+        if isinstance(reply, ToolRequest):
+            return reply
         return self._draft(extract_code(reply), f"written by {self.name}")
 
     def repair(
         self, ctx: AuthorContext, plan: Plan, source: str, failure: str, history: list[Attempt]
-    ) -> Draft:
+    ) -> Draft | ToolRequest:
         stage, _, message = failure.partition(":")
-        reply = self._ask(
+        reply = self._converse(
             ctx,
             render(
                 "repair",
@@ -386,6 +390,8 @@ class LLMAuthor:
             ),
             want_code=True,
         )
+        if isinstance(reply, ToolRequest):
+            return reply
         return self._draft(extract_code(reply), f"repaired by {self.name}")
 
     def _draft(self, source: str, notes: str) -> Draft:

@@ -36,7 +36,7 @@ def author_for(ctx: Context, label: str | None = None) -> Author:
     author's counters around a call, so each branch gets its own author (and counters) or one branch's tokens
     would be charged to another."""
     settings = ctx.call_settings()
-    key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings, ctx.model_tools, label)
+    key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings, label)
     if key not in _AUTHORS:
         if ctx.chat_model is not None:
             from maxkernel.authors.llm import LLMAuthor
@@ -46,7 +46,6 @@ def author_for(ctx: Context, label: str | None = None) -> Author:
                 model_name=ctx.model,
                 store=store_at(ctx.store_path),
                 call_settings=settings,
-                max_tool_calls=ctx.model_tools,
             )
         elif ctx.model == "offline":
             _AUTHORS[key] = offline_author(ctx)
@@ -57,7 +56,6 @@ def author_for(ctx: Context, label: str | None = None) -> Author:
                 ctx.model,
                 store=store_at(ctx.store_path),
                 call_settings=settings,
-                max_tool_calls=ctx.model_tools,
             )
     return _AUTHORS[key]
 
@@ -100,6 +98,8 @@ def author_context(state: AgentState, ctx: Context, *, feedback: str | None = No
         profile=state.trace_summary,
         plan_text=state.plan.text if state.plan else None,
         tried_strategies=[s for s in (*state.tried_strategies, state.strategy) if s],
+        tool_messages=list(state.tool_messages),
+        tools_left=tools_left(state, ctx),
         usage_key=usage_key(state),
         # Stable when a node re-runs after a resume, different for every new step of the run.
         scope=f"{thread_id()}/{state.label or ''}/{state.iteration}/{len(state.attempts)}/{len(state.human)}",
@@ -176,6 +176,27 @@ def budget_exhausted(state: AgentState) -> str | None:
     if u.started_at and time.time() - u.started_at >= b.max_wall_s:
         return f"wall-time budget spent ({b.max_wall_s:.0f} s)"
     return None
+
+
+def tools_left(state: AgentState, ctx: Context) -> int:
+    """Tool calls the current step may still ask for: `Context.model_tools` per step, none once the run's
+    model-call, token or wall-time budget is spent (every tool turn costs a model call)."""
+    from langchain_core.messages import ToolMessage
+
+    if budget_exhausted(state) is not None:
+        return 0
+    used = sum(isinstance(m, ToolMessage) for m in state.tool_messages)
+    return max(0, ctx.model_tools - used)
+
+
+def end_tool_conversation(state: AgentState) -> dict[str, Any]:
+    """The update that clears a finished step's tool conversation (nothing when there is none)."""
+    if not state.tool_messages:
+        return {}
+    from langchain_core.messages import RemoveMessage
+    from langgraph.graph.message import REMOVE_ALL_MESSAGES
+
+    return {"tool_messages": [RemoveMessage(id=REMOVE_ALL_MESSAGES)], "tool_caller": None}
 
 
 def usage_key(state: AgentState) -> str:
