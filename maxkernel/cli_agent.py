@@ -26,6 +26,7 @@ from maxkernel.checkpointing import DEFAULT_CHECKPOINTS
 from maxkernel.cli import DEFAULT_TPU_TEXT, TPU_HELP, app, console, fail_usage, out, parse_tpus
 from maxkernel.cli_review import REVIEW_FLAGS, interactive_review, show_review, stdin_is_terminal
 from maxkernel.context import Context, default_model
+from maxkernel.nodes.review import pending_review
 from maxkernel.tools.results import SCORE_RANKS
 
 DEFAULT_STORE = ".maxkernel/results.db"
@@ -246,7 +247,7 @@ def _review_loop(graph: Any, config: dict[str, Any], ctx: Context, st: Any, thre
         pending = [i for t in graph.get_state(config).tasks for i in t.interrupts]
         if not pending:
             return
-        value = interactive_review(pending[0].value)
+        value = interactive_review(pending_review(pending[0].value))
         if value is None:
             return
         st.upsert_run(thread_id, status="running")
@@ -302,7 +303,7 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
             )
         raise typer.Exit(0 if best is not None else 1)
     if pending:
-        payload = pending[0].value
+        payload = pending_review(pending[0].value)
         store.upsert_run(thread_id, status=f"paused:{payload.get('kind')}")
         console.print(
             f"\n[bold yellow]paused for review[/] ({payload.get('kind')}), thread [bold]{thread_id}[/]"
@@ -582,7 +583,7 @@ def resume_cmd(
     pending = [i for t in snapshot.tasks for i in t.interrupts]
     ctx = _context(settings)
     if pending and not any((approve, plan_file, code_file, feedback, stop)):
-        payload = pending[0].value
+        payload = pending_review(pending[0].value)
         value = interactive_review(payload) if stdin_is_terminal() else None
         if value is None:  # not a terminal (or the person left it paused): show what waits, and how to answer
             show_review(payload)
@@ -592,7 +593,9 @@ def resume_cmd(
             raise typer.Exit(EXIT_PAUSED)
         inp: Any = Command(resume=value)
     elif pending:
-        value = _resume_value(pending[0].value.get("kind", ""), approve, plan_file, code_file, feedback, stop)
+        value = _resume_value(
+            pending_review(pending[0].value).get("kind", ""), approve, plan_file, code_file, feedback, stop
+        )
         inp = Command(resume=value)
     elif not snapshot.next:
         console.print(f"thread {thread_id} already finished")

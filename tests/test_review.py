@@ -192,3 +192,51 @@ def test_runs_shows_a_killed_run_as_interrupted_and_resumable(tmp_path: Path) ->
     assert cli_agent._shown_status({**other, "owner_pid": os.getpid()}, never, store) == "running"
     remote = cli_agent._shown_status({**other, "owner_host": "tpu-host-7"}, never, store)
     assert remote.startswith("running on tpu-host-7, last step ")
+
+
+@pytest.mark.parametrize("kind", ["plan_review", "code_review", "failure"])
+def test_interrupt_is_a_list_of_one_agent_inbox_request_and_takes_its_response(kind: str) -> None:
+    """What the agent inbox requires (a list holding one HumanInterrupt, typed as langgraph.prebuilt's
+    TypedDicts say) and what it sends back (a list of one HumanResponse) round-trip through a real graph."""
+    import warnings
+
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import Command
+    from typing_extensions import TypedDict
+
+    from maxkernel.nodes.review import REVIEWS, ask, pending_review
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from langgraph.prebuilt.interrupt import ActionRequest, HumanInterrupt, HumanInterruptConfig
+
+    class S(TypedDict, total=False):
+        answer: dict
+
+    shown = {"plan": "P", "code": "C", "stage": "compile", "message": "boom", "iteration": 1}
+
+    def node(state: S) -> S:
+        return {"answer": ask(kind, "**review** this", **shown).model_dump()}  # type: ignore[arg-type]
+
+    g = StateGraph(S)
+    g.add_node("review", node)
+    g.add_edge(START, "review")
+    g.add_edge("review", END)
+    graph = g.compile(checkpointer=InMemorySaver())
+    config = {"configurable": {"thread_id": kind}}
+    graph.invoke({}, config)
+    value = graph.get_state(config).tasks[0].interrupts[0].value
+    assert isinstance(value, list) and len(value) == 1
+    request = value[0]
+    assert HumanInterrupt.__required_keys__ <= set(request) and request["description"] == "**review** this"
+    assert set(request["action_request"]) == set(ActionRequest.__annotations__)
+    assert isinstance(request["action_request"]["args"], dict) and request["action_request"]["args"]
+    assert set(request["config"]) == set(HumanInterruptConfig.__annotations__)
+    assert all(isinstance(v, bool) for v in request["config"].values())
+    assert pending_review(value)["kind"] == kind  # what the terminal review reads
+
+    # The inbox answers "accept" as a list of one response; it becomes the review point's own action.
+    accept = [{"type": "accept", "args": request["action_request"]}]
+    out = graph.invoke(Command(resume=accept), config)
+    assert out["answer"]["action"] == REVIEWS[kind].inbox["accept"]
