@@ -158,9 +158,29 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
         kind, value = b.score_kind(), b.score()[1]
         perf = "no perf figure" if kind == "none" else f"{kind} {value:.2f}x"
         bits.append(f"new best [{b.source_hash[:10]}] ({perf})")
+    for m in update.get("tool_messages") or []:
+        bits.extend(_tool_line(m))
     if update.get("stop_reason"):
         bits.append(f"stop: {update['stop_reason']}")
     return escape(f"[round {it}] {node}" + (": " + " | ".join(bits) if bits else ""))
+
+
+def _tool_line(message: Any) -> list[str]:
+    """A model's tool request (`name(arg=...)`, a draft shown by its size) or a tool's answer (first line)."""
+    calls = getattr(message, "tool_calls", None) or []
+    if calls:
+        shown = []
+        for c in calls:
+            args = ", ".join(
+                f"{k}=<{len(v.splitlines())} lines>" if isinstance(v, str) and "\n" in v else f"{k}={v!r}"
+                for k, v in (c.get("args") or {}).items()
+            )
+            shown.append(f"{c.get('name')}({args})")
+        return ["asks for " + ", ".join(shown)]
+    if getattr(message, "type", "") == "tool":
+        first = next((ln for ln in str(message.content).splitlines() if ln.strip()), "")
+        return [f"{getattr(message, 'name', None) or 'tool'} → {first[:120]}"]
+    return []
 
 
 def _drive(
