@@ -388,3 +388,11 @@ def test_the_cli_shows_tool_requests_and_answers() -> None:
     assert _describe("implement", {"tool_messages": [RemoveMessage(id="__remove_all__")]}, {}).endswith(
         "implement"
     )
+
+
+def test_a_truncated_structured_plan_is_asked_again_not_taken(actx: AuthorContext) -> None:
+    cut = gemini3_message('{"summary": "tiled", "plan": "Tile M by', finish_reason="MAX_TOKENS")
+    a = author([cut, "# Tiled matmul\nStrategy: larger_tiles\nTile M, N by 256."], structured=True)
+    p = a.plan(actx.model_copy(update={"scope": "cut"}))
+    assert p.strategy == "larger_tiles" and p.text.startswith("# Tiled matmul")
+    assert a.usage.model_calls == 2 and a.usage.tokens == a.model.reported_tokens

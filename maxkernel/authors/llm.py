@@ -319,8 +319,11 @@ class LLMAuthor:
             try:
                 decision = parsed if isinstance(parsed, schema) else schema.model_validate(parsed)
             except ValueError:  # the structured parse failed (or returned None): read the reply's text
-                text = parse_message(raw).text if raw is not None else ""
-                decision = read(text) if text.strip() else read(self._ask(ctx, prompt))
+                reply = parse_message(raw) if raw is not None else None
+                if reply is not None and _reply_problem(reply, want_code=False) is None:
+                    decision = read(reply.text)
+                else:  # nothing usable (no raw reply, truncated, thinking only): ask in text, re-asking
+                    decision = read(self._ask(ctx, prompt))
         if self.store is not None:
             self.store.put_model_reply(key, self.name, decision.model_dump_json())
         return decision
