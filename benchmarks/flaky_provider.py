@@ -123,8 +123,9 @@ def one_run(index: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 break
             resumes += 1
             inp = None  # resume the thread at the failed step
+    usage = graph.get_state(config).values.get("usage")
     return {"status": ended, "correct": correct, "calls": model.calls, "failed": model.failures,
-            "resumes": resumes}  # fmt: skip
+            "resumes": resumes, "recorded": usage.model_calls if usage else 0}  # fmt: skip
 
 
 def main() -> int:
@@ -142,7 +143,8 @@ def main() -> int:
             row = one_run(i, args, Path(tmp))
             rows.append(row)
             print(f"run {i}: {row['status']}, correct kernel from the model: {row['correct']}, "
-                  f"calls {row['calls']} ({row['failed']} failed), resumes {row['resumes']}", flush=True)  # fmt: skip
+                  f"calls {row['calls']} ({row['failed']} failed), resumes {row['resumes']}, "
+                  f"calls in the run's usage {row['recorded']}", flush=True)  # fmt: skip
     ok = sum(r["correct"] for r in rows)
     calls = sum(r["calls"] for r in rows)
     failed = sum(r["failed"] for r in rows)

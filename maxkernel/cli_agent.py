@@ -36,6 +36,7 @@ from maxkernel.cli import (
 )
 from maxkernel.cli_review import REVIEW_FLAGS, interactive_review, show_review, stdin_is_terminal
 from maxkernel.context import Context, default_model
+from maxkernel.nodes.review import pending_review
 from maxkernel.tools.results import SCORE_RANKS
 
 DEFAULT_STORE = ".maxkernel/results.db"
@@ -58,11 +59,9 @@ def _take_lease(store: Path, thread_id: str) -> None:
     import fcntl
     import os
 
-    from maxkernel.tools.tasks import safe_task_id
-
     if thread_id in _LEASES:
         return  # this process holds it already (optimize, then resume in one process: tests, notebooks)
-    path = Path(store).resolve().parent / "leases" / f"{safe_task_id(thread_id)}.lock"
+    path = _lease_path(store, thread_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     fh = open(path, "a+")  # noqa: SIM115 - held for the life of the process
     try:
@@ -79,6 +78,52 @@ def _take_lease(store: Path, thread_id: str) -> None:
     fh.write(f"pid {os.getpid()}")
     fh.flush()
     _LEASES[thread_id] = fh
+
+
+def _lease_path(store: Path, thread_id: str) -> Path:
+    from maxkernel.tools.tasks import safe_task_id
+
+    return Path(store).resolve().parent / "leases" / f"{safe_task_id(thread_id)}.lock"
+
+
+def _owner() -> dict[str, Any]:
+    """Who runs a thread, recorded with every 'running' status: `runs` tells a live run from one whose
+    process was killed (pid + host; the heartbeat says how recently it finished a step)."""
+    import os
+    import socket
+    import time
+
+    return {"owner_pid": os.getpid(), "owner_host": socket.gethostname(), "heartbeat_at": time.time()}
+
+
+def _owner_gone(row: dict[str, Any], store: Path | None) -> bool | None:
+    """True when the process that last ran this thread is gone, False when it is alive, None when this
+    machine cannot tell (another host, or a run recorded before owners were). On the owner's host the
+    thread's lease decides (a lock the kernel drops when its holder dies, even by `kill -9`; a reused pid
+    cannot fake it); without a lease file, whether the pid exists."""
+    import fcntl
+    import os
+    import socket
+
+    pid, host = row.get("owner_pid"), row.get("owner_host")
+    if not pid or host != socket.gethostname():
+        return None
+    lease = _lease_path(store, row["thread_id"]) if store is not None else None
+    if lease is not None and lease.exists():
+        with open(lease, "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # held: its owner is alive
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # a process with that pid exists (another user's)
+    return False
 
 
 def _graph(checkpoint_db: str, kind: str = "agent") -> Any:
@@ -123,16 +168,47 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
         kind, value = b.score_kind(), b.score()[1]
         perf = "no perf figure" if kind == "none" else f"{kind} {value:.2f}x"
         bits.append(f"new best [{b.source_hash[:10]}] ({perf})")
+    for m in update.get("tool_messages") or []:
+        bits.extend(_tool_line(m))
     if update.get("stop_reason"):
         bits.append(f"stop: {update['stop_reason']}")
     return escape(f"[round {it}] {node}" + (": " + " | ".join(bits) if bits else ""))
 
 
-def _drive(graph: Any, inp: Any, config: dict[str, Any], ctx: Context, *, search: bool = False) -> None:
-    """Stream the run, one line per finished node (search runs: one line per branch verdict)."""
+def _tool_line(message: Any) -> list[str]:
+    """A model's tool request (`name(arg=...)`, a draft shown by its size) or a tool's answer (first line)."""
+    calls = getattr(message, "tool_calls", None) or []
+    if calls:
+        shown = []
+        for c in calls:
+            args = ", ".join(
+                f"{k}=<{len(v.splitlines())} lines>" if isinstance(v, str) and "\n" in v else f"{k}={v!r}"
+                for k, v in (c.get("args") or {}).items()
+            )
+            shown.append(f"{c.get('name')}({args})")
+        return ["asks for " + ", ".join(shown)]
+    if getattr(message, "type", "") == "tool":
+        first = next((ln for ln in str(message.content).splitlines() if ln.strip()), "")
+        return [f"{getattr(message, 'name', None) or 'tool'} → {first[:120]}"]
+    return []
+
+
+def _drive(
+    graph: Any,
+    inp: Any,
+    config: dict[str, Any],
+    ctx: Context,
+    *,
+    search: bool = False,
+    beat: Any = None,
+) -> None:
+    """Stream the run, one line per finished node (search runs: one line per branch verdict); `beat()`
+    after each step (the run's heartbeat)."""
     seen: dict[str, Any] = {}
     with console.status("working ...") as status:
         for chunk in graph.stream(inp, config, context=ctx, stream_mode="updates"):
+            if beat is not None:
+                beat()
             for node, update in chunk.items():
                 if node == "__interrupt__":
                     continue
@@ -153,10 +229,20 @@ def _run(
 ) -> None:
     """Drive the run; a model failure or a crash is recorded as the run's status (never left 'running'),
     and a model failure exits with EXIT_MODEL_FAILURE, saying that the thread can be resumed."""
+    import time
+
     from maxkernel.authors.model_calls import FAILURE_KINDS, ModelCallError
 
+    st.upsert_run(thread_id, status="running", **_owner())
     try:
-        _drive(graph, inp, config, ctx, search=search)
+        _drive(
+            graph,
+            inp,
+            config,
+            ctx,
+            search=search,
+            beat=lambda: st.upsert_run(thread_id, heartbeat_at=time.time()),
+        )
     except ModelCallError as exc:
         st.upsert_run(thread_id, status=exc.kind)
         snapshot = graph.get_state(config)
@@ -191,7 +277,7 @@ def _review_loop(graph: Any, config: dict[str, Any], ctx: Context, st: Any, thre
         pending = [i for t in graph.get_state(config).tasks for i in t.interrupts]
         if not pending:
             return
-        value = interactive_review(pending[0].value)
+        value = interactive_review(pending_review(pending[0].value))
         if value is None:
             return
         st.upsert_run(thread_id, status="running")
@@ -247,7 +333,7 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
             )
         raise typer.Exit(0 if best is not None else 1)
     if pending:
-        payload = pending[0].value
+        payload = pending_review(pending[0].value)
         store.upsert_run(thread_id, status=f"paused:{payload.get('kind')}")
         console.print(
             f"\n[bold yellow]paused for review[/] ({payload.get('kind')}), thread [bold]{thread_id}[/]"
@@ -408,6 +494,7 @@ def _start_run(
         task_path=str(task.resolve()),
         settings=json.dumps(settings),
         status="running",
+        **_owner(),
         out_dir=str(out_dir.resolve()) if out_dir else None,
     )
     console.print(
@@ -532,7 +619,7 @@ def resume_cmd(
     pending = [i for t in snapshot.tasks for i in t.interrupts]
     ctx = _context(settings)
     if pending and not any((approve, plan_file, code_file, feedback, stop)):
-        payload = pending[0].value
+        payload = pending_review(pending[0].value)
         value = interactive_review(payload) if stdin_is_terminal() else None
         if value is None:  # not a terminal (or the person left it paused): show what waits, and how to answer
             show_review(payload)
@@ -542,7 +629,9 @@ def resume_cmd(
             raise typer.Exit(EXIT_PAUSED)
         inp: Any = Command(resume=value)
     elif pending:
-        value = _resume_value(pending[0].value.get("kind", ""), approve, plan_file, code_file, feedback, stop)
+        value = _resume_value(
+            pending_review(pending[0].value).get("kind", ""), approve, plan_file, code_file, feedback, stop
+        )
         inp = Command(resume=value)
     elif not snapshot.next:
         console.print(f"thread {thread_id} already finished")
@@ -570,9 +659,10 @@ def runs_cmd(
 ) -> None:
     """List agent runs (threads) with status, task and best result."""
     rows = _store(store).list_runs()
-    if json_out:
+    if json_out:  # the recorded row, plus what `runs` makes of it (`shown_status`)
         for r in rows:
-            print(json.dumps(r))
+            shown = _shown_status(r, json.loads(r.get("settings") or "{}"), store)
+            print(json.dumps({**r, "shown_status": shown}))
         return
     t = Table(title=f"runs in {store}")
     for col in ("thread", "task", "status", "best", "model", "started"):
@@ -590,7 +680,7 @@ def runs_cmd(
         t.add_row(
             r["thread_id"],
             r.get("task_id") or "",
-            _shown_status(r, settings),
+            _shown_status(r, settings, store),
             best_text,
             settings.get("model", ""),
             r.get("created_at") or "",
@@ -598,26 +688,46 @@ def runs_cmd(
     out.print(t)
 
 
-def _shown_status(row: dict[str, Any], settings: dict[str, Any]) -> str:
-    """The recorded status, except that a 'running' thread with no checkpoint at all never started."""
+def _shown_status(row: dict[str, Any], settings: dict[str, Any], store: Path | None = None) -> str:
+    """The recorded status, except for a 'running' thread: with no checkpoint at all it never started;
+    whose process is gone (killed, crashed, machine rebooted) it is interrupted and resumable; run by
+    another host, it says which and when it last finished a step."""
+    import socket
+    import time
+
     status = row.get("status") or ""
     if status != "running":
         return status
-    db = settings.get("checkpoint_db") or ""
-    if db.startswith(("postgres://", "postgresql://")):
-        return status
-    if not Path(db).exists():
+    if not _has_checkpoint(row["thread_id"], settings.get("checkpoint_db") or ""):
         return "never started"
+    gone = _owner_gone(row, store)
+    if gone:
+        return "interrupted (process gone), resumable"
+    host = row.get("owner_host")
+    if gone is None and host and host != socket.gethostname():
+        beat = row.get("heartbeat_at")
+        age = f", last step {time.time() - float(beat):.0f} s ago" if beat else ""
+        return f"running on {host}{age}"
+    return status
+
+
+def _has_checkpoint(thread_id: str, db: str) -> bool:
+    """Whether the checkpoint database holds anything for the thread (True when it cannot be read here:
+    a Postgres URL or a locked file is no evidence of a run that never started)."""
+    if db.startswith(("postgres://", "postgresql://")):
+        return True
+    if not Path(db).exists():
+        return False
     import sqlite3
 
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
             found = conn.execute(
-                "SELECT 1 FROM checkpoints WHERE thread_id = ? LIMIT 1", (row["thread_id"],)
+                "SELECT 1 FROM checkpoints WHERE thread_id = ? LIMIT 1", (thread_id,)
             ).fetchone()
     except sqlite3.Error:
-        return status
-    return status if found else "never started"
+        return True
+    return found is not None
 
 
 @app.command("profile")

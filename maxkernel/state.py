@@ -11,6 +11,8 @@ from __future__ import annotations
 import operator
 from typing import Annotated, Any, Literal
 
+from langchain_core.messages import AnyMessage
+from langgraph.graph.message import add_messages
 from pydantic import BaseModel, Field
 
 from maxkernel.authors.base import Plan
@@ -127,6 +129,15 @@ class AgentState(AgentInput):
     )
     tuning: dict[str, Any] | None = Field(None, description="autotune outcome of this round")
     feedback: str | None = Field(None, description="feedback for the author's next step (human or harness)")
+    tool_messages: Annotated[list[AnyMessage], add_messages] = Field(
+        default_factory=list,
+        description="the current implement/repair step's tool conversation: the model's tool-calling turns "
+        "and the tool node's answers (checkpointed: a resumed run does not redo a tool call); cleared when "
+        "the step ends",
+    )
+    tool_caller: Literal["implement", "repair"] | None = Field(
+        None, description="the step the tool node returns to"
+    )
     # across rounds
     attempts: Annotated[list[Attempt], operator.add] = Field(default_factory=list)
     human: Annotated[list[HumanFeedback], operator.add] = Field(default_factory=list)

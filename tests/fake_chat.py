@@ -51,16 +51,34 @@ class ScriptedChatModel(BaseChatModel):
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> ScriptedChatModel:
         return self
 
-    def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False, **kwargs: Any) -> Any:
+        """As LangChain's: with `include_raw`, {"raw", "parsed", "parsing_error"} and a parse failure is
+        reported there, not raised."""
+
         def parse(messages: Any) -> Any:
             self.prompts.append(list(messages) if isinstance(messages, list) else [messages])
-            data = json.loads(self._next())
-            return schema.model_validate(data) if hasattr(schema, "model_validate") else data
+            text = self._next()
+            return structured_result(AIMessage(content=text), schema, include_raw)
 
         return RunnableLambda(parse)
 
     def stream_replies(self) -> Iterator[str]:
         yield from self.replies
+
+
+def structured_result(message: AIMessage, schema: Any, include_raw: bool) -> Any:
+    """What `with_structured_output` returns for `message`: the parsed schema (a parse error raises), or
+    with `include_raw` the {"raw", "parsed", "parsing_error"} dict LangChain returns."""
+    from maxkernel.authors.reply import parse_message
+
+    try:
+        data = json.loads(parse_message(message).text)
+        parsed, error = (schema.model_validate(data) if hasattr(schema, "model_validate") else data), None
+    except ValueError as exc:
+        if not include_raw:
+            raise
+        parsed, error = None, exc
+    return {"raw": message, "parsed": parsed, "parsing_error": error} if include_raw else parsed
 
 
 class Killed(BaseException):  # noqa: N818 - it is what happened
@@ -218,13 +236,15 @@ class EventChatModel(BaseChatModel):
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> EventChatModel:
         return self
 
-    def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False, **kwargs: Any) -> Any:
         if not self.structured:
             raise NotImplementedError("this fake provider has no structured output")
 
         def parse(messages: Any) -> Any:
             event = self._event(str(messages[-1].content))
-            text = event if isinstance(event, str) else str(event.content)
-            return schema.model_validate(json.loads(text))
+            msg = gemini3_message(event) if isinstance(event, str) else event
+            if msg.usage_metadata:
+                self.reported_tokens += msg.usage_metadata["total_tokens"]
+            return structured_result(msg, schema, include_raw)
 
         return RunnableLambda(parse)

@@ -9,6 +9,7 @@ import typing
 from typing import Any
 
 import pytest
+from langchain_core.messages import AIMessage, BaseMessage
 from pydantic import BaseModel
 
 from maxkernel.checkpointing import DEFAULT_CHECKPOINTS, reachable_models, serializer, state_types
@@ -20,11 +21,16 @@ _SCALARS: dict[type, Any] = {str: "x", int: 1, float: 1.5, bool: True}
 def _value_for(annotation: Any, depth: int) -> Any:
     """A value of the annotated type, filling nested models all the way down (so every model reachable
     from the state is present in the checkpoint, not left at its None default)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseMessage):
+        # LangChain messages (a step's tool conversation): a real one, as the model's turn would be
+        return AIMessage(content="x", tool_calls=[{"name": "t", "args": {"a": 1}, "id": "c1"}])
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return _filled(annotation, depth + 1)
     if annotation in _SCALARS:
         return _SCALARS[annotation]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # Annotated[list[X], reducer], Annotated[X, Tag(...)]
+        return _value_for(args[0], depth)
     if origin is typing.Literal:
         return args[0]
     if origin is list:

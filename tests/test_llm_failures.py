@@ -162,3 +162,31 @@ def test_context_budgets_reach_the_run(tmp_path: Path) -> None:
     b = values["budgets"]
     assert (b.max_model_calls, b.max_tokens, b.max_wall_s, b.patience) == (7, 900, 60.0, 1)
     assert values["max_repairs"] == 0
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["model-failure-exit", "kill-9-mid-call"])
+def test_usage_of_failed_calls_survives_the_process(tmp_path: Path, killed: bool) -> None:
+    """Failed calls are charged to the store's ledger as they happen: a new process (no author, no
+    in-memory counters) that resumes the run reports exactly the calls that got an answer or an error."""
+    from fake_chat import Killed
+    from maxkernel.nodes import common
+
+    last = Killed("kill -9 while the third call is in flight") if killed else gemini_429("0.01s")
+    model = EventChatModel(events=[gemini_429("0.01s"), gemini_429("0.01s"), last])
+    config = {"configurable": {"thread_id": "t"}}
+    ctx = fast_context(tmp_path, model)
+    inp = {"task_path": str(TASK), "out_dir": str(tmp_path / "out"), "max_iterations": 1}
+    with pytest.raises(Killed if killed else ModelCallError):
+        compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"), model_retry=None).invoke(
+            inp, config, context=ctx
+        )
+    common._AUTHORS.clear()  # the process is gone: its authors and their counters with it
+
+    model.events = ["# Plan\nTiled matmul.", "I would tile it by 128.", "Still thinking about it."]
+    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"), model_retry=None)
+    graph.invoke(None, config, context=ctx)
+    usage = graph.get_state(config).values["usage"]
+    cut_short = 1 if killed else 0  # the call in flight at the kill never ended: no answer, no error
+    assert model.calls == 6 and usage.model_calls == model.calls - cut_short
+    assert usage.tokens == model.reported_tokens
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["model_calls"] == usage.model_calls

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage
@@ -198,25 +199,100 @@ def test_tuning_space_from_the_declared_dict(actx: AuthorContext) -> None:
     assert a.tuning_space(actx, PLAN.model_copy(update={"data": {"source": KERNEL}})) == []
 
 
-def test_tool_loop_looks_up_apis_and_checks_drafts_within_its_budget(actx: AuthorContext) -> None:
-    ask_lookup = AIMessage(
-        content="", tool_calls=[{"name": "lookup_pallas_api", "args": {"name": "pl.BlockSpec"}, "id": "c1"}]
-    )
-    ask_check = AIMessage(
-        content="",
-        tool_calls=[{"name": "check_draft", "args": {"source": "def computation(:\n"}, "id": "c2"}],
-    )
-    a = author([ask_lookup, ask_check, "```python\n" + KERNEL + "```"])
-    draft = a.implement(actx, PLAN)
-    assert draft.source == KERNEL and a.usage.tool_calls == 2 and a.usage.model_calls == 3
-    lookup_answer, check_answer = a.model.prompts[1], a.model.prompts[2]
-    assert "pl.BlockSpec(block_shape" in lookup_answer and "index_map" in lookup_answer
-    assert check_answer.startswith("failed at ")  # the harness's verdict on a draft that does not parse
+def _tool_call(name: str, args: dict, call_id: str) -> dict:
+    return {"name": name, "args": args, "id": call_id, "type": "tool_call"}
 
-    over = author([ask_lookup, ask_lookup, "```python\n" + KERNEL + "```"])
-    over.max_tool_calls = 1
-    assert over.implement(actx, PLAN).source == KERNEL
-    assert over.usage.tool_calls == 1 and "tool budget of this step is spent" in over.model.prompts[2]
+
+LOOKUP = _tool_call("lookup_pallas_api", {"name": "pl.BlockSpec"}, "c1")
+CHECK = _tool_call("check_draft", {"source": "def computation(:\n"}, "c2")
+
+
+def test_the_author_asks_for_tools_and_answers_without_them_once_spent(actx: AuthorContext) -> None:
+    from langchain_core.messages import ToolMessage
+
+    from maxkernel.authors.base import ToolRequest
+    from maxkernel.authors.llm import TOOLS_SPENT
+
+    ask = AIMessage(content="", tool_calls=[LOOKUP])
+    a = author([ask])
+    req = a.implement(actx.model_copy(update={"tools_left": 2, "scope": "tools-1"}), PLAN)
+    assert isinstance(req, ToolRequest) and req.message.tool_calls[0]["name"] == "lookup_pallas_api"
+    assert a.usage.model_calls == 1 and a.usage.tool_calls == 1
+
+    # The tools' answer is in the conversation; the budget is spent: the model is told to answer now.
+    spent = actx.model_copy(
+        update={
+            "tools_left": 0,
+            "scope": "tools-1",
+            "tool_messages": [ask, ToolMessage("sig", tool_call_id="c1")],
+        }
+    )
+    b = author([ask, "```python\n" + KERNEL + "```"])
+    assert b.implement(spent, PLAN).source == KERNEL  # asking again for tools is an unusable reply: re-asked
+    assert TOOLS_SPENT in b.model.prompts[0]
+    assert b.usage.reasked_calls == 1 and TOOLS_SPENT in b.model.prompts[1]
+
+
+def test_tool_node_runs_tools_in_the_graph_and_a_resume_does_not_redo_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """plan → implement (asks lookup) → model_tools → implement (killed mid-call) | new process: resume →
+    implement (asks check + lookup; budget 2: the lookup is not run) → model_tools → implement (code) →
+    stop before validate. The look-up ran once in all; the draft check ran in the sandboxed harness."""
+    import maxkernel.authors.model_tools as model_tools
+    from fake_chat import Killed
+    from maxkernel.authors.llm import TOOLS_SPENT
+    from maxkernel.checkpointing import sqlite_checkpointer
+    from maxkernel.context import Context
+    from maxkernel.graph.agent import build_graph
+    from maxkernel.nodes import common
+    from maxkernel.nodes.tool_node import NOT_RUN
+
+    looked_up: list[str] = []
+    real_lookup = model_tools.lookup_pallas_api
+
+    def lookup_pallas_api(name: str) -> str:
+        """Signature and docstring of a JAX/Pallas API."""
+        looked_up.append(name)
+        return real_lookup(name)
+
+    monkeypatch.setattr(model_tools, "lookup_pallas_api", lookup_pallas_api)
+    model = EventChatModel(
+        events=["# Plan\nTiled matmul.", AIMessage(content="", tool_calls=[LOOKUP]), Killed("kill -9")]
+    )
+    ctx = Context(model="fake:events", chat_model=model, tpu=["v5e"], store_path=str(tmp_path / "r.db"),
+                  work_dir=str(tmp_path / "work"), baseline=False, model_tools=2)  # fmt: skip
+    config = {"configurable": {"thread_id": "tools"}}
+
+    def graph() -> object:
+        saver = sqlite_checkpointer(tmp_path / "ck.sqlite")
+        return build_graph(None).compile(checkpointer=saver, interrupt_before=["validate"])
+
+    with pytest.raises(Killed):
+        graph().invoke({"task_path": str(TASK), "max_iterations": 1}, config, context=ctx)
+    common._AUTHORS.clear()  # a new process
+    g = graph()
+    saved = g.get_state(config).values
+    assert saved["tool_caller"] == "implement" and [type(m).__name__ for m in saved["tool_messages"]] == [
+        "AIMessage",
+        "ToolMessage",
+    ]
+    assert "pl.BlockSpec(block_shape" in saved["tool_messages"][1].content
+
+    model.events = [
+        AIMessage(content="", tool_calls=[CHECK, {**LOOKUP, "id": "c3"}]),
+        gemini3_message("```python\n" + KERNEL + "```"),
+    ]
+    g.invoke(None, config, context=ctx)
+    state = g.get_state(config)
+    assert state.next == ("validate",) and state.values["tool_messages"] == []
+    # once: the resumed run did not redo it, and the over-budget one never ran
+    assert looked_up == ["pl.BlockSpec"]
+    history = [s.values for s in g.get_state_history(config) if s.values.get("tool_messages")]
+    answers = {m.tool_call_id: m.content for v in history for m in v["tool_messages"] if m.type == "tool"}
+    assert answers["c2"].startswith("failed at ") and answers["c3"] == NOT_RUN
+    assert model.prompts[-1] == TOOLS_SPENT  # the budget (2) is spent: the last call was told to answer
+    assert state.values["usage"].model_calls == 4  # plan, two tool turns, the code (the killed call: none)
 
 
 def test_reflect_node_keeps_the_models_one_strategy(actx: AuthorContext, tmp_path: Path) -> None:
@@ -243,3 +319,80 @@ def test_reflect_node_keeps_the_models_one_strategy(actx: AuthorContext, tmp_pat
     assert chosen["tried_strategies"] == ["full_k_panel"]
     open_choice = run('{"decision": "continue", "hint": "bigger tiles"}')
     assert open_choice["strategy"] == "larger_tiles"  # the profile's pick only when the model left it open
+
+
+PLAN_JSON = '{"summary": "tiled matmul, fused epilogue", "strategy": "larger_tiles", "plan": "Tile by 256."}'
+
+
+def test_plan_structured_output_chooses_one_strategy(actx: AuthorContext) -> None:
+    s = author([PLAN_JSON], structured=True)
+    p = s.plan(actx)
+    assert (p.summary, p.strategy, p.text) == ("tiled matmul, fused epilogue", "larger_tiles", "Tile by 256.")
+    assert s.usage.model_calls == 1 and s.usage.tokens == s.model.reported_tokens
+    assert "(your choice)" in s.model.prompts[0] and "Strategy: <name>" in s.model.prompts[0]
+
+    # The round already has a strategy: it is the plan's, whatever the model names (chosen once).
+    given = author([PLAN_JSON], structured=True)
+    p = given.plan(actx.model_copy(update={"strategy": "full_k_panel", "scope": "t2"}))
+    assert p.strategy == "full_k_panel" and "(your choice)" not in given.model.prompts[0]
+
+
+@pytest.mark.parametrize("shape", [gemini3_message, anthropic_message, openai_message])
+@pytest.mark.parametrize("structured", [True, False])
+def test_plan_from_markdown_when_structured_output_fails_or_is_missing(
+    actx: AuthorContext, structured: bool, shape: Any
+) -> None:
+    text = "# Fused matmul + bias + relu\nStrategy: **fuse_chain**\nTile M, N by 128."
+    a = author([shape(text)], structured=structured)
+    p = a.plan(actx.model_copy(update={"scope": f"md{structured}{shape.__name__}"}))
+    # one reply, read from its text: a failed structured parse never costs a second call
+    assert a.model.calls == 1 and a.usage.model_calls == 1
+    assert p.summary == "Fused matmul + bias + relu" and p.strategy == "fuse_chain"
+    assert p.text.startswith("# Fused matmul") and "thinking" not in p.text.lower()
+    assert a.usage.tokens == 1200 + len(text) // 4  # the provider's usage report, whatever its shape
+
+
+def test_plan_node_records_the_models_strategy_as_the_rounds(actx: AuthorContext, tmp_path: Path) -> None:
+    from langgraph.runtime import Runtime
+
+    from maxkernel.context import Context
+    from maxkernel.nodes.plan import plan
+    from maxkernel.state import AgentState
+
+    def run(strategy: str | None) -> Any:
+        model = EventChatModel(events=[PLAN_JSON], structured=True)
+        ctx = Context(
+            model="fake", chat_model=model, tpu=["v5e"], store_path=str(tmp_path / f"{strategy}.db")
+        )
+        state = AgentState(task_path=str(TASK), task=actx.task, strategy=strategy)
+        return plan(state, Runtime(context=ctx)).update
+
+    chosen = run(None)
+    assert chosen["strategy"] == "larger_tiles" and chosen["plan"].strategy == "larger_tiles"
+    kept = run("cache_reused_block")
+    assert "strategy" not in kept and kept["plan"].strategy == "cache_reused_block"
+
+
+def test_the_cli_shows_tool_requests_and_answers() -> None:
+    from langchain_core.messages import RemoveMessage, ToolMessage
+
+    from maxkernel.cli_agent import _describe
+
+    ask = AIMessage(content="", tool_calls=[CHECK, LOOKUP])
+    line = _describe("implement", {"tool_messages": [ask]}, {})
+    assert "asks for check_draft(source=<1 lines>), lookup_pallas_api(name='pl.BlockSpec')" in line
+    answer = ToolMessage("failed at load: SyntaxError\n  detail", tool_call_id="c2", name="check_draft")
+    assert _describe("model_tools", {"tool_messages": [answer]}, {}).endswith(
+        "check_draft → failed at load: SyntaxError"
+    )
+    assert _describe("implement", {"tool_messages": [RemoveMessage(id="__remove_all__")]}, {}).endswith(
+        "implement"
+    )
+
+
+def test_a_truncated_structured_plan_is_asked_again_not_taken(actx: AuthorContext) -> None:
+    cut = gemini3_message('{"summary": "tiled", "plan": "Tile M by', finish_reason="MAX_TOKENS")
+    a = author([cut, "# Tiled matmul\nStrategy: larger_tiles\nTile M, N by 256."], structured=True)
+    p = a.plan(actx.model_copy(update={"scope": "cut"}))
+    assert p.strategy == "larger_tiles" and p.text.startswith("# Tiled matmul")
+    assert a.usage.model_calls == 2 and a.usage.tokens == a.model.reported_tokens

@@ -136,3 +136,107 @@ def test_a_run_whose_model_cannot_be_created_is_failed_to_start(tmp_path: Path) 
     assert bad.exit_code == 2, bad.output
     runs = runner.invoke(app, ["runs", *store, "--json"])
     assert json.loads(runs.output.strip().splitlines()[-1])["status"] == "failed to start"
+
+
+def _checkpointed(tmp_path: Path, thread_id: str) -> str:
+    """A checkpoint database holding one row for the thread (all `runs` looks for)."""
+    import sqlite3
+
+    db = tmp_path / "ck.sqlite"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS checkpoints (thread_id TEXT)")
+        conn.execute("INSERT INTO checkpoints VALUES (?)", (thread_id,))
+    return str(db)
+
+
+def test_runs_shows_a_killed_run_as_interrupted_and_resumable(tmp_path: Path) -> None:
+    """A real process takes the thread's lease and records itself as the owner; while it lives the run is
+    'running', after `kill -9` it is 'interrupted (process gone), resumable'."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from maxkernel.tools.store import ResultsStore
+
+    store = tmp_path / "store.db"
+    settings = json.dumps({"checkpoint_db": _checkpointed(tmp_path, "k1")})
+    owner = (
+        "import sys, time\nfrom pathlib import Path\nfrom maxkernel import cli_agent\n"
+        "from maxkernel.tools.store import ResultsStore\n"
+        f"cli_agent._take_lease(Path({str(store)!r}), 'k1')\n"
+        f"ResultsStore({str(store)!r}).upsert_run('k1', status='running', settings={settings!r}, "
+        "**cli_agent._owner())\n"
+        "print('ready', flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        row = ResultsStore(store).get_run("k1")
+        assert row is not None and row["owner_pid"] == proc.pid
+        assert cli_agent._shown_status(row, json.loads(settings), store) == "running"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert (
+        cli_agent._shown_status(row, json.loads(settings), store) == "interrupted (process gone), resumable"
+    )
+    shown = CliRunner().invoke(cli_agent.app, ["runs", "--store", str(store), "--json"])
+    line = json.loads(shown.output.strip().splitlines()[-1])
+    assert line["status"] == "running" and line["shown_status"].startswith("interrupted (process gone)")
+
+    # No lease file: the pid decides; another host: this machine cannot tell, so it says where it runs.
+    other = {**row, "thread_id": "k2"}
+    never = {"checkpoint_db": _checkpointed(tmp_path, "k2")}
+    assert cli_agent._shown_status(other, never, store).startswith("interrupted (process gone)")
+    assert cli_agent._shown_status({**other, "owner_pid": os.getpid()}, never, store) == "running"
+    remote = cli_agent._shown_status({**other, "owner_host": "tpu-host-7"}, never, store)
+    assert remote.startswith("running on tpu-host-7, last step ")
+
+
+@pytest.mark.parametrize("kind", ["plan_review", "code_review", "failure"])
+def test_interrupt_is_a_list_of_one_agent_inbox_request_and_takes_its_response(kind: str) -> None:
+    """What the agent inbox requires (a list holding one HumanInterrupt, typed as langgraph.prebuilt's
+    TypedDicts say) and what it sends back (a list of one HumanResponse) round-trip through a real graph."""
+    import warnings
+
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import Command
+    from typing_extensions import TypedDict
+
+    from maxkernel.nodes.review import REVIEWS, ask, pending_review
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from langgraph.prebuilt.interrupt import ActionRequest, HumanInterrupt, HumanInterruptConfig
+
+    class S(TypedDict, total=False):
+        answer: dict
+
+    shown = {"plan": "P", "code": "C", "stage": "compile", "message": "boom", "iteration": 1}
+
+    def node(state: S) -> S:
+        return {"answer": ask(kind, "**review** this", **shown).model_dump()}  # type: ignore[arg-type]
+
+    g = StateGraph(S)
+    g.add_node("review", node)
+    g.add_edge(START, "review")
+    g.add_edge("review", END)
+    graph = g.compile(checkpointer=InMemorySaver())
+    config = {"configurable": {"thread_id": kind}}
+    graph.invoke({}, config)
+    value = graph.get_state(config).tasks[0].interrupts[0].value
+    assert isinstance(value, list) and len(value) == 1
+    request = value[0]
+    assert HumanInterrupt.__required_keys__ <= set(request) and request["description"] == "**review** this"
+    assert set(request["action_request"]) == set(ActionRequest.__annotations__)
+    assert isinstance(request["action_request"]["args"], dict) and request["action_request"]["args"]
+    assert set(request["config"]) == set(HumanInterruptConfig.__annotations__)
+    assert all(isinstance(v, bool) for v in request["config"].values())
+    assert pending_review(value)["kind"] == kind  # what the terminal review reads
+
+    # The inbox answers "accept" as a list of one response; it becomes the review point's own action.
+    accept = [{"type": "accept", "args": request["action_request"]}]
+    out = graph.invoke(Command(resume=accept), config)
+    assert out["answer"]["action"] == REVIEWS[kind].inbox["accept"]

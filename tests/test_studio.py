@@ -107,8 +107,8 @@ def test_studio_run_with_interrupt_and_resume(server: str, tmp_path: Path) -> No
     )
     state = client.threads.get_state(thread["thread_id"])
     interrupts = [i for t in state["tasks"] for i in t.get("interrupts", [])]
-    assert interrupts and interrupts[0]["value"]["kind"] == "plan_review"
-    assert "matmul" in interrupts[0]["value"]["plan"].lower()
+    assert interrupts and interrupts[0]["value"][0]["kind"] == "plan_review"
+    assert "matmul" in interrupts[0]["value"][0]["plan"].lower()
 
     replacement = "# Human plan\nOne output tile per grid step, K innermost, f32 accumulator."
     client.runs.wait(
@@ -119,8 +119,8 @@ def test_studio_run_with_interrupt_and_resume(server: str, tmp_path: Path) -> No
     )
     state = client.threads.get_state(thread["thread_id"])
     interrupts = [i for t in state["tasks"] for i in t.get("interrupts", [])]
-    assert interrupts and interrupts[0]["value"]["kind"] == "code_review"
-    assert "pallas_call" in interrupts[0]["value"]["code"]
+    assert interrupts and interrupts[0]["value"][0]["kind"] == "code_review"
+    assert "pallas_call" in interrupts[0]["value"][0]["code"]
 
     client.runs.wait(thread["thread_id"], "agent", command={"resume": {"action": "approve"}}, context=context)
     final = client.threads.get_state(thread["thread_id"])["values"]

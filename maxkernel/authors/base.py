@@ -43,6 +43,18 @@ class AuthorContext(BaseModel):
     profile: str | None = Field(None, description="trace summary / estimates of the best kernel (markdown)")
     plan_text: str | None = Field(None, description="the current round's plan (reflect and repair read it)")
     tried_strategies: list[str] = Field(default_factory=list, description="strategies this run applied")
+    tool_messages: list[Any] = Field(
+        default_factory=list,
+        description="this step's conversation after its prompt: the model's tool-calling turns and the tool "
+        "node's answers (LangChain messages, from the checkpointed state)",
+    )
+    tools_left: int = Field(
+        0,
+        description="tool calls this step may still ask for; 0 (a caller with no tool node): answer without",
+    )
+    usage_key: str = Field(
+        "", description="the run (thread/branch) model usage is charged to in the store; empty: not recorded"
+    )
     scope: str = Field(
         "",
         description="where in a run this call happens (thread/round/step); identical scope+prompt = same call",
@@ -103,6 +115,11 @@ class Plan(BaseModel):
     unsupported_reason: str | None = None
     default_config: TileConfig | None = None
     hints: list[str] = Field(default_factory=list, description="guidance folded in (reflection, humans)")
+    strategy: str | None = Field(
+        None,
+        description="the ONE strategy this plan applies: the round's when it had one, else the author's "
+        "own choice (which the plan node then records as the round's)",
+    )
     data: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -116,6 +133,16 @@ class Draft(BaseModel):
         None,
         description="set when the author switched plans to write this draft (e.g. a repair that fuses less)",
     )
+
+
+class ToolRequest(BaseModel):
+    """An implement/repair step that cannot answer yet: the model asked for tools. The graph's tool node
+    runs them (in the sandbox, for a draft check) and calls the step again with `AuthorContext.tool_messages`
+    extended by this message and the tools' answers."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    message: Any = Field(description="the model's reply (an AIMessage whose tool_calls are to be run)")
 
 
 class Attempt(BaseModel):
@@ -159,15 +186,16 @@ class Author(Protocol):
         """Analyse the task and say what kernel to write (or that none can be written, and why)."""
         ...
 
-    def implement(self, ctx: AuthorContext, plan: Plan) -> Draft:
-        """Write the kernel the plan describes, at the plan's default config."""
+    def implement(self, ctx: AuthorContext, plan: Plan) -> Draft | ToolRequest:
+        """Write the kernel the plan describes, at the plan's default config (or, when `ctx.tools_left`,
+        ask for tools first)."""
         ...
 
     def repair(
         self, ctx: AuthorContext, plan: Plan, source: str, failure: str, history: list[Attempt]
-    ) -> Draft:
-        """Write a new source that avoids `failure` (the harness's stage and message). Raises
-        `AuthorError` when the author has nothing left to try."""
+    ) -> Draft | ToolRequest:
+        """Write a new source that avoids `failure` (the harness's stage and message), or ask for tools
+        first. Raises `AuthorError` when the author has nothing left to try."""
         ...
 
     def tuning_space(self, ctx: AuthorContext, plan: Plan) -> list[TileConfig]:

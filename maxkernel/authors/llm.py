@@ -8,6 +8,10 @@ from structured output, or JSON/keywords in text for models without it. Calls go
 `authors.model_calls` (timeout, retries honouring the provider's delay, rate limiter); a call that fails
 for good raises `ModelCallError`, which ends the run in a named, resumable state.
 Model-written kernels declare what the autotuner may vary in a module-level `TUNING_SPACE` literal dict.
+Implement and repair may ask for tools (`authors.model_tools`): the author then returns a `ToolRequest`, the
+graph's tool node runs the calls, and the step calls the author again with the conversation so far.
+Plans and reflections are `PlanReply` / `ReflectionReply` (structured output with the raw reply kept, so a
+parse that fails is read from the same reply's text).
 
 Every reply is cached in the results store under a hash of (model, messages), so a node that re-runs after
 a resume gets the same reply instead of a new (billed, different) one.
@@ -27,6 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from maxkernel.authors import usage_ledger
 from maxkernel.authors.base import (
     Attempt,
     AuthorContext,
@@ -35,6 +40,7 @@ from maxkernel.authors.base import (
     Plan,
     Reflection,
     TileConfig,
+    ToolRequest,
 )
 from maxkernel.authors.model_calls import (
     CallSettings,
@@ -81,6 +87,23 @@ class ReflectionReply(BaseModel):
     @classmethod
     def _norm(cls, v: Any) -> Any:
         return str(v).strip().lower() if v is not None else "continue"
+
+
+TOOLS_SPENT = "The tool budget of this step is spent: answer now, without tools."
+
+
+class PlanReply(BaseModel):
+    """The plan decision (structured output, or JSON / markdown read from free text)."""
+
+    summary: str = Field("", description="one line: the kernel this plan writes")
+    strategy: str | None = Field(
+        None,
+        description="the ONE optimisation strategy the plan applies: the given one when the prompt names "
+        "it, else your own choice (a library name or a few words)",
+    )
+    plan: str = Field(
+        description="the plan in markdown: computation, kernel structure, tiling, bytes moved, VMEM, tuning"
+    )
 
 
 def init_model(spec: str, settings: CallSettings | None = None) -> Any:
@@ -150,7 +173,6 @@ class LLMAuthor:
         store: ResultsStore | None = None,
         call_settings: CallSettings | None = None,
         sleep: Any = None,
-        max_tool_calls: int = 4,
     ) -> None:
         self.call_settings = call_settings or CallSettings()
         self.model = init_model(model, self.call_settings) if isinstance(model, str) else model
@@ -159,7 +181,6 @@ class LLMAuthor:
         self.usage = LLMUsage()
         self.rate_limiter = make_rate_limiter(self.call_settings.requests_per_second)
         self._sleep = sleep or time.sleep
-        self.max_tool_calls = max_tool_calls
         # (calls, tokens) already written to a run's state (nodes.common.usage_of / usage_update)
         self.recorded: tuple[int, int] = (0, 0)
 
@@ -174,12 +195,19 @@ class LLMAuthor:
             json.dumps([self.name, ctx.scope, kind, [str(m.content) for m in messages]]).encode()
         ).hexdigest()
 
-    def _call(self, messages: list[Any], runner: Any = None) -> Any:
-        """One logical call with retries; every attempt is counted."""
+    def _charge(self, key: str, *, calls: int = 0, failed: int = 0, tokens: int = 0) -> None:
+        """Count usage here and in the store's ledger under the run's key (`authors.usage_ledger`): the
+        ledger outlives this process, so a kill or a failed step loses none of it."""
+        self.usage.model_calls += calls
+        self.usage.failed_calls += failed
+        self.usage.tokens += tokens
+        usage_ledger.record(self.store, key, calls=calls, failed=failed, tokens=tokens)
+
+    def _call(self, messages: list[Any], runner: Any = None, key: str = "") -> Any:
+        """One logical call with retries; every attempt is counted (and charged to run `key`)."""
 
         def failed(kind: str, exc: BaseException) -> None:
-            self.usage.model_calls += 1
-            self.usage.failed_calls += 1
+            self._charge(key, calls=1, failed=1)
 
         reply = invoke_with_retries(
             runner or self.model,
@@ -189,49 +217,58 @@ class LLMAuthor:
             sleep=self._sleep,
             on_failure=failed,
         )
-        self.usage.model_calls += 1
+        self._charge(key, calls=1)
         return reply
 
-    def _count_tokens(self, messages: list[Any], parsed: ParsedReply) -> None:
+    def _count_tokens(self, messages: list[Any], parsed: ParsedReply, key: str = "") -> None:
         if parsed.total_tokens is not None:
-            self.usage.tokens += int(parsed.total_tokens)
+            self._charge(key, tokens=int(parsed.total_tokens))
         else:  # no usage reported: count what was sent (system prompt included) and received
             sent = sum(len(str(m.content)) for m in messages)
-            self.usage.tokens += (sent + len(parsed.text) + len(parsed.thinking)) // 4
+            self._charge(key, tokens=(sent + len(parsed.text) + len(parsed.thinking)) // 4)
 
-    def _ask(self, ctx: AuthorContext, prompt: str, *, want_code: bool = False) -> str:
-        """The answer text for `prompt`. A truncated or thinking-only reply is re-asked once (shorter); with
-        `want_code`, so is a reply without a kernel module. Replies are cached per (scope, prompt)."""
-        from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    def _ask(self, ctx: AuthorContext, prompt: str) -> str:
+        """The answer text for `prompt` (no tools). See `_converse`."""
+        answer = self._converse(ctx, prompt, want_code=False)
+        assert isinstance(answer, str)
+        return answer
 
-        messages = self._messages(ctx, prompt)
-        key = self._key(ctx, messages)
+    def _converse(self, ctx: AuthorContext, prompt: str, *, want_code: bool) -> str | ToolRequest:
+        """The answer text for `prompt`, continuing this step's tool conversation (`ctx.tool_messages`), or
+        a `ToolRequest` when the model asks for tools and the step may still use some (`ctx.tools_left`):
+        the graph's tool node runs them and calls the step again. A truncated or thinking-only reply is
+        re-asked once (shorter); with `want_code`, so is a reply without a kernel module. Final answers are
+        cached per (scope, conversation), so a step re-run after a resume does not call the model again."""
+        from langchain_core.messages import AIMessage, HumanMessage
+
+        conversation = [*self._messages(ctx, prompt), *ctx.tool_messages]
+        key = self._key(ctx, conversation)
         if self.store is not None:
             cached = self.store.get_model_reply(key)
             if cached is not None:
                 self.usage.cached_calls += 1
                 return cached
-        runner, tools = self._tool_runner(ctx) if want_code else (None, {})
-        reasked, tool_calls_used = False, 0
+        tools_left = ctx.tools_left if want_code else 0
+        # Bound while tools may be used, and after they were (providers reject tool turns with no tools).
+        runner = self._tool_runner(ctx) if want_code and (tools_left > 0 or ctx.tool_messages) else None
+        messages = list(conversation)
+        if runner is not None and tools_left <= 0:
+            messages.append(HumanMessage(TOOLS_SPENT))
+        reasked = False
         while True:
-            reply = self._call(messages, runner)
+            reply = self._call(messages, runner, ctx.usage_key)
             parsed = parse_message(reply)
-            self._count_tokens(messages, parsed)
+            self._count_tokens(messages, parsed, ctx.usage_key)
             requested = getattr(reply, "tool_calls", None) or []
-            if requested and tools and tool_calls_used < self.max_tool_calls:
-                messages = [*messages, reply]
-                for call in requested:
-                    tool_calls_used += 1
-                    messages.append(
-                        ToolMessage(self._run_tool(tools, call), tool_call_id=call.get("id") or "")
-                    )
-                continue
+            if requested and runner is not None and tools_left > 0:
+                self.usage.tool_calls += len(requested)
+                return ToolRequest(message=reply)
             text = parsed.text
             problem = _reply_problem(parsed, want_code)
             if problem is None:
                 break
             if requested:
-                problem += " (the tool budget of this step is spent: answer now, without tools)"
+                problem += " " + TOOLS_SPENT
             if reasked:
                 raise AuthorError(f"the model's reply was unusable twice: {problem}")
             reasked = True
@@ -241,53 +278,52 @@ class LLMAuthor:
             self.store.put_model_reply(key, self.name, text)
         return text
 
-    def _tool_runner(self, ctx: AuthorContext) -> tuple[Any, dict[str, Any]]:
-        """The model with the API-lookup and draft-check tools bound, or (None, {}) when tools are off or
-        the model cannot take tools."""
-        if self.max_tool_calls <= 0:
-            return None, {}
+    def _tool_runner(self, ctx: AuthorContext) -> Any:
+        """The model with the API-lookup and draft-check tools bound (`authors.model_tools`; the graph's
+        tool node runs them), or None when the model cannot take tools."""
         from maxkernel.authors.model_tools import tools_for
 
         tools = tools_for(ctx.task, list(ctx.tpu), Path(ctx.work_dir), self.store)
         try:
-            runner = self.model.bind_tools(tools)
+            return self.model.bind_tools(tools)
         except (NotImplementedError, AttributeError, TypeError, ValueError):
-            return None, {}
-        return runner, {t.name: t for t in tools}
+            return None
 
-    def _run_tool(self, tools: dict[str, Any], call: dict[str, Any]) -> str:
-        tool = tools.get(call.get("name", ""))
-        if tool is None:
-            return f"unknown tool {call.get('name')!r}; tools: {', '.join(tools)}"
-        self.usage.tool_calls += 1
-        try:
-            return str(tool.invoke(call.get("args") or {}))
-        except Exception as exc:  # noqa: BLE001 - a tool error is an answer for the model, not a crash
-            return f"tool error: {type(exc).__name__}: {exc}"
-
-    def _decide(self, ctx: AuthorContext, prompt: str, schema: type[BaseModel]) -> BaseModel:
-        """A decision as `schema`: structured output where the model has it, else JSON parsed from text."""
+    def _decide(
+        self,
+        ctx: AuthorContext,
+        prompt: str,
+        schema: type[BaseModel],
+        fallback: Any = None,
+    ) -> BaseModel:
+        """A decision as `schema`: structured output where the model has it, else read from the reply's text
+        (`fallback(text)`, default: JSON or `field: value` lines). A structured reply that does not validate
+        is read from its own raw text: one reply, never a second call for the same decision."""
+        read = fallback or (lambda text: parse_decision(text, schema))
         messages = self._messages(ctx, prompt)
         key = self._key(ctx, messages, kind=schema.__name__)
         if self.store is not None and (cached := self.store.get_model_reply(key)) is not None:
             self.usage.cached_calls += 1
             return schema.model_validate_json(cached)
+        runner = _structured(self.model, schema)
         decision: BaseModel | None = None
-        try:
-            runner = self.model.with_structured_output(schema)
-        except (NotImplementedError, AttributeError, TypeError, ValueError):
-            runner = None
-        if runner is not None:
-            raw = self._call(messages, _ParseTolerant(runner))
-            # Structured output hides the provider's usage report: count what was sent.
-            self.usage.tokens += sum(len(str(m.content)) for m in messages) // 4
+        if runner is None:
+            decision = read(self._ask(ctx, prompt))
+        else:
+            out = self._call(messages, _ParseTolerant(runner), ctx.usage_key)
+            raw, parsed = (out.get("raw"), out.get("parsed")) if isinstance(out, dict) else (None, out)
+            if raw is not None:
+                self._count_tokens(messages, parse_message(raw), ctx.usage_key)
+            else:  # structured output hid the provider's usage report: count what was sent
+                self._charge(ctx.usage_key, tokens=sum(len(str(m.content)) for m in messages) // 4)
             try:
-                decision = raw if isinstance(raw, schema) else schema.model_validate(raw)
-            except ValueError:  # the structured parse failed (or returned None): read text below
-                decision = None
-        if decision is None:
-            text = self._ask(ctx, prompt)
-            decision = parse_decision(text, schema)
+                decision = parsed if isinstance(parsed, schema) else schema.model_validate(parsed)
+            except ValueError:  # the structured parse failed (or returned None): read the reply's text
+                reply = parse_message(raw) if raw is not None else None
+                if reply is not None and _reply_problem(reply, want_code=False) is None:
+                    decision = read(reply.text)
+                else:  # nothing usable (no raw reply, truncated, thinking only): ask in text, re-asking
+                    decision = read(self._ask(ctx, prompt))
         if self.store is not None:
             self.store.put_model_reply(key, self.name, decision.model_dump_json())
         return decision
@@ -314,29 +350,37 @@ class LLMAuthor:
 
     # --- Author ---------------------------------------------------------------------------------------
     def plan(self, ctx: AuthorContext) -> Plan:
-        text = self._ask(
-            ctx,
-            render(
-                "plan",
-                **self._common(ctx),
-                history=_history(ctx.history),
-                strategy=_strategy_text(ctx.strategy),
-            ),
-        ).strip()
+        """The round's plan as a `PlanReply`. The strategy is chosen once: the round's (`ctx.strategy`, set
+        by reflect, a human or a search branch) when there is one, else the model's own choice here."""
+        prompt = render(
+            "plan",
+            **self._common(ctx),
+            history=_history(ctx.history),
+            strategy=_strategy_text(ctx.strategy),
+        )
+        reply = self._decide(ctx, prompt, PlanReply, fallback=parse_plan_text)
+        assert isinstance(reply, PlanReply)
+        text = reply.plan.strip()
         if not text:
             raise AuthorError("the model returned an empty plan")
-        summary = next((ln.strip("# ").strip() for ln in text.splitlines() if ln.strip()), "plan")
-        return Plan(family="llm", summary=summary[:200], text=text, data={"strategy": ctx.strategy})
+        first = next((ln.strip("# ").strip() for ln in text.splitlines() if ln.strip()), "plan")
+        summary = (reply.summary.strip() or first)[:200]
+        chosen = ctx.strategy or (reply.strategy or "").strip() or None
+        if ctx.strategy and reply.strategy and reply.strategy.strip() != ctx.strategy:
+            log.info("plan named strategy %r; the round's strategy is %r", reply.strategy, ctx.strategy)
+        return Plan(family="llm", summary=summary, text=text, strategy=chosen)
 
-    def implement(self, ctx: AuthorContext, plan: Plan) -> Draft:
-        reply = self._ask(ctx, render("implement", **self._common(ctx), plan=plan.text), want_code=True)
+    def implement(self, ctx: AuthorContext, plan: Plan) -> Draft | ToolRequest:
+        reply = self._converse(ctx, render("implement", **self._common(ctx), plan=plan.text), want_code=True)
+        if isinstance(reply, ToolRequest):
+            return reply
         return self._draft(extract_code(reply), f"written by {self.name}")
 
     def repair(
         self, ctx: AuthorContext, plan: Plan, source: str, failure: str, history: list[Attempt]
-    ) -> Draft:
+    ) -> Draft | ToolRequest:
         stage, _, message = failure.partition(":")
-        reply = self._ask(
+        reply = self._converse(
             ctx,
             render(
                 "repair",
@@ -349,6 +393,8 @@ class LLMAuthor:
             ),
             want_code=True,
         )
+        if isinstance(reply, ToolRequest):
+            return reply
         return self._draft(extract_code(reply), f"repaired by {self.name}")
 
     def _draft(self, source: str, notes: str) -> Draft:
@@ -412,6 +458,19 @@ class LLMAuthor:
         )
 
 
+def _structured(model: Any, schema: type[BaseModel]) -> Any:
+    """`with_structured_output(schema, include_raw=True)` (the raw reply keeps usage and text for a parse
+    that fails), or without `include_raw` where an integration lacks it; None when the model has neither."""
+    for kwargs in ({"include_raw": True}, {}):
+        try:
+            return model.with_structured_output(schema, **kwargs)
+        except TypeError:
+            continue
+        except (NotImplementedError, AttributeError, ValueError):
+            return None
+    return None
+
+
 class _ParseTolerant:
     """A structured-output runnable whose parse failures come back as None instead of raising, so they are
     not mistaken for provider failures (the text fallback handles them)."""
@@ -464,6 +523,26 @@ def parse_decision(text: str, schema: type[BaseModel]) -> BaseModel:
         return schema.model_validate(fields)
     except ValueError as exc:
         raise AuthorError(f"could not read a {schema.__name__} from the reply: {text[:200]!r}") from exc
+
+
+_STRATEGY_LINE = re.compile(r"^\W*strategy\W*[:=]\s*(?P<name>[^\n]+)$", re.IGNORECASE | re.MULTILINE)
+
+
+def parse_plan_text(text: str) -> PlanReply:
+    """A plan from a model without structured output: a JSON object when the reply holds one that
+    validates, else the markdown itself (summary: its first line; strategy: a `Strategy: ...` line)."""
+    raw = extract_json_object(text)
+    if raw is not None:
+        try:
+            return PlanReply.model_validate(json.loads(raw))
+        except ValueError:
+            pass
+    text = text.strip()
+    if not text:
+        raise AuthorError("the model returned an empty plan")
+    m = _STRATEGY_LINE.search(text)
+    strategy = m.group("name").strip().strip("*`'\". ") if m else None
+    return PlanReply(summary="", strategy=strategy or None, plan=text)
 
 
 def declared_tuning_space(source: str) -> dict[str, list[int | str]] | None:

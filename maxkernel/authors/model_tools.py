@@ -1,12 +1,13 @@
-"""Tools the implementing model may call while it writes or repairs a kernel, in a bounded loop.
+"""Tools the implementing model may call while it writes or repairs a kernel. The author binds them to the
+model; the graph's tool node (`nodes.tool_node`) runs the calls and hands the answers back to the step.
 
 - `lookup_pallas_api(name)`: the signature and docstring of a JAX / Pallas API from the *installed* JAX
   (`inspect`), so the model writes against the version the harness runs, not the one it remembers.
 - `check_draft(source)`: a quick verdict on a draft from the harness (sandboxed child process: the draft is
   never imported here): one input set, the first target generation, no timing or estimate.
 
-Every tool call costs a model call (the reply that asked for it), so the loop is bounded by
-`Context.model_tools` per step and by the run's model-call and token budgets like any other call.
+Every tool turn costs a model call (the reply that asked for it), so tool use is bounded by
+`Context.model_tools` calls per step and by the run's model-call, token and wall-time budgets.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The kernel-engineering loop as a LangGraph graph. This module only wires nodes.
 
 prepare → plan → implement → validate → test → autotune → profile → reflect → (plan | finalize)
-                               ▲   │ fail    │ fail
-                               └ repair ◄────┘          (hitl: on_failure asks a human first)
+                    ⇅          ▲   │ fail    │ fail
+               model_tools     └ repair ◄────┘          (hitl: on_failure asks a human first)
+                    ⇅ (repair too: a model's tool calls run in the tool node, then back to the step)
 
 `validate` and `test` read ONE harness evaluation: `validate` runs it (load, trace, Pallas check, AOT
 compile, correctness, estimate and timing in one sandboxed job, cached in the results store) and routes on
@@ -30,6 +31,7 @@ from maxkernel.nodes.profile import profile
 from maxkernel.nodes.reflect import reflect, route_after_reflect
 from maxkernel.nodes.repair import repair
 from maxkernel.nodes.test import route_after_test, test
+from maxkernel.nodes.tool_node import model_tools
 from maxkernel.nodes.validate import route_after_validate, validate
 from maxkernel.state import AgentInput, AgentState
 
@@ -61,11 +63,17 @@ def build_graph(model_retry: RetryPolicy | None = MODEL_NODE_RETRY) -> StateGrap
     g.add_node("prepare", prepare)
     g.add_node("plan", plan, destinations=("implement", "plan", "finalize"), retry_policy=model_retry)
     g.add_node(
-        "implement", implement, destinations=("validate", "implement", "reflect"), retry_policy=model_retry
+        "implement",
+        implement,
+        destinations=("validate", "implement", "reflect", "model_tools"),
+        retry_policy=model_retry,
     )
+    g.add_node("model_tools", model_tools, destinations=("implement", "repair"))
     g.add_node("validate", validate)
     g.add_node("test", test)
-    g.add_node("repair", repair, destinations=("validate", "reflect"), retry_policy=model_retry)
+    g.add_node(
+        "repair", repair, destinations=("validate", "reflect", "model_tools"), retry_policy=model_retry
+    )
     g.add_node("on_failure", on_failure, destinations=("repair", "finalize"))
     g.add_node("autotune", autotune)
     g.add_node("profile", profile)

@@ -37,7 +37,7 @@ def author_for(ctx: Context, label: str | None = None) -> Author:
     author's counters around a call, so each branch gets its own author (and counters) or one branch's tokens
     would be charged to another."""
     settings = ctx.call_settings()
-    key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings, ctx.model_tools, label)
+    key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings, label)
     if key not in _AUTHORS:
         if ctx.chat_model is not None:
             from maxkernel.authors.llm import LLMAuthor
@@ -47,7 +47,6 @@ def author_for(ctx: Context, label: str | None = None) -> Author:
                 model_name=ctx.model,
                 store=store_at(ctx.store_path),
                 call_settings=settings,
-                max_tool_calls=ctx.model_tools,
             )
         elif ctx.model == "offline":
             _AUTHORS[key] = offline_author(ctx)
@@ -58,7 +57,6 @@ def author_for(ctx: Context, label: str | None = None) -> Author:
                 ctx.model,
                 store=store_at(ctx.store_path),
                 call_settings=settings,
-                max_tool_calls=ctx.model_tools,
             )
     return _AUTHORS[key]
 
@@ -101,6 +99,9 @@ def author_context(state: AgentState, ctx: Context, *, feedback: str | None = No
         profile=state.trace_summary,
         plan_text=state.plan.text if state.plan else None,
         tried_strategies=[s for s in (*state.tried_strategies, state.strategy) if s],
+        tool_messages=list(state.tool_messages),
+        tools_left=tools_left(state, ctx),
+        usage_key=usage_key(state),
         # Stable when a node re-runs after a resume, different for every new step of the run.
         scope=f"{thread_id()}/{state.label or ''}/{state.iteration}/{len(state.attempts)}/{len(state.human)}",
     )
@@ -192,15 +193,49 @@ def budget_exhausted(state: AgentState) -> str | None:
     return None
 
 
+def tools_left(state: AgentState, ctx: Context) -> int:
+    """Tool calls the current step may still ask for: `Context.model_tools` per step, none once the run's
+    model-call, token or wall-time budget is spent (every tool turn costs a model call)."""
+    from langchain_core.messages import ToolMessage
+
+    if budget_exhausted(state) is not None:
+        return 0
+    used = sum(isinstance(m, ToolMessage) for m in state.tool_messages)
+    return max(0, ctx.model_tools - used)
+
+
+def end_tool_conversation(state: AgentState) -> dict[str, Any]:
+    """The update that clears a finished step's tool conversation (nothing when there is none)."""
+    if not state.tool_messages:
+        return {}
+    from langchain_core.messages import RemoveMessage
+    from langgraph.graph.message import REMOVE_ALL_MESSAGES
+
+    return {"tool_messages": [RemoveMessage(id=REMOVE_ALL_MESSAGES)], "tool_caller": None}
+
+
+def usage_key(state: AgentState) -> str:
+    """The key a run's model usage is charged to in the store's ledger: one per thread and search branch."""
+    return f"{thread_id()}/{state.label or ''}"
+
+
 def usage_update(state: AgentState, author: Author, before: tuple[int, int]) -> dict[str, Any]:
+    """The state's usage after a step. With a store, the ledger's totals for this run (every call made,
+    failed ones and those of steps lost to a kill included); else the author's counters since `before`."""
     usage = getattr(author, "usage", None)
     calls, tokens = (usage.model_calls, usage.tokens) if usage is not None else (0, 0)
     if hasattr(author, "recorded"):
         author.recorded = (calls, tokens)  # type: ignore[attr-defined]
-    d_calls, d_tokens = calls - before[0], tokens - before[1]
-    if not (d_calls or d_tokens):
-        return {}
-    usage = state.usage.model_copy(
-        update={"model_calls": state.usage.model_calls + d_calls, "tokens": state.usage.tokens + d_tokens}
+    from maxkernel.authors import usage_ledger
+
+    ledger = usage_ledger.totals(
+        getattr(author, "store", None), usage_key(state), since=state.usage.started_at
     )
-    return {"usage": usage}
+    if ledger is not None:
+        new_calls, new_tokens = ledger
+    else:
+        new_calls = state.usage.model_calls + calls - before[0]
+        new_tokens = state.usage.tokens + tokens - before[1]
+    if (new_calls, new_tokens) == (state.usage.model_calls, state.usage.tokens):
+        return {}
+    return {"usage": state.usage.model_copy(update={"model_calls": new_calls, "tokens": new_tokens})}

@@ -7,12 +7,13 @@ from typing import Any, Literal
 from langgraph.runtime import Runtime
 from langgraph.types import Command
 
-from maxkernel.authors.base import AuthorError
+from maxkernel.authors.base import AuthorError, ToolRequest
 from maxkernel.context import Context
 from maxkernel.nodes.common import (
     author_context,
     author_for,
     current_plan,
+    end_tool_conversation,
     save_source,
     usage_of,
     usage_update,
@@ -23,7 +24,7 @@ from maxkernel.state import AgentState, HumanFeedback
 
 def implement(
     state: AgentState, runtime: Runtime[Context]
-) -> Command[Literal["validate", "implement", "reflect"]]:
+) -> Command[Literal["validate", "implement", "reflect", "model_tools"]]:
     ctx = runtime.context
     author = author_for(ctx, state.label)
     before = usage_of(author)
@@ -37,9 +38,19 @@ def implement(
                 "errors": [f"implement: {exc}"],
                 "feedback": str(exc),
                 **usage_update(state, author, before),
+                **end_tool_conversation(state),
             },
         )
-    update: dict[str, Any] = usage_update(state, author, before)
+    if isinstance(draft, ToolRequest):  # the model asked for tools: the tool node answers, then back here
+        return Command(
+            goto="model_tools",
+            update={
+                "tool_messages": [draft.message],
+                "tool_caller": "implement",
+                **usage_update(state, author, before),
+            },
+        )
+    update: dict[str, Any] = {**usage_update(state, author, before), **end_tool_conversation(state)}
     source, kind = draft.source, "implement"
     if state.mode == "hitl":
         review = ask(

@@ -32,6 +32,10 @@ def plan(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["imple
             },
         )
     update: dict[str, Any] = {"iteration": iteration, "repairs": 0, **usage_update(state, author, before)}
+    if state.strategy is None and proposal.strategy:
+        # The round had no strategy and the author chose one: that choice is the round's (chosen once; the
+        # graph does not pick another, and reflect counts it as tried).
+        update["strategy"] = proposal.strategy
     if not proposal.supported:
         reason = proposal.unsupported_reason or "unsupported"
         return Command(

@@ -9,12 +9,13 @@ from langgraph.runtime import Runtime
 from langgraph.types import Command
 
 from maxkernel.authors.base import Attempt as AuthorAttempt
-from maxkernel.authors.base import AuthorError
+from maxkernel.authors.base import AuthorError, ToolRequest
 from maxkernel.context import Context
 from maxkernel.nodes.common import (
     author_context,
     author_for,
     current_plan,
+    end_tool_conversation,
     save_source,
     usage_of,
     usage_update,
@@ -22,7 +23,9 @@ from maxkernel.nodes.common import (
 from maxkernel.state import AgentState
 
 
-def repair(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["validate", "reflect"]]:
+def repair(
+    state: AgentState, runtime: Runtime[Context]
+) -> Command[Literal["validate", "reflect", "model_tools"]]:
     ctx = runtime.context
     author = author_for(ctx, state.label)
     before = usage_of(author)
@@ -49,10 +52,21 @@ def repair(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["val
                 "errors": [f"repair gave up: {exc}"],
                 "repairs": state.repairs + 1,
                 **usage_update(state, author, before),
+                **end_tool_conversation(state),
+            },
+        )
+    if isinstance(draft, ToolRequest):  # the model asked for tools: the tool node answers, then back here
+        return Command(
+            goto="model_tools",
+            update={
+                "tool_messages": [draft.message],
+                "tool_caller": "repair",
+                **usage_update(state, author, before),
             },
         )
     digest, path = save_source(state, draft.source)
     update = {
+        **end_tool_conversation(state),
         "source_hash": digest,
         "source_path": path,
         "source_config": draft.config.as_dict() if draft.config else None,

@@ -1,7 +1,8 @@
 """Human review points (hitl): what each one accepts, in one table.
 
-A node pauses with `ask(kind, description, ...)`; the interrupt carries the actions a client may send back,
-plus the keys LangChain's agent inbox renders as an action card (`action_request`, `config`, `description`);
+A node pauses with `ask(kind, description, ...)`; the interrupt carries (in a list of one, as the agent inbox
+wants) the actions a client may send back, plus the keys LangChain's agent inbox renders as an action card
+(`action_request`, `config`, `description`);
 `answer` turns the CLI's `resume` options into one of them, `validated` also takes an agent-inbox response.
 Adding an action or a review point is one row here.
 """
@@ -155,10 +156,21 @@ def validated(value: Any, schema: type[BaseModel]) -> BaseModel:
 
 def ask(kind: ReviewKind, description: str, **shown: Any) -> Any:
     """Pause for a human; returns their answer validated against the review point's schema. `description`
-    is the agent-inbox card's text (markdown)."""
+    is the agent-inbox card's text (markdown). The interrupt's value is a list of one request, as the agent
+    inbox requires (it renders the first HumanInterrupt of the list and answers with a list of one
+    HumanResponse); `pending_review` reads it back for the CLI."""
     point = REVIEWS[kind]
     payload = {"kind": kind, **shown, "actions": point.actions, **inbox_request(kind, description, shown)}
-    return validated(interrupt(payload), point.schema)
+    return validated(interrupt([payload]), point.schema)
+
+
+def pending_review(value: Any) -> dict[str, Any]:
+    """The review request of an interrupt's value (`ask` sends a list of one)."""
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return value[0]
+    if isinstance(value, dict):
+        return value
+    raise ValueError(f"not a review request: {value!r}")
 
 
 def answer(kind: str, option: str, value: str | None = None) -> dict[str, Any]:
