@@ -64,17 +64,24 @@ rarely bounds a kernel that also reads HBM, so this constant matters little; it 
 VREG_ELEMENTS: int = 8 * 128
 """Elements in one 32-bit vreg (8 sublanes x 128 lanes, the TPU VPU shape in the Cloud TPU v6e docs)."""
 
-F32_MXU_PASSES: dict[str, int] = {"default": 3, "highest": 6}
-"""bf16 MXU passes of an f32 x f32 matmul *inside a Mosaic kernel*. HIGHEST lowers to Mosaic's
-`contract_precision<fp32>` (6 bf16 passes, the bf16_6x scheme XLA also uses for HIGHEST); DEFAULT leaves the
-attribute unset and Mosaic's default for f32 operands is not documented - 3 passes is an assumption until a
-TPU measures it. A kernel that wants the single bf16 pass XLA's DEFAULT gets must feed bf16 operands."""
+F32_MXU_PASSES: dict[str, int] = {"default": 1, "highest": 6}
+"""bf16 MXU passes of an f32 x f32 matmul *inside a Mosaic kernel*, read from Mosaic's own output: with
+LIBTPU_INIT_ARGS=--xla_mosaic_dump_to=DIR (libtpu 0.0.42.1), a 128x128x128 f32 dot lowers on v5e and v6e to
+16 `llo.vmatmul` in `matmul_mode<round>` at DEFAULT precision (operands rounded to bf16 on the way into
+the MXU: one pass) and to 96 at HIGHEST (`contract_precision<fp32>`: modes high / low / soft_low_eight /
+soft_middle_eight, the six-pass bf16_6x scheme). Mosaic accepts no other precision (JAX's Pallas lowering
+raises for HIGH). So a DEFAULT f32 kernel costs what XLA's DEFAULT f32 dot costs, and a HIGHEST kernel 6x."""
 
 XLA_F32_PASSES: dict[str, int] = {"DEFAULT": 1, "HIGH": 3, "HIGHEST": 6}
-"""bf16 MXU passes XLA runs for an f32 dot per `lax.Precision` on TPU (JAX docs, 'Matmul precision': default
-is one bfloat16 pass; HIGH is bf16_3x; HIGHEST is bf16_6x). The TPU compiler's cost model ignores precision
-(4096^3 f32 on v5e: 1061.6 us at DEFAULT, HIGH and HIGHEST alike, measured here), so `estimate_xla` adds the
-extra passes of HIGH/HIGHEST dots itself: both sides of a speedup then pay for the same precision."""
+"""bf16 MXU passes XLA runs for an f32 dot per `lax.Precision` on TPU. JAX's 'Matmul precision' page
+(https://docs.jax.dev/en/latest/201/precision.html): by default float32 dots are computed with bfloat16
+arithmetic on TPU; HIGH is bf16_3x and HIGHEST is bf16_6x (the `BF16_BF16_F32_X3` / `_X6` algorithm presets
+name the same schemes; Cloud TPU's bfloat16 page: "By default, TPUs perform matrix multiplication operations
+with bfloat16 values and accumulations with IEEE float32"). `jax_default_matmul_precision` is written into
+each dot's `precision` when the jaxpr is traced, so it is seen here too. The TPU compiler's cost model
+ignores precision (4096^3 f32 on v5e: 1061.6 us at DEFAULT, HIGH and HIGHEST alike, measured here), so
+`estimate_xla` adds the extra passes of HIGH/HIGHEST dots itself: both sides of a speedup then pay for the
+same precision, at the same rate per pass."""
 
 MAX_EXACT_STEPS: int = 1 << 22
 """Grids up to this many steps are replayed exactly; larger grids replay this many steps and extrapolate
@@ -85,9 +92,10 @@ ASSUMPTIONS: dict[str, str] = {
     "hbm_bandwidth": "per-device bandwidth the TPU compiler's cost model uses (tpu_specs.compiler_hbm_gbps)",
     "mxu_peak": "per-device bf16 peak the TPU compiler's cost model uses (tpu_specs.compiler_peak_tflops); "
     "int8 at the published int8 peak; dot dims padded up to the MXU shape",
-    "f32_matmul": f"f32 operands in a kernel cost {F32_MXU_PASSES['default']} bf16 passes (assumption; "
-    f"HIGHEST: {F32_MXU_PASSES['highest']}); the XLA reference's HIGH/HIGHEST f32 dots are charged their extra "
-    "passes on top of the compiler's precision-blind estimate",
+    "f32_matmul": f"f32 operands in a kernel cost {F32_MXU_PASSES['default']} bf16 pass at DEFAULT and "
+    f"{F32_MXU_PASSES['highest']} at HIGHEST (read from Mosaic's LLO); the XLA reference's f32 dots are charged "
+    f"{XLA_F32_PASSES['DEFAULT']}/{XLA_F32_PASSES['HIGH']}/{XLA_F32_PASSES['HIGHEST']} passes at DEFAULT/HIGH/"
+    "HIGHEST (JAX docs), the extra ones on top of the compiler's precision-blind estimate",
     "vpu_rate": f"{VALU_VREG_OPS_PER_CYCLE} vreg ops/cycle x {VREG_ELEMENTS} elements, clock implied by the "
     "compiler's transcendental rate at one vreg per cycle - assumption",
     "eup_rate": "transcendentals at the compiler cost model's rate (tpu_specs.compiler_transcendentals_per_s)",
@@ -103,7 +111,11 @@ ASSUMPTIONS: dict[str, str] = {
     "reference": "XLA reference = the compiler's optimal_seconds; when that is bytes alone, re-priced with each "
     "top-level op's operands and result once (as kernels are); plus extra passes of HIGH/HIGHEST f32 dots",
     "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled",
-    "control_flow": "cond = most expensive branch; scan = body x length; while = body once (flagged)",
+    "control_flow": "cond = most expensive branch; scan = body x length; while = body x trip count when it "
+    "has counter form (fori_loop; in kernels the mean over grid steps of a grid-dependent bound), else once "
+    "(flagged)",
+    "reference_loops": "the compiler's model prices a while body once; the reference's loops are charged per "
+    "iteration by weighting the compiler's per-instruction estimated_cycles with the trip counts around them",
 }
 
 BoundClass = Literal["memory", "compute", "overhead"]
@@ -575,9 +587,11 @@ def _xla_passes(eqn: jex_core.JaxprEqn) -> int:
         return 1
     prec = eqn.params.get("precision")
     text = str(prec).upper() if prec is not None else ""
-    if "HIGHEST" in text or "F32_F32_F32" in text:
+    if "X9" in text:
+        return 9  # BF16_BF16_F32_X9: nine bf16 passes by its name
+    if "HIGHEST" in text or "F32_F32_F32" in text or "X6" in text:
         return XLA_F32_PASSES["HIGHEST"]
-    if "HIGH" in text or "BF16_BF16_F32_X3" in text:
+    if "HIGH" in text or "X3" in text:
         return XLA_F32_PASSES["HIGH"]
     return XLA_F32_PASSES["DEFAULT"]
 
@@ -716,7 +730,10 @@ def _dot_work(eqn: jex_core.JaxprEqn, spec: TpuSpec, passes: int | None = None) 
         highest = prec is not None and "HIGHEST" in str(prec).upper()
         passes = F32_MXU_PASSES["highest" if highest else "default"]
         rate = spec.device_peak_flops / passes
-        w.notes.add(f"f32 matmul charged {passes} bf16 MXU passes (assumption)")
+        w.notes.add(
+            f"f32 matmul at {'HIGHEST' if highest else 'DEFAULT'} precision charged {passes} bf16 MXU pass(es), "
+            "as Mosaic lowers it"
+        )
     else:
         rate = spec.device_peak_flops
     w.mxu_seconds = padded / rate
