@@ -36,6 +36,7 @@ import jax.extend.core as jex_core
 import numpy as np
 from pydantic import BaseModel, Field
 
+from maxkernel.tools import loop_pricing
 from maxkernel.tools.jaxpr import (
     FREE_IN_KERNEL,
     FREE_IN_XLA,
@@ -63,17 +64,24 @@ rarely bounds a kernel that also reads HBM, so this constant matters little; it 
 VREG_ELEMENTS: int = 8 * 128
 """Elements in one 32-bit vreg (8 sublanes x 128 lanes, the TPU VPU shape in the Cloud TPU v6e docs)."""
 
-F32_MXU_PASSES: dict[str, int] = {"default": 3, "highest": 6}
-"""bf16 MXU passes of an f32 x f32 matmul *inside a Mosaic kernel*. HIGHEST lowers to Mosaic's
-`contract_precision<fp32>` (6 bf16 passes, the bf16_6x scheme XLA also uses for HIGHEST); DEFAULT leaves the
-attribute unset and Mosaic's default for f32 operands is not documented - 3 passes is an assumption until a
-TPU measures it. A kernel that wants the single bf16 pass XLA's DEFAULT gets must feed bf16 operands."""
+F32_MXU_PASSES: dict[str, int] = {"default": 1, "highest": 6}
+"""bf16 MXU passes of an f32 x f32 matmul *inside a Mosaic kernel*, read from Mosaic's own output: with
+LIBTPU_INIT_ARGS=--xla_mosaic_dump_to=DIR (libtpu 0.0.42.1), a 128x128x128 f32 dot lowers on v5e and v6e to
+16 `llo.vmatmul` in `matmul_mode<round>` at DEFAULT precision (operands rounded to bf16 on the way into
+the MXU: one pass) and to 96 at HIGHEST (`contract_precision<fp32>`: modes high / low / soft_low_eight /
+soft_middle_eight, the six-pass bf16_6x scheme). Mosaic accepts no other precision (JAX's Pallas lowering
+raises for HIGH). So a DEFAULT f32 kernel costs what XLA's DEFAULT f32 dot costs, and a HIGHEST kernel 6x."""
 
 XLA_F32_PASSES: dict[str, int] = {"DEFAULT": 1, "HIGH": 3, "HIGHEST": 6}
-"""bf16 MXU passes XLA runs for an f32 dot per `lax.Precision` on TPU (JAX docs, 'Matmul precision': default
-is one bfloat16 pass; HIGH is bf16_3x; HIGHEST is bf16_6x). The TPU compiler's cost model ignores precision
-(4096^3 f32 on v5e: 1061.6 us at DEFAULT, HIGH and HIGHEST alike, measured here), so `estimate_xla` adds the
-extra passes of HIGH/HIGHEST dots itself: both sides of a speedup then pay for the same precision."""
+"""bf16 MXU passes XLA runs for an f32 dot per `lax.Precision` on TPU. JAX's 'Matmul precision' page
+(https://docs.jax.dev/en/latest/201/precision.html): by default float32 dots are computed with bfloat16
+arithmetic on TPU; HIGH is bf16_3x and HIGHEST is bf16_6x (the `BF16_BF16_F32_X3` / `_X6` algorithm presets
+name the same schemes; Cloud TPU's bfloat16 page: "By default, TPUs perform matrix multiplication operations
+with bfloat16 values and accumulations with IEEE float32"). `jax_default_matmul_precision` is written into
+each dot's `precision` when the jaxpr is traced, so it is seen here too. The TPU compiler's cost model
+ignores precision (4096^3 f32 on v5e: 1061.6 us at DEFAULT, HIGH and HIGHEST alike, measured here), so
+`estimate_xla` adds the extra passes of HIGH/HIGHEST dots itself: both sides of a speedup then pay for the
+same precision, at the same rate per pass."""
 
 MAX_EXACT_STEPS: int = 1 << 22
 """Grids up to this many steps are replayed exactly; larger grids replay this many steps and extrapolate
@@ -84,9 +92,10 @@ ASSUMPTIONS: dict[str, str] = {
     "hbm_bandwidth": "per-device bandwidth the TPU compiler's cost model uses (tpu_specs.compiler_hbm_gbps)",
     "mxu_peak": "per-device bf16 peak the TPU compiler's cost model uses (tpu_specs.compiler_peak_tflops); "
     "int8 at the published int8 peak; dot dims padded up to the MXU shape",
-    "f32_matmul": f"f32 operands in a kernel cost {F32_MXU_PASSES['default']} bf16 passes (assumption; "
-    f"HIGHEST: {F32_MXU_PASSES['highest']}); the XLA reference's HIGH/HIGHEST f32 dots are charged their extra "
-    "passes on top of the compiler's precision-blind estimate",
+    "f32_matmul": f"f32 operands in a kernel cost {F32_MXU_PASSES['default']} bf16 pass at DEFAULT and "
+    f"{F32_MXU_PASSES['highest']} at HIGHEST (read from Mosaic's LLO); the XLA reference's f32 dots are charged "
+    f"{XLA_F32_PASSES['DEFAULT']}/{XLA_F32_PASSES['HIGH']}/{XLA_F32_PASSES['HIGHEST']} passes at DEFAULT/HIGH/"
+    "HIGHEST (JAX docs), the extra ones on top of the compiler's precision-blind estimate",
     "vpu_rate": f"{VALU_VREG_OPS_PER_CYCLE} vreg ops/cycle x {VREG_ELEMENTS} elements, clock implied by the "
     "compiler's transcendental rate at one vreg per cycle - assumption",
     "eup_rate": "transcendentals at the compiler cost model's rate (tpu_specs.compiler_transcendentals_per_s)",
@@ -102,7 +111,11 @@ ASSUMPTIONS: dict[str, str] = {
     "reference": "XLA reference = the compiler's optimal_seconds; when that is bytes alone, re-priced with each "
     "top-level op's operands and result once (as kernels are); plus extra passes of HIGH/HIGHEST f32 dots",
     "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled",
-    "control_flow": "cond = most expensive branch; scan = body x length; while = body once (flagged)",
+    "control_flow": "cond = most expensive branch; scan = body x length; while = body x trip count when it "
+    "has counter form (fori_loop; in kernels the mean over grid steps of a grid-dependent bound), else once "
+    "(flagged)",
+    "reference_loops": "the compiler's model prices a while body once; the reference's loops are charged per "
+    "iteration by weighting the compiler's per-instruction estimated_cycles with the trip counts around them",
 }
 
 BoundClass = Literal["memory", "compute", "overhead"]
@@ -124,7 +137,8 @@ class XlaEstimate(BaseModel):
     est_bytes_accessed: float | None
     est_transcendentals: float | None
     estimated_seconds: float | None = Field(
-        description="optimal_seconds plus est_precision_surcharge_seconds: the reference's estimated time."
+        description="optimal_seconds plus est_precision_surcharge_seconds plus est_loop_extra_seconds: the "
+        "reference's estimated time."
     )
     est_compiler_seconds: float | None = Field(
         default=None, description="cost_analysis()['optimal_seconds'] as the compiler reports it."
@@ -139,6 +153,12 @@ class XlaEstimate(BaseModel):
         default=0.0,
         description="Extra bf16 MXU passes of HIGH/HIGHEST f32 dots, which the compiler's model does not "
         "charge (lower bound: only time beyond the dot's own minimum HBM traffic is added).",
+    )
+    est_loop_extra_seconds: float = Field(
+        default=0.0,
+        description="Iterations of loops (lax.map / scan / fori_loop / while) beyond those the compiler's "
+        "model priced: it prices a while body once per program, so (trips - priced) x the body's own "
+        "estimate (the body compiled as a program of its own, nested loops included) is added.",
     )
     est_cycles_total: int | None = Field(description="Sum of `estimated_cycles` over fusions in the HLO.")
     est_cycles_by_fusion: dict[str, int]
@@ -298,13 +318,31 @@ def estimate_xla(fn: Callable[..., Any], arg_specs: Sequence[ArgSpec], gen: str)
     """Ask the TPU compiler what `fn` costs on `gen`, by compiling it ahead of time on this CPU machine.
 
     This is the reference side of every speedup estimate: the compiler's own model of the plain XLA program
-    is the best TPU timing available without a TPU. Compile errors propagate (a program that does not
-    compile for the TPU has no estimate, and callers must see why).
+    is the best TPU timing available without a TPU. Two things it gets wrong are corrected, each said in
+    the notes: it prices every f32 dot as one MXU pass whatever its precision (see `XLA_F32_PASSES`), and
+    it prices a loop body once whatever the trip count (see :mod:`maxkernel.tools.loop_pricing`). Compile
+    errors propagate (a program that does not compile for the TPU has no estimate, and callers must see
+    why).
     """
     spec = get_spec(gen)
     device = topology_device(spec)
     sharding = jax.sharding.SingleDeviceSharding(device)
-    sds = [_to_sds(s, sharding) for s in arg_specs]
+    return _estimate_xla(fn, [_to_sds(s, sharding) for s in arg_specs], spec, device, depth=0)
+
+
+MAX_LOOP_DEPTH: int = 4
+"""Loop nests deeper than this are priced with their innermost bodies once (flagged in the notes)."""
+
+XLA_INTERNAL_CUSTOM_CALLS: frozenset[str] = frozenset({"AllocateBuffer", "ConcatBitcast"})
+"""Custom calls the TPU compiler inserts itself (buffer allocation, concatenation as a bitcast): not a
+user's opaque kernel, so they are not reported as such."""
+
+
+def _estimate_xla(
+    fn: Callable[..., Any], sds: list[jax.ShapeDtypeStruct], spec: TpuSpec, device: jax.Device, depth: int
+) -> XlaEstimate:
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    sds = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in sds]
     t0 = time.perf_counter()
     compiled = jax.jit(fn).trace(*sds).lower().compile()
     compile_s = time.perf_counter() - t0
@@ -316,6 +354,7 @@ def estimate_xla(fn: Callable[..., Any], arg_specs: Sequence[ArgSpec], gen: str)
 
     cycles: dict[str, int] = {}
     custom_targets: list[str] = []
+    internal_targets: list[str] = []
     for line in hlo.splitlines():
         m = _CYCLES_RE.search(line)
         if m:
@@ -324,10 +363,12 @@ def estimate_xla(fn: Callable[..., Any], arg_specs: Sequence[ArgSpec], gen: str)
             cycles[name] = cycles.get(name, 0) + int(m.group(1))
         if "custom-call(" in line:
             t = _CUSTOM_TARGET_RE.search(line)
-            custom_targets.append(t.group(1) if t else "unknown")
+            target = t.group(1) if t else "unknown"
+            (internal_targets if target in XLA_INTERNAL_CUSTOM_CALLS else custom_targets).append(target)
 
     notes: list[str] = []
     surcharge = 0.0
+    traced: jex_core.ClosedJaxpr | None = None
     try:
         traced = jax.make_jaxpr(fn)(*sds)
         surcharge = _precision_surcharge(traced.jaxpr, spec, 1.0)
@@ -339,7 +380,22 @@ def estimate_xla(fn: Callable[..., Any], arg_specs: Sequence[ArgSpec], gen: str)
             "model prices every f32 dot as one pass)"
         )
     optimal = raw.get("optimal_seconds")
-    compiler_optimal = optimal
+    if optimal is not None and optimal < 0:
+        # Seen with the compiler's own ConcatBitcast custom call in the program: optimal_seconds comes back
+        # as (roofline - 1). Its own totals at its own rates give the roofline back (agrees to 0.01 % on
+        # the sliding-window attention body, where both are available).
+        roofline = max(
+            (raw.get("flops") or 0.0) / spec.device_peak_flops,
+            (raw.get("bytes accessed") or 0.0) / spec.device_hbm_bytes_per_s,
+            (raw.get("transcendentals") or 0.0) / spec.compiler_transcendentals_per_s,
+        )
+        notes.append(
+            f"the compiler reported optimal_seconds={optimal:.6g} (negative; internal custom calls: "
+            f"{', '.join(sorted(set(internal_targets))) or 'none'}); priced by its own flops/bytes/"
+            f"transcendentals at its own rates instead: {roofline * 1e6:.2f} us"
+        )
+        optimal = roofline
+    compiler_optimal = raw.get("optimal_seconds")
     once_bytes = _hlo_once_bytes(hlo)
     bytes_acc = raw.get("bytes accessed")
     if optimal and bytes_acc and once_bytes and not custom_targets:
@@ -350,12 +406,31 @@ def estimate_xla(fn: Callable[..., Any], arg_specs: Sequence[ArgSpec], gen: str)
             # charged 3x its lhs and 7x its output). The block model charges a kernel each block it
             # really moves; the reference gets the same rule: every fusion's operands and result once.
             flops_time = (raw.get("flops") or 0.0) / spec.device_peak_flops
+            before = optimal
             optimal = max(once_bytes / spec.device_hbm_bytes_per_s, flops_time)
             notes.append(
                 f"memory-bound in the compiler's model with {bytes_acc / 1e6:.2f} MB accessed; re-priced at "
                 f"{once_bytes / 1e6:.2f} MB (each top-level op's operands and result once), as the block model "
-                f"prices kernels: {compiler_optimal * 1e6:.2f} -> {optimal * 1e6:.2f} us"
+                f"prices kernels: {before * 1e6:.2f} -> {optimal * 1e6:.2f} us"
             )
+    loop_extra = 0.0
+    cyc = loop_pricing.hlo_loop_cycles(hlo)
+    if optimal is not None and cyc.trips:
+        if cyc.loop_cycles_once and cyc.cycles_once:
+            # The compiler's figure holds every loop body once. Its per-instruction cycle counts, weighted by
+            # the trip counts around each instruction, say how much the loops repeat in its own terms: the
+            # body as compiled in the program (constants sunk, conversions hoisted, partial unrolling).
+            loop_extra = optimal * (cyc.cycles_per_trip / cyc.cycles_once - 1.0)
+            notes.append(
+                f"loops with trip counts {', '.join(str(t) if t else '?' for t in cyc.trips)}: the compiler's model "
+                f"prices a loop body once; its estimated_cycles weighted by trip counts are "
+                f"{cyc.cycles_per_trip / cyc.cycles_once:.2f}x those summed once, so {loop_extra * 1e6:.2f} us "
+                "added for the other iterations"
+            )
+            if None in cyc.trips:
+                notes.append("a loop's trip count could not be read from the compiled program: priced once")
+        elif traced is not None:  # no cycle figures inside the loops: price each body as its own program
+            loop_extra = _loop_extra_seconds(traced, hlo, spec, device, depth, notes)
     if custom_targets and "optimal_seconds" not in raw:
         notes.append(
             f"{len(custom_targets)} custom call(s) ({', '.join(sorted(set(custom_targets)))}) are opaque to "
@@ -366,19 +441,22 @@ def estimate_xla(fn: Callable[..., Any], arg_specs: Sequence[ArgSpec], gen: str)
             "The program contains custom calls; for a Pallas kernel with pl.CostEstimate the compiler's "
             "figures are that CostEstimate echoed back, not an independent estimate."
         )
+    method = f"TPU compiler cost model (libtpu AOT compile for {spec.topology}, device {device.device_kind})"
+    method += " + precision surcharge" if surcharge else ""
+    method += " + loop iterations" if loop_extra else ""
     return XlaEstimate(
-        method=f"TPU compiler cost model (libtpu AOT compile for {spec.topology}, device {device.device_kind})"
-        + (" + precision surcharge" if surcharge else ""),
+        method=method,
         gen=spec.name,
         topology=spec.topology,
         device_kind=device.device_kind,
         est_flops=raw.get("flops"),
         est_bytes_accessed=raw.get("bytes accessed"),
         est_transcendentals=raw.get("transcendentals"),
-        estimated_seconds=optimal + surcharge if optimal is not None else None,
+        estimated_seconds=optimal + surcharge + loop_extra if optimal is not None else None,
         est_compiler_seconds=compiler_optimal,
         est_once_bytes=once_bytes,
         est_precision_surcharge_seconds=surcharge,
+        est_loop_extra_seconds=loop_extra,
         est_cycles_total=sum(cycles.values()) if cycles else None,
         est_cycles_by_fusion=cycles,
         opaque_custom_calls=custom_targets,
@@ -386,6 +464,52 @@ def estimate_xla(fn: Callable[..., Any], arg_specs: Sequence[ArgSpec], gen: str)
         raw_cost_analysis=raw,
         notes=notes,
     )
+
+
+def _loop_extra_seconds(
+    traced: jex_core.ClosedJaxpr, hlo: str, spec: TpuSpec, device: jax.Device, depth: int, notes: list[str]
+) -> float:
+    """Seconds of loop iterations the compiler's figure for `hlo` leaves out (see `loop_pricing`).
+
+    Each top-level loop of the jaxpr is matched to a `while` the compiler kept; the iterations it did not
+    price are charged at the body's own estimate (the body compiled alone, its inner loops priced the same
+    way, its precision surcharge left out: `_precision_surcharge` already counts every iteration)."""
+    pool = loop_pricing.hlo_while_trips(hlo)
+    extra = 0.0
+    for enclosing, consts, eqn in loop_pricing.loop_eqns(traced.jaxpr, traced.consts):
+        trips = loop_pricing.jaxpr_loop_trips(eqn)
+        if trips is None:
+            notes.append(
+                f"{eqn.primitive.name} loop with a trip count unknown before run time: body priced once"
+            )
+            continue
+        priced = loop_pricing.match_compiled_loop(trips, pool)
+        if priced >= trips or trips <= 1:
+            continue  # unrolled by the compiler: every iteration is already in its figure
+        if depth >= MAX_LOOP_DEPTH:
+            notes.append(f"loop nest deeper than {MAX_LOOP_DEPTH}: inner {trips}-trip loop priced once")
+            continue
+        try:
+            body_fn, body_specs = loop_pricing.loop_body_program(enclosing, consts, eqn)
+            body = _estimate_xla(body_fn, body_specs, spec, device, depth + 1)
+        except Exception as exc:  # noqa: BLE001 - an unpriceable body leaves the compiler's figure, flagged
+            notes.append(
+                f"{trips}-trip {eqn.primitive.name} loop: body not priced alone ({type(exc).__name__}: {exc}); "
+                "the compiler's single-iteration price stands (underestimate)"
+            )
+            continue
+        if body.estimated_seconds is None:
+            continue
+        per_iter = body.estimated_seconds - body.est_precision_surcharge_seconds
+        add = (trips - priced) * per_iter
+        extra += add
+        notes.append(
+            f"{trips}-trip {eqn.primitive.name} loop: the compiler's model priced {priced} iteration(s); "
+            f"{trips - priced} more at {per_iter * 1e6:.2f} us each (the body compiled alone) = "
+            f"{add * 1e6:.2f} us added"
+        )
+        notes.extend(f"{trips}-trip loop body: {n}" for n in body.notes if "precision surcharge" not in n)
+    return extra
 
 
 _HLO_ITEMSIZE = {
@@ -463,9 +587,11 @@ def _xla_passes(eqn: jex_core.JaxprEqn) -> int:
         return 1
     prec = eqn.params.get("precision")
     text = str(prec).upper() if prec is not None else ""
-    if "HIGHEST" in text or "F32_F32_F32" in text:
+    if "X9" in text:
+        return 9  # BF16_BF16_F32_X9: nine bf16 passes by its name
+    if "HIGHEST" in text or "F32_F32_F32" in text or "X6" in text:
         return XLA_F32_PASSES["HIGHEST"]
-    if "HIGH" in text or "BF16_BF16_F32_X3" in text:
+    if "HIGH" in text or "X3" in text:
         return XLA_F32_PASSES["HIGH"]
     return XLA_F32_PASSES["DEFAULT"]
 
@@ -490,6 +616,9 @@ def _precision_surcharge(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float) -> f
             continue
         elif name == "scan":
             total += _precision_surcharge(as_jaxpr(eqn.params["jaxpr"])[0], spec, mult * eqn.params["length"])
+        elif name == "while":
+            trips = loop_pricing.jaxpr_loop_trips(eqn) or 1  # unknown trip count: once (as the compiler)
+            total += _precision_surcharge(as_jaxpr(eqn.params["body_jaxpr"])[0], spec, mult * trips)
         else:
             for sub in sub_jaxprs(eqn):
                 total += _precision_surcharge(sub, spec, mult)
@@ -601,7 +730,10 @@ def _dot_work(eqn: jex_core.JaxprEqn, spec: TpuSpec, passes: int | None = None) 
         highest = prec is not None and "HIGHEST" in str(prec).upper()
         passes = F32_MXU_PASSES["highest" if highest else "default"]
         rate = spec.device_peak_flops / passes
-        w.notes.add(f"f32 matmul charged {passes} bf16 MXU passes (assumption)")
+        w.notes.add(
+            f"f32 matmul at {'HIGHEST' if highest else 'DEFAULT'} precision charged {passes} bf16 MXU pass(es), "
+            "as Mosaic lowers it"
+        )
     else:
         rate = spec.device_peak_flops
     w.mxu_seconds = padded / rate
@@ -622,9 +754,9 @@ def _dma_bytes(eqn: jex_core.JaxprEqn) -> float:
         return float(min((_nbytes(a) for a in refs), default=0))
 
 
-def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, fractions: dict[int, np.ndarray] | None = None) -> _Work:
+def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, facts: _StepFacts | None = None) -> _Work:
     """MXU / VPU / EUP / DMA work of one execution of a kernel body (one grid step, averaged over steps
-    for conds whose branch `fractions` per grid step are known)."""
+    for conds whose branch fractions and while loops whose trip counts per grid step are known)."""
     w = _Work()
     for pos, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
@@ -632,7 +764,7 @@ def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, fractions: dict[int, np.nda
             w.add(_dot_work(eqn, spec))
         elif name == "cond":
             branches = [_body_work(as_jaxpr(b)[0], spec) for b in eqn.params["branches"]]
-            frac = (fractions or {}).get(pos)
+            frac = (facts.fractions if facts else {}).get(pos)
             if frac is not None:
                 for b, f in zip(branches, frac, strict=True):
                     if f:
@@ -644,8 +776,16 @@ def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, fractions: dict[int, np.nda
         elif name == "scan":
             w.add(_body_work(as_jaxpr(eqn.params["jaxpr"])[0], spec), float(eqn.params["length"]))
         elif name == "while":
-            w.add(_body_work(as_jaxpr(eqn.params["body_jaxpr"])[0], spec))
-            w.notes.add("while loop in kernel: trip count unknown, body charged once (underestimate)")
+            trips = (facts.trips if facts else {}).get(pos)
+            if trips is None:
+                static = loop_pricing.jaxpr_loop_trips(eqn)
+                trips = None if static is None else float(static)
+            if trips is None:
+                w.add(_body_work(as_jaxpr(eqn.params["body_jaxpr"])[0], spec))
+                w.notes.add("while loop in kernel: trip count unknown, body charged once (underestimate)")
+            else:
+                w.add(_body_work(as_jaxpr(eqn.params["body_jaxpr"])[0], spec), trips)
+                w.notes.add("while loop in kernel: body charged per trip (mean trip count over grid steps)")
         elif name == "dma_start":
             w.dma_bytes += _dma_bytes(eqn)
         elif name in KERNEL_CALL_PRIMITIVES or (name in FREE_IN_KERNEL and sub_jaxprs(eqn)):
@@ -736,20 +876,32 @@ def _np_prim(eqn: jex_core.JaxprEqn, x: list[Any]) -> list[Any]:
     return [out]
 
 
-def _branch_fractions(
-    jaxpr: jex_core.Jaxpr, grid: tuple[int, ...], cap: int = 1 << 20
-) -> dict[int, np.ndarray]:
+@dataclass
+class _StepFacts:
+    """What the grid position alone decides in a kernel body, averaged over grid steps (eqn position ->)."""
+
+    fractions: dict[int, np.ndarray] = field(default_factory=dict)
+    """Top-level conds: the fraction of grid steps taking each branch."""
+    trips: dict[int, float] = field(default_factory=dict)
+    """Top-level counter-form while loops: the mean trip count over grid steps."""
+
+
+def _step_facts(jaxpr: jex_core.Jaxpr, grid: tuple[int, ...], cap: int = 1 << 20) -> _StepFacts:
     """For each top-level `cond` of a kernel body whose branch index depends only on the grid position
     (program_id, num_programs and integer arithmetic - what `pl.when` guards such as causal or window
-    masks compile to): the fraction of grid steps that take each branch. Keyed by eqn position.
+    masks compile to): the fraction of grid steps that take each branch; for each top-level `while` in
+    counter form (a `fori_loop` whose bounds depend on the grid position, e.g. up to the causal diagonal)
+    its mean trip count. Keyed by eqn position.
 
-    This is what lets the block model credit skipped compute: a key block a mask rules out runs the empty
-    branch of its `pl.when`. Grids beyond `cap` steps, or predicates that read data (refs, scalar
-    prefetch), are left out and their conds are charged the most expensive branch.
+    This is what lets the block model credit skipped compute (a key block a mask rules out runs the empty
+    branch of its `pl.when`) and charge an in-kernel loop per trip. Grids beyond `cap` steps, or
+    predicates and bounds that read data (refs, scalar prefetch), are left out: their conds are charged
+    the most expensive branch and their loops once (flagged).
     """
+    facts = _StepFacts()
     steps = math.prod(grid) if grid else 1
-    if steps > cap or not any(e.primitive.name == "cond" for e in jaxpr.eqns):
-        return {}
+    if steps > cap or not any(e.primitive.name in ("cond", "while") for e in jaxpr.eqns):
+        return facts
     idx = np.unravel_index(np.arange(steps, dtype=np.int64), grid) if grid else ()
     known: dict[Any, Any] = {}
 
@@ -758,7 +910,6 @@ def _branch_fractions(
             return np.asarray(v.val)
         return known[v]
 
-    out: dict[int, np.ndarray] = {}
     for pos, eqn in enumerate(jaxpr.eqns):
         name = eqn.primitive.name
         try:
@@ -769,7 +920,11 @@ def _branch_fractions(
             elif name == "cond":
                 branch = np.broadcast_to(np.asarray(value(eqn.invars[0]), np.int64), (steps,))
                 n = len(eqn.params["branches"])
-                out[pos] = np.bincount(np.clip(branch, 0, n - 1), minlength=n) / steps
+                facts.fractions[pos] = np.bincount(np.clip(branch, 0, n - 1), minlength=n) / steps
+            elif name == "while":
+                trips = loop_pricing.while_trip_count(eqn, value)
+                if trips is not None:
+                    facts.trips[pos] = float(np.mean(np.broadcast_to(trips, (steps,))))
             elif all(isinstance(v, jex_core.Literal) or v in known for v in eqn.invars):
                 if any(getattr(getattr(v, "aval", None), "shape", ()) for v in eqn.outvars):
                     continue  # a vector op of the body, not scalar index arithmetic
@@ -777,7 +932,7 @@ def _branch_fractions(
                     known[v] = o
         except (KeyError, TypeError, ValueError):
             continue
-    return out
+    return facts
 
 
 def _block_indices(closed: Any, grid_idx: Sequence[np.ndarray], n: int) -> np.ndarray:
@@ -916,7 +1071,7 @@ def _estimate_call(eqn: jex_core.JaxprEqn, spec: TpuSpec, multiplicity: float) -
             vmem += _nbytes(aval)
 
     body, _ = as_jaxpr(params["jaxpr"])
-    work = _body_work(body, spec, _branch_fractions(body, grid))
+    work = _body_work(body, spec, _step_facts(body, grid))
     notes |= work.notes
     manual_dma = work.dma_bytes * steps
     if manual_dma:
@@ -1026,9 +1181,10 @@ class _ProgramWalk:
             elif name == "scan":
                 self.walk(as_jaxpr(eqn.params["jaxpr"])[0], mult * float(eqn.params["length"]))
             elif name == "while":
-                self.notes.add("while loop outside kernels: trip count unknown, body counted once")
-                for sub in sub_jaxprs(eqn):
-                    self.walk(sub, mult)
+                trips = loop_pricing.jaxpr_loop_trips(eqn)
+                if trips is None:
+                    self.notes.add("while loop outside kernels: trip count unknown, body counted once")
+                self.walk(as_jaxpr(eqn.params["body_jaxpr"])[0], mult * float(1 if trips is None else trips))
             elif name == "cond":
                 self.notes.add("cond outside kernels: every branch counted (upper bound)")
                 for sub in sub_jaxprs(eqn):
