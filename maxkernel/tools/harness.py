@@ -127,10 +127,16 @@ class EvalOptions(BaseModel):
         "explicit --allow-unsandboxed). Not part of the key: it decides whether it runs, not the outcome",
     )
 
+    zygote: bool = Field(
+        True,
+        description="fork the judge and the candidate from pre-imported zygotes (`maxkernel.tools.zygote`) "
+        "instead of spawning fresh interpreters. Not part of the key: same checks, same sandbox, less waiting",
+    )
+
     def key_fields(self) -> dict[str, object]:
         # Limits do not change a finished result's content, only whether it finished; keep them in the key
         # anyway so a timeout under a short limit is not served to a caller with a longer one.
-        return self.model_dump(mode="json", exclude={"allow_unsandboxed"})
+        return self.model_dump(mode="json", exclude={"allow_unsandboxed", "zygote"})
 
 
 def default_timeout(task: KernelTask, options: EvalOptions) -> float:
@@ -258,6 +264,7 @@ def _run(
         ),
         read_paths=task_read_paths(task.reference_path),
         stdin=True,
+        zygote_root=eval_dir.parent if options.zygote else None,
     )
     cand = SandboxedChild(
         "maxkernel.tools.candidate:candidate_job",
@@ -278,6 +285,7 @@ def _run(
         ),
         stdin=True,
         preload=CANDIDATE_PRELOAD,
+        zygote_root=eval_dir.parent if options.zygote else None,
     )
     result = EvalResult(task_id=task.task_id, source_hash=source_hash)
     judge.start()
