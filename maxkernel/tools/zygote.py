@@ -34,6 +34,7 @@ back to spawning a fresh child per job and says so once in the log.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import importlib
@@ -46,6 +47,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from importlib import metadata
@@ -231,8 +233,6 @@ def _job(libc: ctypes.CDLL, req: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in req["env"].items()})
         os.environ["MAXKERNEL_KEY_FD"] = str(KEY_FD)
-        import tempfile
-
         tempfile.tempdir = None  # TMPDIR is the job's now
         from maxkernel.tools.worker import main
 
@@ -329,6 +329,41 @@ def serve(root: str, ctrl_fd: int, preload: list[str]) -> int:
     return 0
 
 
+def probe_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """A self-check of a forked job's isolation (tests, diagnostics): what it can see and be, and, when asked,
+    the state a hostile candidate would try to leave behind for the next job — a module global, a
+    monkeypatched JAX function, a file in /tmp, a file next to its run dir."""
+    import jax.numpy as jnp
+
+    from maxkernel.tools import candidate
+
+    facts: dict[str, Any] = {
+        "uid": os.getuid(),
+        "pid": os.getpid(),
+        "tmp": sorted(os.listdir("/tmp")),
+        "global_left": getattr(candidate, "_LEFT_BEHIND", None),
+        "jnp_add_patched": getattr(jnp.add, "_left_behind", False),
+        "siblings": sorted(os.listdir(Path(ctx.run_dir).parent)),
+        "backends_before": len(__import__("jax._src.xla_bridge", fromlist=["_backends"])._backends),
+    }
+    if payload.get("leave_state"):
+        candidate._LEFT_BEHIND = "yes"  # type: ignore[attr-defined]
+
+        def patched(*a: Any, **k: Any) -> Any:
+            return None
+
+        patched._left_behind = True  # type: ignore[attr-defined]
+        jnp.add = patched
+        Path("/tmp/left_behind").write_text("x")
+        try:
+            (Path(ctx.run_dir).parent / "left_behind").write_text("x")
+            facts["wrote_beside_run_dir"] = True
+        except OSError:
+            facts["wrote_beside_run_dir"] = False
+    facts["sum"] = float(jnp.ones(3).sum()) if not payload.get("leave_state") else None
+    return facts
+
+
 # --- the agent's side ------------------------------------------------------------------------------------
 
 
@@ -375,7 +410,10 @@ class Zygote:
         t0 = time.monotonic()
         cmd = [*command, sys.executable, "-m", "maxkernel.tools.zygote", str(root), str(theirs.fileno()),
                ",".join(preload)]  # fmt: skip
-        self.stderr_path = root / f".zygote-{os.getpid()}-{id(self):x}.log"
+        # The zygote's own log lives outside its root: the root is the callers' (run dirs, cleaned by them).
+        fd, log_path = tempfile.mkstemp(prefix="maxkernel-zygote-", suffix=".log")
+        os.close(fd)
+        self.stderr_path = Path(log_path)
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
@@ -506,6 +544,11 @@ class ZygotePool:
             self._zygotes[key] = z
             return z
 
+    def pids(self) -> list[int]:
+        """Host process ids of the live zygotes (their bubblewrap parents), least recently used first."""
+        with self._lock:
+            return [z.proc.pid for z in self._zygotes.values() if z.alive()]
+
     def close(self) -> None:
         with self._lock:
             for z in self._zygotes.values():
@@ -515,6 +558,7 @@ class ZygotePool:
 
 
 POOL = ZygotePool()
+atexit.register(POOL.close)
 
 
 def main(argv: list[str]) -> int:
