@@ -92,6 +92,9 @@ def test_rejections(
     assert r.error is not None
     assert r.error.stage == stage, r.error
     assert needle in r.error.message, r.error.message
+    if stage == "pallas":  # decided by the program trees: no TPU compile, no interpret-mode run
+        assert not r.tpu_compile and r.correctness is None
+        assert any("stopped before the TPU compile" in w for w in r.warnings)
 
 
 def test_pallas_copying_elementwise_result_is_rejected(gelu_task: KernelTask, session_work: Path) -> None:

@@ -81,6 +81,10 @@ MAX_PROGRAM_BYTES = 64 << 20
 MAX_ARRAY_FILE_BYTES = 4 << 30
 POLL_S = 0.02
 LARGER_MEMORY_FRACTION = 8
+INTERPRET_SLOW_RATIO = 25.0
+INTERPRET_SLOW_FLOOR_S = 5.0
+"""An interpret-mode run over INTERPRET_SLOW_RATIO x the judge's reference time (and over the floor, so that
+noise on tiny tasks says nothing) is reported as an interpret-cost warning."""
 """The larger-shape check runs only when the reference's inputs and outputs there fit in this fraction of
 the evaluation's memory limit (the judge holds them, the candidate's interpreter holds them again)."""
 CANDIDATE_PRELOAD = (
@@ -128,10 +132,16 @@ class EvalOptions(BaseModel):
         "explicit --allow-unsandboxed). Not part of the key: it decides whether it runs, not the outcome",
     )
 
+    zygote: bool = Field(
+        True,
+        description="fork the judge and the candidate from pre-imported zygotes (`maxkernel.tools.zygote`) "
+        "instead of spawning fresh interpreters. Not part of the key: same checks, same sandbox, less waiting",
+    )
+
     def key_fields(self) -> dict[str, object]:
         # Limits do not change a finished result's content, only whether it finished; keep them in the key
         # anyway so a timeout under a short limit is not served to a caller with a longer one.
-        return self.model_dump(mode="json", exclude={"allow_unsandboxed"})
+        return self.model_dump(mode="json", exclude={"allow_unsandboxed", "zygote"})
 
 
 def machine_load_factor() -> float:
@@ -311,6 +321,7 @@ def _run(
         ),
         read_paths=task_read_paths(task.reference_path),
         stdin=True,
+        zygote_root=eval_dir.parent if options.zygote else None,
     )
     cand = SandboxedChild(
         "maxkernel.tools.candidate:candidate_job",
@@ -331,6 +342,7 @@ def _run(
         ),
         stdin=True,
         preload=CANDIDATE_PRELOAD,
+        zygote_root=eval_dir.parent if options.zygote else None,
     )
     result = EvalResult(task_id=task.task_id, source_hash=source_hash)
     judge.start()
@@ -392,6 +404,16 @@ def _orchestrate(
         judge.send(b"")
         return _fail(result, "sandbox", f"malformed read-back from the candidate's process: {exc}")
     checks = _check_trees(task, programs, result)
+    if not any("violation" in e for e in cand.events()):  # a violation is reported first: wait for it
+        try:
+            early = _tree_failure(task, result, programs)
+        except (ValueError, KeyError, TypeError) as exc:
+            return _fail(result, "sandbox", f"malformed read-back from the candidate's process: {exc}")
+        if early is not None:
+            _record_seconds(early, programs.get("seconds"))
+            early.warnings.append("stopped before the TPU compile and the interpret-mode run: the program "
+                                  "trees already decide the verdict")  # fmt: skip
+            return early
     expected_kernels = checks[0].pallas_calls if checks else None
     gen = first_generation(options.tpu)
     request = {
@@ -406,15 +428,33 @@ def _orchestrate(
         inputs = read_capped(judge.run_dir / INPUTS_FILE, MAX_ARRAY_FILE_BYTES)
     except ReadBackError as exc:
         return _fail(result, "infrastructure", f"the judge's inputs could not be read: {exc}")
+    t_run = time.monotonic()
     cand.send(inputs)
     cand_out = cand.wait(deadline)
+    interpret_s = time.monotonic() - t_run  # measured here, not reported by the candidate
     cand.kill()  # its reaper is gone only when every descendant is: nothing of it outlives this line
     judge.send(b"release\n")
     judge_out = judge.wait(deadline)
     if not judge_out.ok or judge_out.value is None or not judge_out.value.get("ok"):
         return _judge_failure(result, judge_out)
+    result.stage_seconds["correctness"] = round(interpret_s, 4)
+    _interpret_cost_signal(result, interpret_s, judge_out.value.get("seconds"))
     return _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
                     cached_ref_estimate, larger_note)  # fmt: skip
+
+
+def _interpret_cost_signal(result: EvalResult, interpret_s: float, judge_seconds: Any) -> None:
+    """A candidate whose interpret-mode run is far slower than the reference's (hundreds of tiny grid
+    steps) is named so: on a TPU each grid step costs ~0.35 us, and the search should not breed it."""
+    ref_s = judge_seconds.get("reference") if isinstance(judge_seconds, dict) else None
+    if not isinstance(ref_s, int | float) or ref_s <= 0:
+        return
+    ratio = interpret_s / ref_s
+    if interpret_s > INTERPRET_SLOW_FLOOR_S and ratio > INTERPRET_SLOW_RATIO:
+        result.warnings.append(
+            f"interpret cost: the interpret-mode run took {interpret_s:.1f} s, {ratio:.0f}x the reference's "
+            f"{ref_s:.2f} s on the same input sets (measured): likely many tiny grid steps, slow on a TPU too"
+        )
 
 
 def _judge_failure(result: EvalResult, outcome: SandboxOutcome) -> EvalResult:
@@ -505,45 +545,14 @@ def _verdict(
     cached_ref_estimate: float | None,
     larger_note: str,
 ) -> EvalResult:
-    for name, secs in list((programs.get("seconds") or {}).items()) + list(
-        (judge.get("seconds") or {}).items()
-    ):
-        if isinstance(secs, int | float):
-            result.stage_seconds[str(name)[:40]] = round(float(secs), 4)
+    _record_seconds(result, programs.get("seconds"))
+    _record_seconds(result, judge.get("seconds"))
     if cand_out.violations:
         return _fail(result, "sandbox", "sandbox violation: " + "; ".join(cand_out.violations))
 
-    # The outputs' shapes, then Pallas on the traces, then one program across modes and shapes.
-    for ci, (cfg, entry) in enumerate(zip(task.validation_configs, programs["validation"], strict=True)):
-        got = [_spec(o) for o in entry["out"]]
-        if got != list(cfg.outputs):
-            return _fail(result, "trace", "output shapes/dtypes differ from the reference: got "
-                         + ", ".join(map(str, got)) + "; expected " + ", ".join(map(str, cfg.outputs))
-                         + (f" (config {ci})" if ci else ""))  # fmt: skip
-    if result.pallas is not None and not result.pallas.ok:
-        return _fail(result, "pallas", result.pallas.reason or "Pallas does not do the work")
-    for ci, entry in enumerate(programs["validation"]):
-        diff = same_program(skeleton(entry["interpret"]), skeleton(entry["plain"]), exact=True)
-        if diff:
-            return _fail(result, "consistency", "the program traced in TPU interpret mode is not the one "
-                         f"traced for the TPU ({diff}): a kernel must not depend on interpret mode")  # fmt: skip
-        prod = programs["production"][ci]["plain"]
-        diff = same_program(skeleton(entry["plain"]), skeleton(prod), exact=False)
-        if diff:
-            return _fail(result, "consistency", "the program at the validation shapes is not the one at the "
-                         f"task's own shapes ({diff}): a kernel must not branch on shape")  # fmt: skip
-        prod_check, _ = check_pallas_does_work(prod)
-        if not prod_check.ok:
-            return _fail(result, "pallas", f"at the task's own shapes: {prod_check.reason}")
-    larger = programs.get("larger")
-    if larger is not None and programs["validation"]:
-        first = programs["validation"][0]["plain"]
-        plain = skeleton(larger["plain"])
-        diff = same_program(skeleton(larger["interpret"]), plain, exact=True)
-        diff = diff or same_program(skeleton(first), plain, exact=False)
-        if diff:
-            return _fail(result, "consistency", "the program at the larger check shape is not the one at the "
-                         f"validation shapes ({diff}): a kernel must not branch on shape")  # fmt: skip
+    failure = _tree_failure(task, result, programs)
+    if failure is not None:
+        return failure
 
     # What ships: the judge's reading of the exported TPU program, and its compile.
     for ci, tc in enumerate(judge.get("tpu_checks") or []):
@@ -599,6 +608,50 @@ def _verdict(
     if not result.accepted:
         return _fail(result, "compile", "not compiled for every requested TPU generation")
     return result
+
+
+def _tree_failure(task: KernelTask, result: EvalResult, programs: dict[str, Any]) -> EvalResult | None:
+    """The verdicts the candidate's program trees decide alone (issue 16's fail-fast order): the outputs'
+    shapes from the abstract trace, then Pallas on the traces, then one program across modes and shapes.
+    Checked as soon as the trees are read, so a kernel that fails here costs no TPU compile and no
+    interpret-mode run; `_verdict` asks again (same function) when a violation made it wait."""
+    for ci, (cfg, entry) in enumerate(zip(task.validation_configs, programs["validation"], strict=True)):
+        got = [_spec(o) for o in entry["out"]]
+        if got != list(cfg.outputs):
+            return _fail(result, "trace", "output shapes/dtypes differ from the reference: got "
+                         + ", ".join(map(str, got)) + "; expected " + ", ".join(map(str, cfg.outputs))
+                         + (f" (config {ci})" if ci else ""))  # fmt: skip
+    if result.pallas is not None and not result.pallas.ok:
+        return _fail(result, "pallas", result.pallas.reason or "Pallas does not do the work")
+    for ci, entry in enumerate(programs["validation"]):
+        diff = same_program(skeleton(entry["interpret"]), skeleton(entry["plain"]), exact=True)
+        if diff:
+            return _fail(result, "consistency", "the program traced in TPU interpret mode is not the one "
+                         f"traced for the TPU ({diff}): a kernel must not depend on interpret mode")  # fmt: skip
+        prod = programs["production"][ci]["plain"]
+        diff = same_program(skeleton(entry["plain"]), skeleton(prod), exact=False)
+        if diff:
+            return _fail(result, "consistency", "the program at the validation shapes is not the one at the "
+                         f"task's own shapes ({diff}): a kernel must not branch on shape")  # fmt: skip
+        prod_check, _ = check_pallas_does_work(prod)
+        if not prod_check.ok:
+            return _fail(result, "pallas", f"at the task's own shapes: {prod_check.reason}")
+    larger = programs.get("larger")
+    if larger is not None and programs["validation"]:
+        first = programs["validation"][0]["plain"]
+        plain = skeleton(larger["plain"])
+        diff = same_program(skeleton(larger["interpret"]), plain, exact=True)
+        diff = diff or same_program(skeleton(first), plain, exact=False)
+        if diff:
+            return _fail(result, "consistency", "the program at the larger check shape is not the one at the "
+                         f"validation shapes ({diff}): a kernel must not branch on shape")  # fmt: skip
+    return None
+
+
+def _record_seconds(result: EvalResult, seconds: Any) -> None:
+    for name, secs in (seconds or {}).items() if isinstance(seconds, dict) else ():
+        if isinstance(secs, int | float):
+            result.stage_seconds[str(name)[:40]] = round(float(secs), 4)
 
 
 def _spec(o: Any) -> ArraySpec:

@@ -49,6 +49,9 @@ from maxkernel.tools.readback import (
     tail_text,
 )
 from maxkernel.tools.worker import sign
+from maxkernel.tools.zygote import POOL as ZYGOTES
+from maxkernel.tools.zygote import PRELOAD as ZYGOTE_PRELOAD
+from maxkernel.tools.zygote import Zygote, ZygoteError, ZygoteProc, toolchain_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ ENV_PASSED = ("LANG", "LC_ALL", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 """Host variables a child may inherit. Everything else (API keys above all) is dropped."""
 
 _warned_no_bwrap = False
+_zygote_warned: set[str] = set()
 _bwrap_checked: bool | None = None
 
 
@@ -157,9 +161,22 @@ def _system_binds() -> list[str]:
 
 
 def _bwrap_command(
-    bwrap: str, run_dir: Path, ro_paths: list[Path], env: dict[str, str], allow_device: bool
+    bwrap: str,
+    run_dir: Path,
+    ro_paths: list[Path],
+    env: dict[str, str],
+    allow_device: bool,
+    *,
+    zygote: bool = False,
 ) -> list[str]:
-    cmd = [bwrap, "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid", "--unshare-ipc"]
+    """The bubblewrap command line for one child, or (`zygote=True`) for a zygote: the same file system
+    with `run_dir` as the folder its jobs' run dirs live under, keeping the capabilities it needs to give
+    each forked job namespaces of its own before the job drops them all (`maxkernel.tools.zygote`). A zygote
+    is not tied to the starting thread's life (`--die-with-parent` is per thread); it exits when the
+    agent's end of its control socket closes."""
+    cmd = [bwrap, "--new-session", "--unshare-net", "--unshare-pid", "--unshare-ipc"]
+    if not zygote:
+        cmd.insert(1, "--die-with-parent")
     cmd += ["--unshare-uts", "--unshare-cgroup-try", *_system_binds()]
     cmd += ["--proc", "/proc", "--size", str(64 << 20), "--tmpfs", "/tmp"]
     cmd += ["--dev-bind", "/dev", "/dev"] if allow_device else ["--dev", "/dev"]
@@ -195,7 +212,11 @@ def _bwrap_command(
     cmd += ["--clearenv"]
     for k, v in env.items():
         cmd += ["--setenv", k, v]
-    if os.geteuid() == 0:
+    if zygote:
+        if os.geteuid() != 0:
+            cmd[1:1] = ["--unshare-user", "--uid", "0", "--gid", "0"]
+        cmd += ["--cap-add", "ALL", "--"]
+    elif os.geteuid() == 0:
         # As root a user namespace maps the child's 65534 back onto root for file access; drop for real.
         cmd += ["--", shutil.which("setpriv") or "/usr/bin/setpriv", "--reuid", str(NOBODY), "--regid",
                 str(NOBODY), "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]  # fmt: skip
@@ -263,14 +284,19 @@ class SandboxedChild:
         *,
         stdin: bool = False,
         preload: tuple[str, ...] = ("numpy", "jax"),
+        zygote_root: Path | None = None,
     ) -> None:
+        """`zygote_root`: fork this child from a pre-imported zygote whose jobs' run dirs all live under
+        this folder (`run_dir` must be below it); None, or a zygote that cannot start: spawn it fresh."""
         self.entry, self.payload = entry, payload
         self.run_dir = Path(run_dir).resolve()
         self.limits = limits or SandboxLimits()
         self.read_paths = list(read_paths or [])
         self.use_stdin = stdin
         self.preload = list(preload)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.zygote_root = Path(zygote_root).resolve() if zygote_root is not None else None
+        self.proc: subprocess.Popen[bytes] | ZygoteProc | None = None
+        self.via_zygote = False
         self.isolation = ""
         self.refused: str | None = None
         self._key = secrets.token_bytes(32)
@@ -303,6 +329,8 @@ class SandboxedChild:
             # libtpu takes a machine-wide lock file on start-up; with no TPU here, compile-only clients in
             # several children at once must be allowed (on a TPU host the lock is real and stays).
             env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+            # No metadata server exists in the sandbox's network namespace: do not ask libtpu to retry it.
+            env["TPU_SKIP_MDS_QUERY"] = "1"
         for key in ENV_PASSED:
             if key in os.environ:
                 env[key] = os.environ[key]
@@ -313,6 +341,9 @@ class SandboxedChild:
         env["MAXKERNEL_KEY_FD"] = str(key_r)
         python_cmd = [sys.executable, "-m", "maxkernel.tools.worker", str(run_dir)]
         bwrap = bubblewrap_path()
+        if self.zygote_root is not None and bwrap and _bwrap_usable(bwrap):
+            if self._start_in_zygote(bwrap, env, key_r):
+                return
         as_nobody = os.geteuid() == 0
         if bwrap and _bwrap_usable(bwrap):
             pkg = _package_root() / "maxkernel"
@@ -362,6 +393,53 @@ class SandboxedChild:
         finally:
             os.close(key_r)
 
+    def _start_in_zygote(self, bwrap: str, env: dict[str, str], key_r: int) -> bool:
+        """Fork this child from the zygote for its setting; False (logged once per reason) if there is
+        none, and the caller spawns instead. Closes `key_r` when it returns True."""
+        assert self.zygote_root is not None
+        root, limits = self.zygote_root, self.limits
+        if root not in self.run_dir.parents:
+            return False
+        base_env = {k: v for k, v in env.items() if k not in ("HOME", "TMPDIR", "MAXKERNEL_KEY_FD")}
+        base_env.update(HOME=str(root), TMPDIR="/tmp")
+        ro = sorted({str(Path(p).resolve()) for p in self.read_paths})
+        key = (toolchain_fingerprint(), str(root), tuple(ro), limits.allow_device,
+               tuple(sorted(base_env.items())))  # fmt: skip
+
+        def make() -> Zygote:
+            pkg = _package_root() / "maxkernel"
+            ro_paths = [Path(sys.prefix), Path(sys.base_prefix), pkg, *map(Path, ro)]
+            cmd = _bwrap_command(bwrap, root, ro_paths, base_env, limits.allow_device, zygote=True)
+            return Zygote(cmd, {"PATH": "/usr/bin:/bin"}, root, ZYGOTE_PRELOAD)
+
+        try:
+            zygote = ZYGOTES.get(key, make)
+            if os.geteuid() == 0:
+                _give_to_nobody(self.run_dir)
+            self._t0 = time.monotonic()
+            with (
+                open(self.run_dir / "stderr.log", "wb") as err,
+                open(self.run_dir / "stdout.log", "wb") as out,
+            ):
+                self.proc = zygote.spawn(
+                    self.run_dir,
+                    env,
+                    {"timeout_s": limits.timeout_s, "memory_mb": limits.memory_mb, "file_mb": limits.file_mb},
+                    stdin=self.use_stdin,
+                    stdout_fd=out.fileno(),
+                    stderr_fd=err.fileno(),
+                    key_fd=key_r,
+                )
+        except ZygoteError as exc:
+            reason = str(exc)[:300]
+            if reason not in _zygote_warned:
+                _zygote_warned.add(reason)
+                log.warning("no zygote (%s): spawning a fresh sandboxed child per job instead", reason)
+            return False
+        os.close(key_r)
+        self.isolation, self.via_zygote = "bubblewrap", True
+        return True
+
     # --- while it runs -------------------------------------------------------------------------------
     def events(self) -> list[dict[str, Any]]:
         return read_progress(self.run_dir)
@@ -388,6 +466,13 @@ class SandboxedChild:
     def kill(self) -> None:
         """Ask the reaper to kill everything it started; force it if it does not go."""
         if self.proc is None or self.proc.poll() is not None:
+            return
+        if isinstance(self.proc, ZygoteProc):
+            self.proc.kill()  # the zygote kills the job's whole pid namespace
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -448,6 +533,10 @@ class SandboxedChild:
         for log_name in ("stdout.log", "stderr.log"):
             if file_size(run_dir / log_name) >= (self.limits.file_mb << 20):
                 base["violations"] = [*violations, f"filled {log_name} to the {self.limits.file_mb} MiB cap"]
+        if isinstance(self.proc, ZygoteProc) and self.proc.lost:
+            return SandboxOutcome(
+                ok=False, infrastructure=True, error="the zygote died under the job", **base
+            )
         if stage is None and not timed_out:
             # Not even the worker's first announcement: the interpreter or the sandbox is broken.
             return SandboxOutcome(

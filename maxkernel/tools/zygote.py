@@ -1,0 +1,570 @@
+"""A pre-imported process that forks one fresh, sandboxed child per job: evaluations without the import bill.
+
+Each sandboxed child used to pay a fresh interpreter, bubblewrap and the JAX/Pallas imports (seconds on a
+loaded 2-core machine) before doing anything. The zygote pays that once:
+
+```
+agent ──(unix seqpacket: JSON + passed fds)──► zygote (bubblewrap, root-in-sandbox, JAX imported, NO backend)
+                                                  │ fork (per job)
+                                                  └─ middle: setsid, own mount/pid/net/ipc/uts namespaces,
+                                                     │ every other run dir hidden under a tmpfs, fresh /tmp,
+                                                     │ wall-clock limit; waits and reports the exit status
+                                                     └─ job (pid 1 of its pid namespace): fresh /proc, rlimits,
+                                                        drops to nobody, no caps, no new privileges,
+                                                        then `worker.run_job` exactly as a spawned child would
+```
+
+What makes it safe to reuse:
+
+* the zygote never runs task or candidate code, and never reads a job's key or secret: those travel as file
+  descriptors (SCM_RIGHTS) that only the job reads. What a job changes (module globals, monkeypatched JAX,
+  files in /tmp) dies with its forked copy; the next job forks from the untouched zygote again;
+* the zygote is non-dumpable (no ptrace, no /proc/PID/mem) and, under a root agent, root while the jobs are
+  `nobody`, so a job cannot reach into it or signal it;
+* JAX is imported but no backend is initialised in the zygote (`jax._src.xla_bridge._backends` stays empty):
+  after `import jax, jax.experimental.pallas.tpu` the process has no XLA threads, so `fork` is safe; each
+  job initialises its own CPU client and libtpu topology after the fork;
+* a zygote is keyed by the toolchain (jax, jaxlib, libtpu versions and a hash of maxkernel's sources), the
+  folder its run dirs live under, the read-only task paths and the device setting: a change of any of them
+  starts a new one (`ZygotePool`), and the stale one is closed.
+
+If the zygote cannot start (no bubblewrap, no namespaces, an import failing), `sandbox.SandboxedChild` falls
+back to spawning a fresh child per job and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import hashlib
+import importlib
+import json
+import logging
+import os
+import resource
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PRELOAD = (
+    "numpy",
+    "ml_dtypes",
+    "jax",
+    "jax.numpy",
+    "jax.export",
+    "jax.experimental.pallas",
+    "jax.experimental.pallas.tpu",
+    "jax.experimental.topologies",
+    "maxkernel.tools.worker",
+    "maxkernel.tools.candidate",
+    "maxkernel.tools.judge",
+    "maxkernel.tools.evaluation",
+    "maxkernel.tools.program_tree",
+    "maxkernel.tools.taskcode",
+    "maxkernel.tools.estimate",
+    "maxkernel.tools.stablehlo_check",
+    "maxkernel.tools.tpu_specs",
+)
+"""What every zygote imports before it forks: all that the judge and the candidate jobs import."""
+TOOLCHAIN_PACKAGES = ("jax", "jaxlib", "libtpu", "numpy", "ml_dtypes")
+START_TIMEOUT_S = 180.0
+MAX_MESSAGE = 1 << 16
+MAX_ZYGOTES = 4
+"""Zygotes kept at once (one for candidates and one per task's judge, per work folder): each holds JAX."""
+JOB_FDS = 4
+"""A job's descriptors after the fork: 0 stdin, 1 stdout, 2 stderr, 3 the one-time key pipe."""
+KEY_FD = 3
+EXIT_TIMEOUT = 124
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+CAP_LAST = 63
+NOBODY = 65534
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not start or died: the caller falls back to spawning."""
+
+
+# --- the toolchain ---------------------------------------------------------------------------------------
+
+
+def toolchain_fingerprint() -> str:
+    """Versions of the packages a job imports and a hash of maxkernel's own sources: what a zygote froze
+    into memory. Any change means the zygote would run stale code, so it is part of its key."""
+    h = hashlib.sha256()
+    for name in TOOLCHAIN_PACKAGES:
+        try:
+            h.update(f"{name}={metadata.version(name)};".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{name}=none;".encode())
+    pkg = Path(__file__).resolve().parents[1]
+    for path in sorted(pkg.rglob("*.py")):
+        h.update(str(path.relative_to(pkg)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:24]
+
+
+# --- inside the zygote -----------------------------------------------------------------------------------
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(
+    libc: ctypes.CDLL, src: str | None, target: str, fstype: str | None, flags: int, data: str = ""
+) -> None:
+    enc = lambda s: s.encode() if s is not None else None  # noqa: E731
+    _check(libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data) if data else None),
+           f"mount {target}")  # fmt: skip
+
+
+def _prctl(libc: ctypes.CDLL, option: int, value: int) -> int:
+    return int(libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0))
+
+
+def _drop_privileges(libc: ctypes.CDLL) -> str:
+    """No capability can come back: bounding set emptied, no new privileges, then `nobody` (a real uid when
+    the zygote is the host's root) or, inside a user namespace where only one uid is mapped, an empty
+    capability set. Returns how it dropped."""
+    for cap in range(CAP_LAST + 1):
+        _prctl(libc, PR_CAPBSET_DROP, cap)  # EINVAL past the kernel's last cap: fine
+    _check(_prctl(libc, PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
+    try:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        return "nobody"
+    except OSError:
+        pass
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]  # fmt: skip
+
+    hdr = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (Data * 2)()
+    _check(libc.capset(ctypes.byref(hdr), data), "capset")
+    return "no capabilities"
+
+
+def _loopback_up() -> None:
+    """A new network namespace starts with `lo` down; bubblewrap brings it up, so do we (libraries that
+    probe a local address then fail at once instead of waiting)."""
+    import fcntl
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifreq = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), siocgifflags, ifreq))[1]
+        fcntl.ioctl(s.fileno(), siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+
+
+def _isolate(libc: ctypes.CDLL, root: str, run_dir: str) -> None:
+    """New namespaces for this job; a fresh /tmp; of the zygote's writable folder only the job's own run
+    dir stays (a tmpfs hides the rest, read-only unless it is the fresh /tmp itself)."""
+    _check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
+    _loopback_up()
+    keep = os.open(run_dir, os.O_PATH | os.O_DIRECTORY)
+    _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
+    under_tmp = root == "/tmp" or root.startswith("/tmp/")
+    if not under_tmp:  # else the fresh /tmp already hides it
+        _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    os.makedirs(run_dir, exist_ok=True)
+    for anc in Path(run_dir).parents:  # makedirs' modes are filtered by the umask; nobody must traverse
+        if str(anc).startswith("/tmp/" if under_tmp else root):
+            os.chmod(anc, 0o755)
+    _mount(libc, f"/proc/self/fd/{keep}", run_dir, None, MS_BIND)
+    os.close(keep)
+    if not under_tmp:
+        _mount(
+            libc, "tmpfs", root, "tmpfs", MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=0755"
+        )
+
+
+def _job(libc: ctypes.CDLL, req: dict[str, Any]) -> None:
+    """pid 1 of the job's own pid namespace: becomes the sandboxed worker and never returns."""
+    code = 1
+    try:
+        _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)
+        try:
+            _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        except OSError:
+            pass  # a user namespace may refuse a fresh /proc; the pid namespace still hides other jobs
+        memory, fsize = int(req["memory_mb"]) << 20, int(req["file_mb"]) << 20
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
+        _drop_privileges(libc)
+        # The zygote's non-dumpable flag survives the fork; left on, the job could not read its own
+        # /proc/self (owned by root then), which libraries use to size thread pools. Other jobs cannot
+        # see this one (their own pid namespaces), and the zygote stays non-dumpable.
+        _prctl(libc, PR_SET_DUMPABLE, 1)
+        os.chdir(req["run_dir"])
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in req["env"].items()})
+        os.environ["MAXKERNEL_KEY_FD"] = str(KEY_FD)
+        tempfile.tempdir = None  # TMPDIR is the job's now
+        from maxkernel.tools.worker import main
+
+        code = main(req["run_dir"])
+    except BaseException:  # noqa: BLE001 - the job's process ends here whatever happened
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _middle(libc: ctypes.CDLL, req: dict[str, Any], fds: list[int], ctrl: socket.socket, root: str) -> None:
+    """The forked child: isolates, forks the job into its new pid namespace, enforces the wall-clock limit
+    and exits with the job's status (128+N for a signal, 124 on timeout), as the spawning reaper does."""
+    code = 1
+    try:
+        ctrl.close()
+        os.setsid()
+        _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)
+        for target, fd in enumerate(fds[:JOB_FDS]):
+            os.dup2(fd, target)
+        os.closerange(JOB_FDS, 1 << 16)
+        _isolate(libc, root, req["run_dir"])
+        pid = os.fork()
+        if pid == 0:
+            _job(libc, req)
+        os.close(KEY_FD)
+        os.close(0)
+
+        def on_timeout(_sig: int, _frame: Any) -> None:
+            os.kill(pid, signal.SIGKILL)
+            os._exit(EXIT_TIMEOUT)
+
+        signal.signal(signal.SIGALRM, on_timeout)
+        signal.setitimer(signal.ITIMER_REAL, float(req["timeout_s"]))
+        _, status = os.waitpid(pid, 0)
+        rc = os.waitstatus_to_exitcode(status)
+        code = 128 - rc if rc < 0 else rc
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def serve(root: str, ctrl_fd: int, preload: list[str]) -> int:
+    """The zygote's loop: fork on request, kill on request, report every exit. Ends when the agent's end
+    of the control socket closes (the agent exited), taking its jobs with it."""
+    for name in preload:
+        importlib.import_module(name)
+    libc = _libc()
+    _prctl(libc, PR_SET_DUMPABLE, 0)
+    ctrl = socket.socket(fileno=ctrl_fd)
+    from jax._src import xla_bridge
+
+    ctrl.send(json.dumps({"ready": True, "pid": os.getpid(), "backends": len(xla_bridge._backends)}).encode())
+    jobs: dict[int, str] = {}
+    try:
+        while True:
+            ready, _, _ = select.select([ctrl], [], [], 0.02)
+            if ready:
+                msg, fds, _flags, _addr = socket.recv_fds(ctrl, MAX_MESSAGE, JOB_FDS)
+                if not msg:
+                    break
+                req = json.loads(msg)
+                if req.get("op") == "fork":
+                    pid = os.fork()
+                    if pid == 0:
+                        _middle(libc, req, fds, ctrl, root)
+                    for fd in fds:
+                        os.close(fd)
+                    jobs[pid] = req["id"]
+                    ctrl.send(json.dumps({"id": req["id"], "pid": pid}).encode())
+                elif req.get("op") == "kill":
+                    pid = next((p for p, i in jobs.items() if i == req["id"]), None)
+                    if pid is not None:
+                        os.kill(pid, signal.SIGKILL)
+            while jobs:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                job_id = jobs.pop(pid, None)
+                if job_id is not None:
+                    rc = os.waitstatus_to_exitcode(status)
+                    ctrl.send(json.dumps({"id": job_id, "exit": rc}).encode())
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    for pid in jobs:
+        os.kill(pid, signal.SIGKILL)
+    return 0
+
+
+def probe_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """A self-check of a forked job's isolation (tests, diagnostics): what it can see and be, and, when asked,
+    the state a hostile candidate would try to leave behind for the next job — a module global, a
+    monkeypatched JAX function, a file in /tmp, a file next to its run dir."""
+    import jax.numpy as jnp
+
+    from maxkernel.tools import candidate
+
+    facts: dict[str, Any] = {
+        "uid": os.getuid(),
+        "pid": os.getpid(),
+        "tmp": sorted(os.listdir("/tmp")),
+        "global_left": getattr(candidate, "_LEFT_BEHIND", None),
+        "jnp_add_patched": getattr(jnp.add, "_left_behind", False),
+        "siblings": sorted(os.listdir(Path(ctx.run_dir).parent)),
+        "backends_before": len(__import__("jax._src.xla_bridge", fromlist=["_backends"])._backends),
+    }
+    if payload.get("leave_state"):
+        candidate._LEFT_BEHIND = "yes"  # type: ignore[attr-defined]
+
+        def patched(*a: Any, **k: Any) -> Any:
+            return None
+
+        patched._left_behind = True  # type: ignore[attr-defined]
+        jnp.add = patched
+        Path("/tmp/left_behind").write_text("x")
+        try:
+            (Path(ctx.run_dir).parent / "left_behind").write_text("x")
+            facts["wrote_beside_run_dir"] = True
+        except OSError:
+            facts["wrote_beside_run_dir"] = False
+    facts["sum"] = float(jnp.ones(3).sum()) if not payload.get("leave_state") else None
+    return facts
+
+
+# --- the agent's side ------------------------------------------------------------------------------------
+
+
+class ZygoteProc:
+    """A job forked by a zygote, shaped like the `subprocess.Popen` that `SandboxedChild` otherwise holds."""
+
+    def __init__(self, zygote: Zygote, job_id: str, stdin: Any) -> None:
+        self.zygote, self.id, self.stdin = zygote, job_id, stdin
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self.lost = False
+        """The zygote died under it: an infrastructure failure, never the job's verdict."""
+        self._done = threading.Event()
+
+    def _exited(self, code: int | None, lost: bool = False) -> None:
+        if not self._done.is_set():
+            self.returncode, self.lost = code, lost
+            self._done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode if self._done.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired("zygote job", timeout or 0.0)
+        return self.returncode
+
+    def kill(self) -> None:
+        if not self._done.is_set():
+            self.zygote.send({"op": "kill", "id": self.id})
+
+
+class Zygote:
+    """One zygote process and the thread that reads its reports."""
+
+    def __init__(self, command: list[str], env: dict[str, str], root: Path, preload: tuple[str, ...]) -> None:
+        self.root = root
+        self._jobs: dict[str, ZygoteProc] = {}
+        self._lock = threading.Lock()
+        self._seq = 0
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = ours
+        self.started_s = 0.0
+        t0 = time.monotonic()
+        cmd = [*command, sys.executable, "-m", "maxkernel.tools.zygote", str(root), str(theirs.fileno()),
+               ",".join(preload)]  # fmt: skip
+        # The zygote's own log lives outside its root: the root is the callers' (run dirs, cleaned by them).
+        fd, log_path = tempfile.mkstemp(prefix="maxkernel-zygote-", suffix=".log")
+        os.close(fd)
+        self.stderr_path = Path(log_path)
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                pass_fds=(theirs.fileno(),), start_new_session=True,
+            )  # fmt: skip
+        theirs.close()
+        ready, _, _ = select.select([ours], [], [], START_TIMEOUT_S)
+        msg = ours.recv(MAX_MESSAGE) if ready else b""
+        if not msg:
+            self.close()
+            tail = self.stderr_path.read_text(errors="replace")[-800:] if self.stderr_path.exists() else ""
+            raise ZygoteError(f"the zygote did not start: {tail.strip() or 'no output'}")
+        hello = json.loads(msg)
+        if hello.get("backends"):
+            self.close()
+            raise ZygoteError("the zygote initialised a JAX backend before forking: refusing to fork it")
+        self.pid = int(hello["pid"])
+        self.started_s = time.monotonic() - t0
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self._reader.is_alive()
+
+    def send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+        data = json.dumps(msg).encode()
+        with self._lock:
+            if fds:
+                socket.send_fds(self._sock, [data], fds)
+            else:
+                self._sock.send(data)
+
+    def spawn(self, run_dir: Path, env: dict[str, str], limits: dict[str, Any], *, stdin: bool,
+              stdout_fd: int, stderr_fd: int, key_fd: int) -> ZygoteProc:  # fmt: skip
+        """Fork a job in `run_dir` (under this zygote's root). Raises ZygoteError if the zygote is gone."""
+        if stdin:
+            stdin_r, stdin_w = os.pipe()
+            writer = os.fdopen(stdin_w, "wb")
+        else:
+            stdin_r, writer = os.open(os.devnull, os.O_RDONLY), None
+        with self._lock:
+            self._seq += 1
+            job_id = f"j{self._seq}"
+        proc = ZygoteProc(self, job_id, writer)
+        self._jobs[job_id] = proc
+        req = {"op": "fork", "id": job_id, "run_dir": str(run_dir), "env": env, **limits}
+        try:
+            self.send(req, [stdin_r, stdout_fd, stderr_fd, key_fd])
+        except OSError as exc:
+            self._jobs.pop(job_id, None)
+            if writer is not None:
+                writer.close()
+            raise ZygoteError(f"the zygote is gone: {exc}") from exc
+        finally:
+            os.close(stdin_r)
+        return proc
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._sock.recv(MAX_MESSAGE)
+            except OSError:
+                msg = b""
+            if not msg:
+                break
+            event = json.loads(msg)
+            proc = self._jobs.get(str(event.get("id")))
+            if proc is None:
+                continue
+            if "pid" in event:
+                proc.pid = int(event["pid"])
+            if "exit" in event:
+                self._jobs.pop(proc.id, None)
+                proc._exited(int(event["exit"]))
+        for proc in list(self._jobs.values()):
+            proc._exited(None, lost=True)
+        self._jobs.clear()
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.stderr_path.unlink(missing_ok=True)
+
+
+class ZygotePool:
+    """The agent's zygotes, by key; a key that no longer matches the toolchain is never served again."""
+
+    def __init__(self) -> None:
+        self._zygotes: dict[tuple[Any, ...], Zygote] = {}
+        self._failed: dict[tuple[Any, ...], str] = {}
+        self._lock = threading.Lock()
+        self.started = 0
+        """Zygotes started by this pool (tests read it: a toolchain change must start a new one)."""
+
+    def get(self, key: tuple[Any, ...], make: Any) -> Zygote:
+        """The live zygote for `key`, started with `make()` if needed; ZygoteError if it cannot start
+        (remembered, so a broken setup costs one attempt per key, not one per job)."""
+        with self._lock:
+            if key in self._failed:
+                raise ZygoteError(self._failed[key])
+            z = self._zygotes.get(key)
+            if z is not None and z.alive():
+                self._zygotes[key] = self._zygotes.pop(key)  # most recently used last
+                return z
+            if z is not None:
+                z.close()
+                del self._zygotes[key]
+            toolchain = key[0]
+            for stale in [k for k in self._zygotes if k[0] != toolchain]:
+                log.info("toolchain changed: closing a zygote started for the old one")
+                self._zygotes.pop(stale).close()
+            while len(self._zygotes) >= MAX_ZYGOTES:
+                self._zygotes.pop(next(iter(self._zygotes))).close()
+            try:
+                z = make()
+            except (ZygoteError, OSError) as exc:
+                self._failed[key] = str(exc)
+                raise ZygoteError(str(exc)) from exc
+            self.started += 1
+            self._zygotes[key] = z
+            return z
+
+    def pids(self) -> list[int]:
+        """Host process ids of the live zygotes (their bubblewrap parents), least recently used first."""
+        with self._lock:
+            return [z.proc.pid for z in self._zygotes.values() if z.alive()]
+
+    def close(self) -> None:
+        with self._lock:
+            for z in self._zygotes.values():
+                z.close()
+            self._zygotes.clear()
+            self._failed.clear()
+
+
+POOL = ZygotePool()
+atexit.register(POOL.close)
+
+
+def main(argv: list[str]) -> int:
+    root, fd, preload = argv[0], int(argv[1]), [p for p in argv[2].split(",") if p]
+    return serve(root, fd, preload)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,74 @@
+"""The zygote (`maxkernel.tools.zygote`): one pre-imported process forks every sandboxed job, so what a job
+leaves behind must die with it, other jobs' run dirs must stay out of its sight, and a changed toolchain must
+start a new zygote rather than fork stale code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from maxkernel.tools import sandbox
+from maxkernel.tools.sandbox import SandboxedChild, SandboxLimits, SandboxOutcome, fresh_run_dir
+from maxkernel.tools.zygote import POOL
+
+pytestmark = pytest.mark.skipif(sandbox.isolation_available() != "bubblewrap", reason="needs bubblewrap")
+PROBE = "maxkernel.tools.zygote:probe_job"
+
+
+@pytest.fixture(scope="module")
+def zroot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("zygote") / "evals"
+
+
+def job(zroot: Path, payload: dict[str, object]) -> tuple[SandboxedChild, SandboxOutcome]:
+    child = SandboxedChild(PROBE, payload, fresh_run_dir(zroot, "probe"), SandboxLimits(timeout_s=180),
+                           zygote_root=zroot)  # fmt: skip
+    child.start()
+    return child, child.wait()
+
+
+def test_state_a_job_leaves_behind_never_reaches_the_next(zroot: Path) -> None:
+    first, out = job(zroot, {"leave_state": True})
+    assert first.via_zygote and out.ok, out.error or out.stderr_tail
+    assert out.value is not None
+    assert out.value["backends_before"] == 0  # the zygote forked without a JAX backend
+    assert out.value["wrote_beside_run_dir"] is False  # the run dir's folder is not the job's to write
+    pids = POOL.pids()
+
+    second, out = job(zroot, {})
+    assert second.via_zygote and out.ok, out.error or out.stderr_tail
+    assert POOL.pids() == pids  # the same zygote forked both
+    facts = out.value
+    assert facts is not None
+    assert "left_behind" not in facts["tmp"]  # the first job's /tmp file is gone
+    assert facts["global_left"] is None  # its module global too
+    assert facts["jnp_add_patched"] is False and facts["sum"] == 3.0  # and its monkeypatched JAX
+    assert facts["siblings"] == [second.run_dir.name]  # other jobs' run dirs are hidden
+    assert facts["pid"] == 1  # its own pid namespace: no other job to signal or trace
+    if os.geteuid() == 0:
+        assert facts["uid"] == 65534
+    assert (first.run_dir / "progress.jsonl").exists()  # each job wrote in its own run dir, on the host
+
+
+def test_a_toolchain_change_starts_a_new_zygote(zroot: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    child, out = job(zroot, {})
+    assert child.via_zygote and out.ok, out.error
+    before = POOL.pids()
+    monkeypatch.setattr(sandbox, "toolchain_fingerprint", lambda: "another-jax-or-another-maxkernel")
+    child, out = job(zroot, {})
+    assert child.via_zygote and out.ok, out.error
+    after = POOL.pids()
+    assert after and after[-1] not in before  # forked by a new zygote
+    assert not set(before) & set(after)  # and the stale one was closed
+
+
+def test_no_zygote_falls_back_to_spawning(zroot: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere"  # a run dir outside the zygote's root cannot be forked there
+    child = SandboxedChild(PROBE, {}, fresh_run_dir(outside, "probe"), SandboxLimits(timeout_s=180),
+                           zygote_root=zroot)  # fmt: skip
+    child.start()
+    out = child.wait()
+    assert not child.via_zygote and out.ok, out.error
+    assert out.value is not None and out.value["sum"] == 3.0
