@@ -23,52 +23,45 @@ from rich.markup import escape
 from rich.table import Table
 
 from maxkernel.checkpointing import DEFAULT_CHECKPOINTS
-from maxkernel.cli import DEFAULT_TPU_TEXT, TPU_HELP, app, console, fail_usage, out, parse_tpus
+from maxkernel.cli import (
+    CHECKPOINT_ENV,
+    DEFAULT_STORE,
+    DEFAULT_TPU_TEXT,
+    TPU_HELP,
+    StoreOpt,
+    app,
+    console,
+    fail_usage,
+    open_store,
+    out,
+    parse_tpus,
+)
 from maxkernel.cli_review import REVIEW_FLAGS, interactive_review, show_review, stdin_is_terminal
 from maxkernel.context import Context, default_model
 from maxkernel.tools.results import SCORE_RANKS
+from maxkernel.tools.store_sql import DatabaseUnavailable, is_postgres, postgres_pool
 
-DEFAULT_STORE = ".maxkernel/results.db"
 EXIT_PAUSED = 3
 EXIT_MODEL_FAILURE = 4
 
 CheckpointOpt = Annotated[
-    str, typer.Option("--checkpoint-db", help="SQLite path or postgres:// URL for LangGraph checkpoints")
+    str,
+    typer.Option(
+        "--checkpoint-db",
+        envvar=CHECKPOINT_ENV,
+        help="LangGraph checkpoints: a SQLite file or a postgresql:// URL",
+    ),
 ]
-StoreOpt = Annotated[Path, typer.Option("--store", help="results store (SQLite)")]
 
 
-_LEASES: dict[str, Any] = {}
-
-
-def _take_lease(store: Path, thread_id: str) -> None:
-    """One process per thread at a time: an exclusive lock on `<store dir>/leases/<thread>.lock`, held
-    until this process exits (the kernel drops it even after `kill -9`). A second `resume` of a running
-    thread refuses with the holder's pid instead of running every evaluation twice."""
-    import fcntl
-    import os
-
-    from maxkernel.tools.tasks import safe_task_id
-
-    if thread_id in _LEASES:
-        return  # this process holds it already (optimize, then resume in one process: tests, notebooks)
-    path = Path(store).resolve().parent / "leases" / f"{safe_task_id(thread_id)}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(path, "a+")  # noqa: SIM115 - held for the life of the process
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        fh.seek(0)
-        holder = fh.read().strip() or "another process"
-        fh.close()
+def _take_lease(st: Any, thread_id: str) -> None:
+    """One process per thread at a time (see `ResultsStore.hold_lease`): a second `resume` of a running
+    thread refuses with the holder instead of running every evaluation twice."""
+    holder = st.hold_lease(thread_id)
+    if holder is not None:
         raise fail_usage(
             f"thread {thread_id} is being run by {holder} right now; wait for it to finish or stop it"
-        ) from exc
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"pid {os.getpid()}")
-    fh.flush()
-    _LEASES[thread_id] = fh
+        )
 
 
 def _graph(checkpoint_db: str, kind: str = "agent") -> Any:
@@ -83,10 +76,8 @@ def _graph(checkpoint_db: str, kind: str = "agent") -> Any:
     return compile_search(saver) if kind == "search" else compile_graph(saver)
 
 
-def _store(path: Path) -> Any:
-    from maxkernel.tools.store import ResultsStore
-
-    return ResultsStore(path)
+def _store(location: str) -> Any:
+    return open_store(location)
 
 
 def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
@@ -289,7 +280,7 @@ def optimize_cmd(
         int, typer.Option("--tune-configs", min=0, help="autotune configs per round")
     ] = 6,
     checkpoint_db: CheckpointOpt = DEFAULT_CHECKPOINTS,
-    store: StoreOpt = Path(DEFAULT_STORE),
+    store: StoreOpt = DEFAULT_STORE,
     work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
     thread_id: Annotated[str | None, typer.Option("--thread-id", help="use this thread id")] = None,
     max_model_calls: Annotated[
@@ -372,7 +363,7 @@ def _start_run(
     model: str | None,
     tpu: str,
     checkpoint_db: str,
-    store: Path,
+    store: str,
     work_dir: Path,
     *,
     describe: str,
@@ -380,17 +371,22 @@ def _start_run(
 ) -> tuple[Any, dict[str, Any]]:
     """Record a new thread and the settings `resume` needs to rebuild its context in another process."""
     gens = parse_tpus(tpu)
-    _take_lease(store, thread_id)
+    st = _store(store)
+    if is_postgres(checkpoint_db):  # an unusable checkpoint URL fails before the run is recorded
+        try:
+            postgres_pool(checkpoint_db)
+        except DatabaseUnavailable as exc:
+            raise fail_usage(str(exc)) from exc
+    _take_lease(st, thread_id)
     settings = {
         "graph": kind,
         "model": model or default_model(),
         "tpu": gens,
-        "store_path": str(store.resolve()),
+        "store_path": st.location,
         "work_dir": str(work_dir.resolve()),
         "checkpoint_db": checkpoint_db,
         **extra,
     }
-    st = _store(store)
     st.upsert_run(
         thread_id,
         task_id=task.stem if task.is_file() else task.name,
@@ -494,7 +490,7 @@ def resume_cmd(
     checkpoint_db: Annotated[
         str | None, typer.Option("--checkpoint-db", help="override the recorded one")
     ] = None,
-    store: StoreOpt = Path(DEFAULT_STORE),
+    store: StoreOpt = DEFAULT_STORE,
 ) -> None:
     """Continue a paused (hitl), killed or model-failed run from its last checkpoint. Without an answer
     flag, a pending review is shown (on a terminal: asked)."""
@@ -504,7 +500,7 @@ def resume_cmd(
     run = st.get_run(thread_id)
     if run is None:
         raise fail_usage(f"no run with thread id {thread_id!r} in {store}")
-    _take_lease(store, thread_id)
+    _take_lease(st, thread_id)
     settings = json.loads(run["settings"])
     graph = _graph(checkpoint_db or settings["checkpoint_db"], settings.get("graph", "agent"))
     config = {"configurable": {"thread_id": thread_id}}
@@ -549,7 +545,7 @@ def resume_cmd(
 
 @app.command("runs")
 def runs_cmd(
-    store: StoreOpt = Path(DEFAULT_STORE),
+    store: StoreOpt = DEFAULT_STORE,
     json_out: Annotated[bool, typer.Option("--json", help="print JSON lines")] = False,
 ) -> None:
     """List agent runs (threads) with status, task and best result."""
@@ -664,7 +660,7 @@ def search_cmd(
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
     ] = None,
     checkpoint_db: CheckpointOpt = DEFAULT_CHECKPOINTS,
-    store: StoreOpt = Path(DEFAULT_STORE),
+    store: StoreOpt = DEFAULT_STORE,
     work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
     thread_id: Annotated[str | None, typer.Option("--thread-id", help="use this thread id")] = None,
 ) -> None:
