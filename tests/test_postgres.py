@@ -137,7 +137,7 @@ def test_two_runs_at_once_one_killed_and_resumed(pg_url: str, tmp_path: Path) ->
     common = ["--model", "offline", "--tpu", "v5e", "--work-dir", str(tmp_path / "work")]
     victim = subprocess.Popen(
         [sys.executable, "-m", "maxkernel.cli", "optimize", str(TASKS / "small_matmul"), *common,
-         "--iterations", "2", "--tune-configs", "3", "--out", str(tmp_path / "out-a"), "--thread-id", "pg-a"],
+         "--iterations", "1", "--tune-configs", "3", "--out", str(tmp_path / "out-a"), "--thread-id", "pg-a"],
         cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     other = subprocess.Popen(
