@@ -7,7 +7,10 @@ annotations, so a new model reachable from the state is allowed the moment it is
 `tests/test_checkpointing.py` fails if the walk ever misses one.
 
 The default home is `checkpoints/maxkernel.sqlite` relative to the directory a command runs in (beside the
-results store's `.maxkernel/`); `--checkpoint-db` or a postgres:// URL overrides it.
+results store's `.maxkernel/`); `--checkpoint-db` (or `MAXKERNEL_CHECKPOINT_DB`) overrides it with another
+path or a `postgresql://` URL. PostgreSQL checkpoints go through LangGraph's PostgresSaver over the same
+per-process connection pool the results store uses (`tools/store_sql.py`: connect timeout, clear errors);
+its tables are created by `setup()` under an advisory lock, so runs starting together do not race.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from maxkernel.state import AgentState, SearchState
-from maxkernel.tools.store import enable_wal
+from maxkernel.tools.store_sql import (
+    DatabaseUnavailable,
+    advisory_lock,
+    enable_wal,
+    is_postgres,
+    postgres_pool,
+)
 
 DEFAULT_CHECKPOINTS = "checkpoints/maxkernel.sqlite"
 """The one default checkpoint location (relative to the current directory), used by the CLI and README."""
@@ -90,19 +99,26 @@ def sqlite_checkpointer(path: str | Path) -> Any:
     return SqliteSaver(conn, serde=serializer())
 
 
-def checkpointer_for(url_or_path: str = DEFAULT_CHECKPOINTS) -> Any:
-    """SqliteSaver for a path (default `DEFAULT_CHECKPOINTS`), PostgresSaver for a postgres URL."""
-    if url_or_path.startswith(("postgres://", "postgresql://")):
-        try:
-            from langgraph.checkpoint.postgres import PostgresSaver
-        except ImportError as exc:
-            raise RuntimeError(
-                "a Postgres checkpoint URL needs `pip install langgraph-checkpoint-postgres psycopg[binary]`"
-            ) from exc
-        import psycopg
-
-        conn = psycopg.connect(url_or_path, autocommit=True)
-        saver = PostgresSaver(conn, serde=serializer())
+def postgres_checkpointer(url: str) -> Any:
+    """PostgresSaver on the process's pool for `url`, its tables created (idempotent). Raises
+    `DatabaseUnavailable` when the server cannot be used or the extra is not installed."""
+    try:
+        from langgraph.checkpoint.postgres import PostgresSaver
+    except ImportError as exc:
+        raise DatabaseUnavailable(
+            "a postgresql:// checkpoint URL needs the postgres extra: pip install 'maxkernel[postgres]'"
+        ) from exc
+    pool = postgres_pool(url)
+    saver = PostgresSaver(pool, serde=serializer())
+    # setup() runs LangGraph's migrations; two processes running them at once collide on the migrations
+    # table, so they take turns.
+    with advisory_lock(pool, "maxkernel-checkpoint-setup"):
         saver.setup()
-        return saver
+    return saver
+
+
+def checkpointer_for(url_or_path: str = DEFAULT_CHECKPOINTS) -> Any:
+    """SqliteSaver for a path (default `DEFAULT_CHECKPOINTS`), PostgresSaver for a postgresql:// URL."""
+    if is_postgres(url_or_path):
+        return postgres_checkpointer(url_or_path)
     return sqlite_checkpointer(url_or_path)

@@ -19,6 +19,7 @@ from rich.table import Table
 from maxkernel.tools.harness import EvalOptions, evaluate
 from maxkernel.tools.results import EvalResult
 from maxkernel.tools.store import ResultsStore
+from maxkernel.tools.store_sql import DatabaseUnavailable
 from maxkernel.tools.tasks import TaskError, load_task
 from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, GENERATIONS, normalise_generations
 
@@ -43,8 +44,17 @@ ScaleOpt = Annotated[
         "factor such as 0.25. TPU compiles always use the task's own shapes.",
     ),
 ]
+DEFAULT_STORE = ".maxkernel/results.db"
+STORE_ENV = "MAXKERNEL_STORE"
+CHECKPOINT_ENV = "MAXKERNEL_CHECKPOINT_DB"
 StoreOpt = Annotated[
-    Path, typer.Option("--store", help="results store (SQLite); evaluations found there are not re-run")
+    str,
+    typer.Option(
+        "--store",
+        envvar=STORE_ENV,
+        help="results store: a SQLite file or a postgresql:// URL (shared by a team); evaluations found "
+        "there are not re-run",
+    ),
 ]
 WorkOpt = Annotated[Path, typer.Option("--work-dir", help="where sandbox run directories go")]
 TimeoutOpt = Annotated[
@@ -99,6 +109,15 @@ def fail_usage(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
+def open_store(location: str | Path) -> ResultsStore:
+    """The results store at a path or URL; one that cannot be used (unreachable server, bad URL, wrong
+    credentials) is a usage error, exit 2, within the connect timeout."""
+    try:
+        return ResultsStore(location)
+    except DatabaseUnavailable as exc:
+        raise fail_usage(str(exc)) from exc
+
+
 def parse_tpus(text: str) -> list[str]:
     try:
         return normalise_generations(text)
@@ -151,7 +170,7 @@ def eval_cmd(
             "no file-system or network isolation)",
         ),
     ] = False,
-    store: StoreOpt = Path(".maxkernel/results.db"),
+    store: StoreOpt = DEFAULT_STORE,
     work_dir: WorkOpt = Path(".maxkernel"),
     ray: RayOpt = None,
 ) -> None:
@@ -171,7 +190,7 @@ def eval_cmd(
         from maxkernel.tools.cluster import runner_for
 
         result = evaluate(
-            kt, source, options, store=ResultsStore(store), work_dir=work_dir, runner=runner_for(address)
+            kt, source, options, store=open_store(store), work_dir=work_dir, runner=runner_for(address)
         )
     if result.error and result.error.stage == "task":
         if json_out:
@@ -200,7 +219,7 @@ def synthesize_cmd(
         int, typer.Option("--repairs", min=0, help="repair attempts after a rejection (default: one shot)")
     ] = 0,
     timeout: TimeoutOpt = None,
-    store: StoreOpt = Path(".maxkernel/results.db"),
+    store: StoreOpt = DEFAULT_STORE,
     work_dir: WorkOpt = Path(".maxkernel"),
 ) -> None:
     """Write a kernel with the offline author (no model) from the reference's jaxpr, and evaluate it.
@@ -216,7 +235,11 @@ def synthesize_cmd(
     gens = parse_tpus(tpu)
     dest = out_dir
     ctx = Context(
-        model="offline", tpu=gens, store_path=str(store), work_dir=str(work_dir), eval_timeout_s=timeout
+        model="offline",
+        tpu=gens,
+        store_path=open_store(store).location,
+        work_dir=str(work_dir),
+        eval_timeout_s=timeout,
     )
     run = AgentInput(
         task_path=str(task),

@@ -24,12 +24,16 @@ from rich.table import Table
 
 from maxkernel.checkpointing import DEFAULT_CHECKPOINTS
 from maxkernel.cli import (
+    CHECKPOINT_ENV,
+    DEFAULT_STORE,
     DEFAULT_TPU_TEXT,
     TPU_HELP,
     RayOpt,
+    StoreOpt,
     app,
     console,
     fail_usage,
+    open_store,
     out,
     parse_tpus,
     use_ray,
@@ -38,51 +42,38 @@ from maxkernel.cli_review import REVIEW_FLAGS, interactive_review, show_review, 
 from maxkernel.context import Context, default_model
 from maxkernel.nodes.review import pending_review
 from maxkernel.tools.results import SCORE_RANKS
+from maxkernel.tools.store_sql import DatabaseUnavailable, is_postgres, postgres_pool
 
-DEFAULT_STORE = ".maxkernel/results.db"
 EXIT_PAUSED = 3
 EXIT_MODEL_FAILURE = 4
 
 CheckpointOpt = Annotated[
-    str, typer.Option("--checkpoint-db", help="SQLite path or postgres:// URL for LangGraph checkpoints")
+    str,
+    typer.Option(
+        "--checkpoint-db",
+        envvar=CHECKPOINT_ENV,
+        help="LangGraph checkpoints: a SQLite file or a postgresql:// URL",
+    ),
 ]
-StoreOpt = Annotated[Path, typer.Option("--store", help="results store (SQLite)")]
 
 
-_LEASES: dict[str, Any] = {}
-
-
-def _take_lease(store: Path, thread_id: str) -> None:
-    """One process per thread at a time: an exclusive lock on `<store dir>/leases/<thread>.lock`, held
-    until this process exits (the kernel drops it even after `kill -9`). A second `resume` of a running
-    thread refuses with the holder's pid instead of running every evaluation twice."""
-    import fcntl
-    import os
-
-    if thread_id in _LEASES:
-        return  # this process holds it already (optimize, then resume in one process: tests, notebooks)
-    path = _lease_path(store, thread_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(path, "a+")  # noqa: SIM115 - held for the life of the process
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        fh.seek(0)
-        holder = fh.read().strip() or "another process"
-        fh.close()
+def _take_lease(st: Any, thread_id: str) -> None:
+    """One process per thread at a time (see `ResultsStore.hold_lease`): a second `resume` of a running
+    thread refuses with the holder instead of running every evaluation twice."""
+    holder = st.hold_lease(thread_id)
+    if holder is not None:
         raise fail_usage(
             f"thread {thread_id} is being run by {holder} right now; wait for it to finish or stop it"
-        ) from exc
-    fh.seek(0)
-    fh.truncate()
-    fh.write(f"pid {os.getpid()}")
-    fh.flush()
-    _LEASES[thread_id] = fh
+        )
 
 
-def _lease_path(store: Path, thread_id: str) -> Path:
+def _lease_path(store: Path | str, thread_id: str) -> Path | None:
+    """Where a SQLite store's lease for a thread lives (`ResultsStore.hold_lease`); None for PostgreSQL,
+    whose leases are advisory locks in the server."""
     from maxkernel.tools.tasks import safe_task_id
 
+    if is_postgres(str(store)):
+        return None
     return Path(store).resolve().parent / "leases" / f"{safe_task_id(thread_id)}.lock"
 
 
@@ -96,7 +87,7 @@ def _owner() -> dict[str, Any]:
     return {"owner_pid": os.getpid(), "owner_host": socket.gethostname(), "heartbeat_at": time.time()}
 
 
-def _owner_gone(row: dict[str, Any], store: Path | None) -> bool | None:
+def _owner_gone(row: dict[str, Any], store: Path | str | None) -> bool | None:
     """True when the process that last ran this thread is gone, False when it is alive, None when this
     machine cannot tell (another host, or a run recorded before owners were). On the owner's host the
     thread's lease decides (a lock the kernel drops when its holder dies, even by `kill -9`; a reused pid
@@ -138,10 +129,8 @@ def _graph(checkpoint_db: str, kind: str = "agent") -> Any:
     return compile_search(saver) if kind == "search" else compile_graph(saver)
 
 
-def _store(path: Path) -> Any:
-    from maxkernel.tools.store import ResultsStore
-
-    return ResultsStore(path)
+def _store(location: str) -> Any:
+    return open_store(location)
 
 
 def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
@@ -385,7 +374,7 @@ def optimize_cmd(
         int, typer.Option("--tune-configs", min=0, help="autotune configs per round")
     ] = 6,
     checkpoint_db: CheckpointOpt = DEFAULT_CHECKPOINTS,
-    store: StoreOpt = Path(DEFAULT_STORE),
+    store: StoreOpt = DEFAULT_STORE,
     work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
     thread_id: Annotated[str | None, typer.Option("--thread-id", help="use this thread id")] = None,
     max_model_calls: Annotated[
@@ -469,7 +458,7 @@ def _start_run(
     model: str | None,
     tpu: str,
     checkpoint_db: str,
-    store: Path,
+    store: str,
     work_dir: Path,
     *,
     describe: str,
@@ -477,17 +466,22 @@ def _start_run(
 ) -> tuple[Any, dict[str, Any]]:
     """Record a new thread and the settings `resume` needs to rebuild its context in another process."""
     gens = parse_tpus(tpu)
-    _take_lease(store, thread_id)
+    st = _store(store)
+    if is_postgres(checkpoint_db):  # an unusable checkpoint URL fails before the run is recorded
+        try:
+            postgres_pool(checkpoint_db)
+        except DatabaseUnavailable as exc:
+            raise fail_usage(str(exc)) from exc
+    _take_lease(st, thread_id)
     settings = {
         "graph": kind,
         "model": model or default_model(),
         "tpu": gens,
-        "store_path": str(store.resolve()),
+        "store_path": st.location,
         "work_dir": str(work_dir.resolve()),
         "checkpoint_db": checkpoint_db,
         **extra,
     }
-    st = _store(store)
     st.upsert_run(
         thread_id,
         task_id=task.stem if task.is_file() else task.name,
@@ -593,7 +587,7 @@ def resume_cmd(
     checkpoint_db: Annotated[
         str | None, typer.Option("--checkpoint-db", help="override the recorded one")
     ] = None,
-    store: StoreOpt = Path(DEFAULT_STORE),
+    store: StoreOpt = DEFAULT_STORE,
     ray: RayOpt = None,
 ) -> None:
     """Continue a paused (hitl), killed or model-failed run from its last checkpoint. Without an answer
@@ -605,7 +599,7 @@ def resume_cmd(
     run = st.get_run(thread_id)
     if run is None:
         raise fail_usage(f"no run with thread id {thread_id!r} in {store}")
-    _take_lease(store, thread_id)
+    _take_lease(st, thread_id)
     settings = json.loads(run["settings"])
     if ray is not None:
         settings["ray_address"] = ray
@@ -654,7 +648,7 @@ def resume_cmd(
 
 @app.command("runs")
 def runs_cmd(
-    store: StoreOpt = Path(DEFAULT_STORE),
+    store: StoreOpt = DEFAULT_STORE,
     json_out: Annotated[bool, typer.Option("--json", help="print JSON lines")] = False,
 ) -> None:
     """List agent runs (threads) with status, task and best result."""
@@ -688,7 +682,7 @@ def runs_cmd(
     out.print(t)
 
 
-def _shown_status(row: dict[str, Any], settings: dict[str, Any], store: Path | None = None) -> str:
+def _shown_status(row: dict[str, Any], settings: dict[str, Any], store: Path | str | None = None) -> str:
     """The recorded status, except for a 'running' thread: with no checkpoint at all it never started;
     whose process is gone (killed, crashed, machine rebooted) it is interrupted and resumable; run by
     another host, it says which and when it last finished a step."""
@@ -795,7 +789,7 @@ def search_cmd(
         str | None, typer.Option("--scale", help="validation scale: cpu, tpu or a factor")
     ] = None,
     checkpoint_db: CheckpointOpt = DEFAULT_CHECKPOINTS,
-    store: StoreOpt = Path(DEFAULT_STORE),
+    store: StoreOpt = DEFAULT_STORE,
     work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
     thread_id: Annotated[str | None, typer.Option("--thread-id", help="use this thread id")] = None,
     ray: RayOpt = None,

@@ -13,8 +13,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from maxkernel.cli import app, fail_usage, out
-from maxkernel.tools.store import ResultsStore
+from maxkernel.cli import DEFAULT_STORE, StoreOpt, app, fail_usage, open_store, out
 from maxkernel.tools.tuning_table import TuningTable
 
 tuning_app = typer.Typer(
@@ -22,16 +21,13 @@ tuning_app = typer.Typer(
 )
 app.add_typer(tuning_app, name="tuning")
 
-StoreOpt = Annotated[Path, typer.Option("--store", help="results store (SQLite) holding the tuning table")]
-DEFAULT_STORE = Path(".maxkernel/results.db")
-
 
 @tuning_app.command("export")
 def export(
     path: Annotated[Path, typer.Argument(help="JSON file to write")], store: StoreOpt = DEFAULT_STORE
 ) -> None:
     """Write every tuned config to a JSON file."""
-    rows = TuningTable(ResultsStore(store)).export()
+    rows = TuningTable(open_store(store)).export()
     path.write_text(json.dumps(rows, indent=2) + "\n")
     out.print(f"{len(rows)} tuned configs -> {path}")
 
@@ -46,7 +42,7 @@ def import_(
         raise fail_usage(f"file not found: {path}")
     try:
         rows = json.loads(path.read_text())
-        written = TuningTable(ResultsStore(store)).import_rows(rows)
+        written = TuningTable(open_store(store)).import_rows(rows)
     except (ValueError, TypeError) as exc:
         raise fail_usage(f"not a tuning export: {exc}") from exc
     out.print(f"{written} of {len(rows)} tuned configs imported into {store}")
@@ -56,7 +52,7 @@ def import_(
 def show(store: StoreOpt = DEFAULT_STORE) -> None:
     """List the tuned configs."""
     t = Table("family", "device kind", "argument shapes (bucketed)", "config", "ranked by", "speedup", "task")
-    for r in TuningTable(ResultsStore(store)).export():
+    for r in TuningTable(open_store(store)).export():
         t.add_row(
             r["family"], r["device_kind"], r["arg_spec"], json.dumps(r["config"]), r["score_kind"],
             f"{r['score']:.2f}x", r["task_id"],

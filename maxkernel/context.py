@@ -36,7 +36,8 @@ class Context:
         metadata={"description": "TPU generations every kernel must compile for"},
     )
     store_path: str = field(
-        default=".maxkernel/results.db", metadata={"description": "results store (SQLite)"}
+        default=".maxkernel/results.db",
+        metadata={"description": "results store: a SQLite file or a postgresql:// URL"},
     )
     work_dir: str = field(default=".maxkernel", metadata={"description": "sandbox run directories"})
     input_sets: int = field(default=3, metadata={"description": "input sets per configuration"})

@@ -24,3 +24,28 @@ def data_dir() -> Path:
 @pytest.fixture(scope="session")
 def session_work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("maxkernel-work")
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """One real PostgreSQL server for the whole test session (see tests/pg_server.py), stopped by its PID.
+    Skips only where no server binary is installed (`.ci/run` installs Debian's package)."""
+    import pg_server as pg
+
+    bindir = pg.find_bindir()
+    if bindir is None:
+        pytest.skip("no PostgreSQL server binaries (apt-get install postgresql)")
+    server = pg.start(bindir)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server, request: pytest.FixtureRequest) -> str:
+    """A fresh, empty database on the session's server, named after the test."""
+    import re
+
+    name = "t_" + re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:50]
+    return pg_server.create_database(name)

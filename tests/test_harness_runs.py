@@ -81,8 +81,9 @@ def test_binary_kernel_is_a_clean_exit_1(data_dir: Path, tmp_path: Path) -> None
 
 def test_second_resume_of_a_thread_refuses(tmp_path: Path) -> None:
     from maxkernel.cli_agent import _take_lease
+    from maxkernel.tools.store import ResultsStore
 
-    store = tmp_path / "results.db"
+    store = ResultsStore(tmp_path / "results.db")
     lock = tmp_path / "leases" / "mk-test.lock"
     lock.parent.mkdir()
     holder = subprocess.Popen(

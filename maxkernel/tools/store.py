@@ -1,6 +1,7 @@
 """The results store: every evaluation, keyed by what determines its outcome.
 
-SQLite through sqlite-utils. The key of an evaluation is a hash of (task fingerprint, candidate source,
+SQLite (a file path) or PostgreSQL (a `postgresql://` URL, so a team's runs share one store): one code path
+over `store_sql`'s small dialect seam. The key of an evaluation is a hash of (task fingerprint, candidate source,
 options, jax/jaxlib/libtpu versions), so a resumed or repeated run finds earlier work instead of redoing it,
 and an upgrade of the compiler invalidates nothing silently: it simply misses.
 """
@@ -10,19 +11,22 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import sqlite3
-import threading
-import time
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
-
 from maxkernel.tools.results import EvalResult
+from maxkernel.tools.store_sql import (
+    SqlBackend,
+    backend_for,
+    enable_wal,
+    is_postgres,
+    location_text,
+    retry_locked,
+)
 
-_SCHEMA_LOCK = threading.Lock()
+__all__ = ["ResultsStore", "enable_wal", "evaluation_key", "sha256_text", "toolchain_versions"]
 
 
 @lru_cache(maxsize=1)
@@ -53,102 +57,65 @@ def evaluation_key(task_fingerprint: str, source_hash: str, options: dict[str, A
     return sha256_text(blob)
 
 
-def enable_wal(conn: sqlite3.Connection) -> None:
-    """WAL lets readers and one writer work at once across processes. Switching needs a moment of exclusive
-    access; when another process holds the file, it is (or soon will be) in WAL already: carry on."""
-    try:
-        conn.execute("PRAGMA journal_mode = WAL")
-    except sqlite3.OperationalError:
-        pass
+TABLES: dict[str, dict[str, type]] = {
+    "evaluations": {
+        "key": str,
+        "task_id": str,
+        "task_fingerprint": str,
+        "source_hash": str,
+        "options": str,
+        "versions": str,
+        "accepted": int,
+        "error_stage": str,
+        "result": str,
+        "wall_s": float,
+        "created_at": str,
+    },
+    "model_replies": {"key": str, "model": str, "reply": str, "created_at": str},
+    "reference_estimates": {"key": str, "estimated_seconds": float, "created_at": str},
+    "runs": {
+        "thread_id": str,
+        "task_id": str,
+        "task_path": str,
+        "settings": str,
+        "status": str,
+        "best": str,
+        "out_dir": str,
+        "created_at": str,
+        "updated_at": str,
+    },
+    "candidates": {"source_hash": str, "task_id": str, "source": str, "origin": str, "created_at": str},
+}
+"""The keyed tables and their columns (the first column is the primary key)."""
+
+EVAL_LOG = {"key": str, "task_id": str, "started_at": str}
+"""One row per evaluation executed to completion in a sandbox (a store hit adds none), in order: lets a
+resumed run prove it re-ran nothing that had finished."""
 
 
 class ResultsStore:
     """Thin typed access to the store's tables; safe to use from several threads (search branches run in
-    threads: each gets its own connection) and several processes (WAL, generous busy timeout)."""
+    threads) and several processes, on one machine (SQLite: WAL, generous busy timeout) or many
+    (PostgreSQL). `location` is a file path or a postgresql:// URL."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._local = threading.local()
-        with _SCHEMA_LOCK:
-            # Two processes creating a fresh store at once race on the switch to WAL, and SQLite reports
-            # that as "locked" without waiting: retry a few times (bench jobs start together).
-            for attempt in range(40):
-                try:
-                    self._ensure_tables()
-                    break
-                except sqlite3.OperationalError as exc:
-                    if "locked" not in str(exc) or attempt == 39:
-                        raise
-                    time.sleep(0.05 * (attempt + 1))
-
-    @property
-    def db(self) -> sqlite_utils.Database:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            conn = sqlite3.connect(str(self.path), timeout=60)
-            enable_wal(conn)
-            db = sqlite_utils.Database(conn)
-            self._local.db = db
-        return db
+    def __init__(self, location: str | Path) -> None:
+        if not is_postgres(location):
+            location = Path(location)
+        self.location = location_text(location)
+        """Where the store is, as `resume` records it: an absolute path or the URL."""
+        self.path: Path | None = None if is_postgres(location) else Path(location)
+        self.sql: SqlBackend = backend_for(location)
+        with self.sql.schema_lock():
+            retry_locked(self._ensure_tables)
 
     def _ensure_tables(self) -> None:
-        if "evaluations" not in self.db.table_names():
-            self.db["evaluations"].create(
-                {
-                    "key": str,
-                    "task_id": str,
-                    "task_fingerprint": str,
-                    "source_hash": str,
-                    "options": str,
-                    "versions": str,
-                    "accepted": int,
-                    "error_stage": str,
-                    "result": str,
-                    "wall_s": float,
-                    "created_at": str,
-                },
-                pk="key",
-                if_not_exists=True,
-            )
-            self.db["evaluations"].create_index(["task_id"], if_not_exists=True)
-        if "eval_log" not in self.db.table_names():
-            # One row per evaluation executed to completion in a sandbox (a store hit adds none): lets a
-            # resumed run prove it re-ran nothing that had finished.
-            self.db["eval_log"].create({"key": str, "task_id": str, "started_at": str}, if_not_exists=True)
-        if "model_replies" not in self.db.table_names():
-            self.db["model_replies"].create(
-                {"key": str, "model": str, "reply": str, "created_at": str}, pk="key", if_not_exists=True
-            )
-        if "reference_estimates" not in self.db.table_names():
-            self.db["reference_estimates"].create(
-                {"key": str, "estimated_seconds": float, "created_at": str}, pk="key", if_not_exists=True
-            )
-        if "runs" not in self.db.table_names():
-            self.db["runs"].create(
-                {
-                    "thread_id": str,
-                    "task_id": str,
-                    "task_path": str,
-                    "settings": str,
-                    "status": str,
-                    "best": str,
-                    "out_dir": str,
-                    "created_at": str,
-                    "updated_at": str,
-                },
-                pk="thread_id",
-                if_not_exists=True,
-            )
-        if "candidates" not in self.db.table_names():
-            self.db["candidates"].create(
-                {"source_hash": str, "task_id": str, "source": str, "origin": str, "created_at": str},
-                pk="source_hash",
-                if_not_exists=True,
-            )
+        for table, columns in TABLES.items():
+            self.sql.create_table(table, columns, pk=[next(iter(columns))])
+        self.sql.create_index("evaluations", ["task_id"])
+        self.sql.create_log_table("eval_log", EVAL_LOG)
 
     def get_evaluation(self, key: str) -> EvalResult | None:
-        rows = list(self.db.query("select result from evaluations where key = ?", [key]))
+        rows = self.sql.query("select result from evaluations where key = ?", [key])
         if not rows:
             return None
         return EvalResult.model_validate_json(rows[0]["result"])
@@ -156,7 +123,8 @@ class ResultsStore:
     def put_evaluation(
         self, key: str, task_fingerprint: str, options: dict[str, Any], result: EvalResult, wall_s: float
     ) -> None:
-        self.db["evaluations"].upsert(
+        self.sql.upsert(
+            "evaluations",
             {
                 "key": key,
                 "task_id": result.task_id,
@@ -170,28 +138,29 @@ class ResultsStore:
                 "wall_s": wall_s,
                 "created_at": _now(),
             },
-            pk="key",
+            pk=["key"],
         )
 
     def log_execution(self, key: str, task_id: str) -> None:
-        self.db["eval_log"].insert({"key": key, "task_id": task_id, "started_at": _now()})
+        self.sql.insert("eval_log", {"key": key, "task_id": task_id, "started_at": _now()})
 
     def executions(self, task_id: str | None = None) -> list[str]:
         """Keys of evaluations actually executed, in order, with repeats (there should be none)."""
+        order = self.sql.dialect.order_column
         if task_id is None:
-            return [r["key"] for r in self.db.query("select key from eval_log order by rowid")]
+            return [r["key"] for r in self.sql.query(f"select key from eval_log order by {order}")]
         return [
             r["key"]
-            for r in self.db.query("select key from eval_log where task_id = ? order by rowid", [task_id])
+            for r in self.sql.query(f"select key from eval_log where task_id = ? order by {order}", [task_id])
         ]
 
     def get_model_reply(self, key: str) -> str | None:
-        rows = list(self.db.query("select reply from model_replies where key = ?", [key]))
+        rows = self.sql.query("select reply from model_replies where key = ?", [key])
         return rows[0]["reply"] if rows else None
 
     def put_model_reply(self, key: str, model: str, reply: str) -> None:
-        self.db["model_replies"].upsert(
-            {"key": key, "model": model, "reply": reply, "created_at": _now()}, pk="key"
+        self.sql.upsert(
+            "model_replies", {"key": key, "model": model, "reply": reply, "created_at": _now()}, pk=["key"]
         )
 
     def _ref_key(self, task_fingerprint: str, gen: str) -> str:
@@ -200,30 +169,36 @@ class ResultsStore:
     def get_reference_estimate(self, task_fingerprint: str, gen: str) -> float | None:
         """The TPU compiler's estimate for the reference: the same for every candidate, so computed once."""
         key = self._ref_key(task_fingerprint, gen)
-        rows = list(self.db.query("select estimated_seconds from reference_estimates where key = ?", [key]))
+        rows = self.sql.query("select estimated_seconds from reference_estimates where key = ?", [key])
         return rows[0]["estimated_seconds"] if rows else None
 
     def put_reference_estimate(self, task_fingerprint: str, gen: str, seconds: float) -> None:
         key = self._ref_key(task_fingerprint, gen)
-        self.db["reference_estimates"].upsert(
-            {"key": key, "estimated_seconds": seconds, "created_at": _now()}, pk="key"
+        self.sql.upsert(
+            "reference_estimates",
+            {"key": key, "estimated_seconds": seconds, "created_at": _now()},
+            pk=["key"],
         )
 
     def upsert_run(self, thread_id: str, **fields: Any) -> None:
+        unknown = set(fields) - set(TABLES["runs"])
+        if unknown:
+            raise ValueError(f"runs has no column(s) {sorted(unknown)}")
         row = {"thread_id": thread_id, "updated_at": _now(), **fields}
-        if not list(self.db.query("select 1 from runs where thread_id = ?", [thread_id])):
+        if not self.sql.query("select 1 from runs where thread_id = ?", [thread_id]):
             row.setdefault("created_at", _now())
-        self.db["runs"].upsert(row, pk="thread_id", alter=True)
+        self.sql.upsert("runs", row, pk=["thread_id"])
 
     def get_run(self, thread_id: str) -> dict[str, Any] | None:
-        rows = list(self.db.query("select * from runs where thread_id = ?", [thread_id]))
+        rows = self.sql.query("select * from runs where thread_id = ?", [thread_id])
         return rows[0] if rows else None
 
     def list_runs(self) -> list[dict[str, Any]]:
-        return list(self.db.query("select * from runs order by created_at desc"))
+        return self.sql.query("select * from runs order by created_at desc")
 
     def put_candidate(self, source_hash: str, task_id: str, source: str, origin: str) -> None:
-        self.db["candidates"].insert(
+        self.sql.insert(
+            "candidates",
             {
                 "source_hash": source_hash,
                 "task_id": task_id,
@@ -231,14 +206,59 @@ class ResultsStore:
                 "origin": origin,
                 "created_at": _now(),
             },
-            pk="source_hash",
-            ignore=True,
+            ignore_conflict=True,
         )
+
+    def hold_lease(self, thread_id: str) -> str | None:
+        """Take this process's exclusive lease on a thread, held until the process exits (the kernel, or the
+        PostgreSQL server when the connection drops, releases it even after `kill -9`). Returns None once
+        held (also when this process holds it already), else who holds it. One process per thread, so a
+        second `resume` of a running thread cannot run every evaluation twice."""
+        if (self.location, thread_id) in _LEASES:
+            return None
+        if self.path is None:
+            handle, holder = self.sql.try_advisory_lock(f"thread:{thread_id}")
+        else:
+            handle, holder = _file_lease(self.path.resolve().parent / "leases", thread_id)
+        if handle is None:
+            return holder
+        _LEASES[(self.location, thread_id)] = handle
+        return None
 
     def count_evaluations(self, task_id: str | None = None) -> int:
         if task_id is None:
-            return self.db["evaluations"].count
-        return self.db["evaluations"].count_where("task_id = ?", [task_id])
+            return int(self.sql.query("select count(*) as n from evaluations")[0]["n"])
+        return int(
+            self.sql.query("select count(*) as n from evaluations where task_id = ?", [task_id])[0]["n"]
+        )
+
+
+_LEASES: dict[tuple[str, str], Any] = {}
+"""Leases this process holds, (store location, thread id) -> the open file or connection that holds it."""
+
+
+def _file_lease(directory: Path, thread_id: str) -> tuple[Any, str]:
+    """An exclusive flock on `<directory>/<thread>.lock` (the holder's pid written inside)."""
+    import fcntl
+    import os
+
+    from maxkernel.tools.tasks import safe_task_id
+
+    path = directory / f"{safe_task_id(thread_id)}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a+")  # noqa: SIM115 - held for the life of the process
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        fh.close()
+        return None, holder
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"pid {os.getpid()}")
+    fh.flush()
+    return fh, ""
 
 
 def _now() -> str:

@@ -14,7 +14,6 @@ evaluates it, and only a config that is in the current tuning space is tried at 
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -27,7 +26,6 @@ from maxkernel.tools.tpu_specs import first_generation, get_spec
 
 TABLE = "tuned_configs"
 KEY_FIELDS = ("family", "device_kind", "arg_spec")
-_LOCK = threading.Lock()
 
 
 def bucket(n: int) -> int:
@@ -71,8 +69,9 @@ class TuningTable:
 
     def __init__(self, store: ResultsStore) -> None:
         self.store = store
-        with _LOCK:
-            store.db[TABLE].create(
+        with store.sql.schema_lock():  # threads and processes may create it at once
+            store.sql.create_table(
+                TABLE,
                 {
                     "family": str,
                     "device_kind": str,
@@ -85,12 +84,11 @@ class TuningTable:
                     "created_at": str,
                 },
                 pk=KEY_FIELDS,
-                if_not_exists=True,
             )
 
     def get(self, key: TuningKey) -> TunedConfig | None:
         rows = list(
-            self.store.db.query(
+            self.store.sql.query(
                 f"select * from {TABLE} where family = ? and device_kind = ? and arg_spec = ?",
                 [key.family, key.device_kind, key.arg_spec],
             )
@@ -106,12 +104,12 @@ class TuningTable:
         row = entry.model_dump()
         row["config"] = json.dumps(entry.config, sort_keys=True)
         row["created_at"] = entry.created_at or datetime.now(UTC).isoformat(timespec="seconds")
-        self.store.db[TABLE].upsert(row, pk=KEY_FIELDS)
+        self.store.sql.upsert(TABLE, row, pk=KEY_FIELDS)
         return True
 
     def export(self) -> list[dict[str, Any]]:
         """Every row, as JSON-ready dicts, in key order."""
-        rows = self.store.db.query(f"select * from {TABLE} order by family, device_kind, arg_spec")
+        rows = self.store.sql.query(f"select * from {TABLE} order by family, device_kind, arg_spec")
         return [_entry(r).model_dump() for r in rows]
 
     def import_rows(self, rows: Iterable[dict[str, Any]]) -> int:
