@@ -96,6 +96,11 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _WHILE_BODY = re.compile(r"\bwhile\(.*?body=%?([\w.\-]+)")
 
 
+UNKNOWN_CYCLES: int = 1 << 60
+"""`estimated_cycles` at or above this are the compiler's sentinel for "no estimate" (INT64_MAX-like values
+were seen on a scatter-offload fusion): left out of both sums rather than drowning every other figure."""
+
+
 @dataclass(frozen=True)
 class LoopCycles:
     """The compiler's per-instruction ``estimated_cycles``, summed once (as its cost model prices the
@@ -130,6 +135,8 @@ def hlo_loop_cycles(hlo: str) -> LoopCycles:
             continue
         for line in comps.get(name, []):
             c = _CYCLES.search(line)
+            if c and int(c.group(1)) >= UNKNOWN_CYCLES:
+                continue  # the compiler's "no estimate" sentinel (seen on scatter offload fusions)
             if c:
                 once += int(c.group(1))
                 weighted += int(c.group(1)) * mult
