@@ -7,8 +7,7 @@ happens, under the run's key (thread / search branch). The nodes then copy the l
 run into the state: after a kill and a resume the state counts exactly the calls that were made, failed
 ones included, and cached replies (a node re-run after a resume) count none.
 
-The table lives beside `model_replies` in the same SQLite store; it is created here, on first use, so the
-store's schema module needs no knowledge of model accounting.
+The table (`store.MODEL_USAGE`) lives beside `model_replies` in the same store, SQLite or PostgreSQL.
 """
 
 from __future__ import annotations
@@ -23,23 +22,19 @@ def record(store: Any, run_key: str, *, calls: int = 0, failed: int = 0, tokens:
     """Append one charge for `run_key` (no-op without a store or key, or for an empty charge)."""
     if store is None or not run_key or not (calls or failed or tokens):
         return
-    store.db[TABLE].insert(
-        {"run_key": run_key, "at": time.time(), "calls": calls, "failed": failed, "tokens": tokens}
+    store.sql.insert(
+        TABLE, {"run_key": run_key, "at": time.time(), "calls": calls, "failed": failed, "tokens": tokens}
     )
 
 
 def totals(store: Any, run_key: str, since: float = 0.0) -> tuple[int, int] | None:
     """(calls, tokens) charged to `run_key` at or after `since` (a run's start: an older run that reused
-    the thread id is not counted); None when the store has no ledger yet."""
-    if store is None or not run_key or TABLE not in store.db.table_names():
+    the thread id is not counted); None when nothing was charged to it yet."""
+    if store is None or not run_key:
         return None
-    row = next(
-        iter(
-            store.db.query(
-                f"select count(*) as n, coalesce(sum(calls), 0) as calls, coalesce(sum(tokens), 0) as tokens "
-                f"from {TABLE} where run_key = ? and at >= ?",
-                [run_key, since],
-            )
-        )
-    )
+    row = store.sql.query(
+        f"select count(*) as n, coalesce(sum(calls), 0) as calls, coalesce(sum(tokens), 0) as tokens "
+        f"from {TABLE} where run_key = ? and at >= ?",
+        [run_key, since],
+    )[0]
     return (int(row["calls"]), int(row["tokens"])) if row["n"] else None

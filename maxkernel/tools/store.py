@@ -89,6 +89,8 @@ TABLES: dict[str, dict[str, type]] = {
 """The keyed tables and their columns (the first column is the primary key)."""
 
 EVAL_LOG = {"key": str, "task_id": str, "started_at": str}
+MODEL_USAGE = {"run_key": str, "at": float, "calls": int, "failed": int, "tokens": int}
+"""One row per model charge as it happens (`authors.usage_ledger`): totals survive a killed process."""
 """One row per evaluation executed to completion in a sandbox (a store hit adds none), in order: lets a
 resumed run prove it re-ran nothing that had finished."""
 
@@ -113,6 +115,8 @@ class ResultsStore:
             self.sql.create_table(table, columns, pk=[next(iter(columns))])
         self.sql.create_index("evaluations", ["task_id"])
         self.sql.create_log_table("eval_log", EVAL_LOG)
+        self.sql.create_log_table("model_usage", MODEL_USAGE)
+        self.sql.create_index("model_usage", ["run_key"])
 
     def get_evaluation(self, key: str) -> EvalResult | None:
         rows = self.sql.query("select result from evaluations where key = ?", [key])
