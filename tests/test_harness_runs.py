@@ -59,8 +59,11 @@ def test_reference_with_import_side_effect_is_a_bad_task(data_dir: Path, tmp_pat
 
 
 def test_default_timeout_is_derived_from_the_task(matmul_task: KernelTask) -> None:
-    t = default_timeout(matmul_task, EvalOptions(tpu=["v5e"]))
+    t = default_timeout(matmul_task, EvalOptions(tpu=["v5e"]), load_factor=1.0)
     assert TIMEOUT_FLOOR_S <= t < TIMEOUT_CEILING_S  # a hang costs about a minute, not ten
+    # a loaded machine stretches every stage alike: the limit grows with it, up to the ceiling
+    busy = default_timeout(matmul_task, EvalOptions(tpu=["v5e"]), load_factor=4.0)
+    assert busy > t and busy <= TIMEOUT_CEILING_S
     slow = matmul_task.model_copy(update={"reference_seconds": 1000.0})
     assert default_timeout(slow, EvalOptions()) == TIMEOUT_CEILING_S
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -133,15 +134,30 @@ class EvalOptions(BaseModel):
         return self.model_dump(mode="json", exclude={"allow_unsandboxed"})
 
 
-def default_timeout(task: KernelTask, options: EvalOptions) -> float:
+def machine_load_factor() -> float:
+    """How much slower than idle this machine runs now: the 1-minute load average per core, in [1, 8].
+
+    A shared machine under load (a bench with parallel jobs, other users) stretches every stage of an
+    evaluation alike; without this a reference that takes 20 s idle times out at 90 s under a load of 8
+    per core, and a correct task is reported as failed."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return 1.0
+    return float(min(8.0, max(1.0, load / max(1, os.cpu_count() or 1))))
+
+
+def default_timeout(task: KernelTask, options: EvalOptions, *, load_factor: float | None = None) -> float:
     """A hang should cost about a minute, not ten: the task's reference time (measured when it was
-    loaded, compile included) for every input set, plus a compile budget per generation, in [60, 600] s."""
+    loaded, compile included) for every input set, plus a compile budget per generation, stretched by the
+    machine's current load, in [60, 600] s."""
     derived = (
         30.0
         + COMPILE_BUDGET_S * max(1, len(options.tpu))
         + 10.0 * task.reference_seconds * options.input_sets
     )
-    return float(min(TIMEOUT_CEILING_S, max(TIMEOUT_FLOOR_S, derived)))
+    factor = machine_load_factor() if load_factor is None else load_factor
+    return float(min(TIMEOUT_CEILING_S, max(TIMEOUT_FLOOR_S, derived * factor)))
 
 
 def evaluate(
