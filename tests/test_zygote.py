@@ -72,3 +72,27 @@ def test_no_zygote_falls_back_to_spawning(zroot: Path, tmp_path: Path) -> None:
     out = child.wait()
     assert not child.via_zygote and out.ok, out.error
     assert out.value is not None and out.value["sum"] == 3.0
+
+
+def test_read_paths_under_tmp_stay_visible_and_read_only(zroot: Path, tmp_path: Path) -> None:
+    """Each job gets a fresh /tmp; a task (or a whole checkout, as in CI) living under /tmp must still be
+    there, read-only: hiding it made every evaluation of such a task fail to import its reference."""
+    task = Path("/tmp") / f"maxkernel-zygote-task-{os.getpid()}"
+    task.mkdir(exist_ok=True)
+    try:
+        (task / "reference.py").write_text("ANSWER = 42\n")
+        if os.geteuid() == 0:
+            os.chmod(task, 0o755)
+        child = SandboxedChild(PROBE, {"read": str(task / "reference.py")}, fresh_run_dir(zroot, "probe"),
+                               SandboxLimits(timeout_s=180), read_paths=[task], zygote_root=zroot)  # fmt: skip
+        child.start()
+        out = child.wait()
+        assert child.via_zygote and out.ok, out.error or out.stderr_tail
+        assert out.value is not None
+        assert out.value["read"] == "ANSWER = 42\n"
+        assert out.value["read_writable"] is False
+        assert (task / "reference.py").read_text() == "ANSWER = 42\n"
+    finally:
+        for f in task.iterdir():
+            f.unlink()
+        task.rmdir()

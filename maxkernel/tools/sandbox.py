@@ -410,7 +410,8 @@ class SandboxedChild:
             pkg = _package_root() / "maxkernel"
             ro_paths = [Path(sys.prefix), Path(sys.base_prefix), pkg, *map(Path, ro)]
             cmd = _bwrap_command(bwrap, root, ro_paths, base_env, limits.allow_device, zygote=True)
-            return Zygote(cmd, {"PATH": "/usr/bin:/bin"}, root, ZYGOTE_PRELOAD)
+            bound = [str(p.resolve()) for p in ro_paths if p.exists()]
+            return Zygote(cmd, {"PATH": "/usr/bin:/bin"}, root, ZYGOTE_PRELOAD, bound)
 
         try:
             zygote = ZYGOTES.get(key, make)

@@ -187,13 +187,46 @@ def _loopback_up() -> None:
         fcntl.ioctl(s.fileno(), siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
 
 
-def _isolate(libc: ctypes.CDLL, root: str, run_dir: str) -> None:
+def _outermost(paths: list[str]) -> list[str]:
+    """`paths` without those that lie inside another of them (binding the outer one brings them along)."""
+    out: list[str] = []
+    for p in sorted(set(paths)):
+        if not any(p == o or p.startswith(o.rstrip("/") + "/") for o in out):
+            out.append(p)
+    return out
+
+
+def _rebind_read_only(libc: ctypes.CDLL, held: list[tuple[str, int]]) -> None:
+    """Bind the held read-only paths back where they were (the fresh /tmp hid them), read-only again."""
+    for path, fd in held:
+        target = Path(path)
+        for anc in reversed(target.parents):  # mount points nobody can traverse
+            if str(anc).startswith("/tmp/") and not anc.exists():
+                anc.mkdir(mode=0o755)
+                os.chmod(anc, 0o755)
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            target.mkdir(mode=0o755, exist_ok=True)
+        else:
+            target.touch(exist_ok=True)
+        _mount(libc, f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+        try:
+            _mount(libc, None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        except OSError:
+            pass  # a user namespace may keep the flags locked as they were: the source bind is read-only
+
+
+def _isolate(libc: ctypes.CDLL, root: str, run_dir: str, read_paths: list[str]) -> None:
     """New namespaces for this job; a fresh /tmp; of the zygote's writable folder only the job's own run
-    dir stays (a tmpfs hides the rest, read-only unless it is the fresh /tmp itself)."""
+    dir stays (a tmpfs hides the rest, read-only unless it is the fresh /tmp itself). Read-only paths that
+    lived under /tmp (the task, the environment, maxkernel itself when a checkout is under /tmp) are bound
+    back into the fresh /tmp, still read-only: hiding them would leave the job unable to import."""
     _check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
     _loopback_up()
     keep = os.open(run_dir, os.O_PATH | os.O_DIRECTORY)
+    under = [p for p in _outermost(read_paths) if p.startswith("/tmp/") and os.path.exists(p)]
+    held = [(p, os.open(p, os.O_PATH)) for p in under]
     _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
     under_tmp = root == "/tmp" or root.startswith("/tmp/")
     if not under_tmp:  # else the fresh /tmp already hides it
@@ -204,6 +237,7 @@ def _isolate(libc: ctypes.CDLL, root: str, run_dir: str) -> None:
             os.chmod(anc, 0o755)
     _mount(libc, f"/proc/self/fd/{keep}", run_dir, None, MS_BIND)
     os.close(keep)
+    _rebind_read_only(libc, held)
     if not under_tmp:
         _mount(
             libc, "tmpfs", root, "tmpfs", MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=1m,mode=0755"
@@ -247,7 +281,8 @@ def _job(libc: ctypes.CDLL, req: dict[str, Any]) -> None:
         os._exit(code)
 
 
-def _middle(libc: ctypes.CDLL, req: dict[str, Any], fds: list[int], ctrl: socket.socket, root: str) -> None:
+def _middle(libc: ctypes.CDLL, req: dict[str, Any], fds: list[int], ctrl: socket.socket, root: str,
+            read_paths: list[str]) -> None:  # fmt: skip
     """The forked child: isolates, forks the job into its new pid namespace, enforces the wall-clock limit
     and exits with the job's status (128+N for a signal, 124 on timeout), as the spawning reaper does."""
     code = 1
@@ -258,7 +293,7 @@ def _middle(libc: ctypes.CDLL, req: dict[str, Any], fds: list[int], ctrl: socket
         for target, fd in enumerate(fds[:JOB_FDS]):
             os.dup2(fd, target)
         os.closerange(JOB_FDS, 1 << 16)
-        _isolate(libc, root, req["run_dir"])
+        _isolate(libc, root, req["run_dir"], read_paths)
         pid = os.fork()
         if pid == 0:
             _job(libc, req)
@@ -282,9 +317,10 @@ def _middle(libc: ctypes.CDLL, req: dict[str, Any], fds: list[int], ctrl: socket
         os._exit(code)
 
 
-def serve(root: str, ctrl_fd: int, preload: list[str]) -> int:
+def serve(root: str, ctrl_fd: int, preload: list[str], read_paths: list[str] | None = None) -> int:
     """The zygote's loop: fork on request, kill on request, report every exit. Ends when the agent's end
     of the control socket closes (the agent exited), taking its jobs with it."""
+    read_paths = list(read_paths or [])
     for name in preload:
         importlib.import_module(name)
     libc = _libc()
@@ -305,7 +341,7 @@ def serve(root: str, ctrl_fd: int, preload: list[str]) -> int:
                 if req.get("op") == "fork":
                     pid = os.fork()
                     if pid == 0:
-                        _middle(libc, req, fds, ctrl, root)
+                        _middle(libc, req, fds, ctrl, root, read_paths)
                     for fd in fds:
                         os.close(fd)
                     jobs[pid] = req["id"]
@@ -346,6 +382,14 @@ def probe_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
         "siblings": sorted(os.listdir(Path(ctx.run_dir).parent)),
         "backends_before": len(__import__("jax._src.xla_bridge", fromlist=["_backends"])._backends),
     }
+    if payload.get("read"):  # a read-only path the job was given: readable, and not writable
+        target = Path(str(payload["read"]))
+        facts["read"] = target.read_text() if target.exists() else None
+        try:
+            target.write_text("overwritten")
+            facts["read_writable"] = True
+        except OSError:
+            facts["read_writable"] = False
     if payload.get("leave_state"):
         candidate._LEFT_BEHIND = "yes"  # type: ignore[attr-defined]
 
@@ -399,7 +443,8 @@ class ZygoteProc:
 class Zygote:
     """One zygote process and the thread that reads its reports."""
 
-    def __init__(self, command: list[str], env: dict[str, str], root: Path, preload: tuple[str, ...]) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], root: Path, preload: tuple[str, ...],
+                 read_paths: list[str] | None = None) -> None:  # fmt: skip
         self.root = root
         self._jobs: dict[str, ZygoteProc] = {}
         self._lock = threading.Lock()
@@ -409,7 +454,7 @@ class Zygote:
         self.started_s = 0.0
         t0 = time.monotonic()
         cmd = [*command, sys.executable, "-m", "maxkernel.tools.zygote", str(root), str(theirs.fileno()),
-               ",".join(preload)]  # fmt: skip
+               ",".join(preload), json.dumps(sorted(read_paths or []))]  # fmt: skip
         # The zygote's own log lives outside its root: the root is the callers' (run dirs, cleaned by them).
         fd, log_path = tempfile.mkstemp(prefix="maxkernel-zygote-", suffix=".log")
         os.close(fd)
@@ -563,7 +608,8 @@ atexit.register(POOL.close)
 
 def main(argv: list[str]) -> int:
     root, fd, preload = argv[0], int(argv[1]), [p for p in argv[2].split(",") if p]
-    return serve(root, fd, preload)
+    read_paths = json.loads(argv[3]) if len(argv) > 3 else []
+    return serve(root, fd, preload, read_paths)
 
 
 if __name__ == "__main__":
