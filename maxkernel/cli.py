@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from maxkernel.tools.harness import EvalOptions, evaluate
@@ -105,7 +106,7 @@ def use_ray(flag: str | None) -> str | None:
 
 
 def fail_usage(message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {escape(message)}")  # a message may hold [brackets]: not markup
     return typer.Exit(2)
 
 

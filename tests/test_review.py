@@ -164,8 +164,8 @@ def test_runs_shows_a_killed_run_as_interrupted_and_resumable(tmp_path: Path) ->
     owner = (
         "import sys, time\nfrom pathlib import Path\nfrom maxkernel import cli_agent\n"
         "from maxkernel.tools.store import ResultsStore\n"
-        f"cli_agent._take_lease(Path({str(store)!r}), 'k1')\n"
-        f"ResultsStore({str(store)!r}).upsert_run('k1', status='running', settings={settings!r}, "
+        f"st = ResultsStore({str(store)!r})\ncli_agent._take_lease(st, 'k1')\n"
+        f"st.upsert_run('k1', status='running', settings={settings!r}, "
         "**cli_agent._owner())\n"
         "print('ready', flush=True)\ntime.sleep(120)\n"
     )

@@ -83,6 +83,10 @@ TABLES: dict[str, dict[str, type]] = {
         "out_dir": str,
         "created_at": str,
         "updated_at": str,
+        # who runs it now (`cli_agent._owner`): a dead owner's 'running' run reads as interrupted
+        "owner_pid": int,
+        "owner_host": str,
+        "heartbeat_at": float,
     },
     "candidates": {"source_hash": str, "task_id": str, "source": str, "origin": str, "created_at": str},
 }
@@ -113,6 +117,7 @@ class ResultsStore:
     def _ensure_tables(self) -> None:
         for table, columns in TABLES.items():
             self.sql.create_table(table, columns, pk=[next(iter(columns))])
+            self.sql.add_missing_columns(table, columns)
         self.sql.create_index("evaluations", ["task_id"])
         self.sql.create_log_table("eval_log", EVAL_LOG)
         self.sql.create_log_table("model_usage", MODEL_USAGE)

@@ -117,6 +117,18 @@ class SqlBackend:
             cols.append(f"PRIMARY KEY ({', '.join(quote(c) for c in pk)})")
         self.execute(f"CREATE TABLE IF NOT EXISTS {quote(table)} ({', '.join(cols)})")
 
+    def add_missing_columns(self, table: str, columns: dict[str, type]) -> None:
+        """Columns a newer maxkernel added to an existing table (a store written by an older version)."""
+        have = set(self.columns(table))
+        for c, t in columns.items():
+            if c in have:
+                continue
+            try:
+                self.execute(f"ALTER TABLE {quote(table)} ADD COLUMN {quote(c)} {self.dialect.column_types[t]}")
+            except Exception as exc:  # noqa: BLE001 - another process added it first
+                if "duplicate" not in str(exc).lower() and "already exists" not in str(exc).lower():
+                    raise
+
     def create_log_table(self, table: str, columns: dict[str, type]) -> None:
         cols = [self.dialect.serial_column] + [
             f"{quote(c)} {self.dialect.column_types[t]}" for c, t in columns.items()
