@@ -538,10 +538,14 @@ class Zygote:
         self._jobs.clear()
 
     def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        # shutdown first: the reader thread is blocked in recv on this socket, and a plain close() from
+        # another thread leaves the socket open until that recv returns, which it never does. The zygote
+        # would not see the end of its control socket, and it and its bubblewrap stayed behind forever.
+        for end in (lambda: self._sock.shutdown(socket.SHUT_RDWR), self._sock.close):
+            try:
+                end()
+            except OSError:
+                pass
         if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout=5)
