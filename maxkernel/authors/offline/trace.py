@@ -80,10 +80,15 @@ def _eval(
     for v, f in zip(jaxpr.invars, arg_facts or [None] * len(args), strict=True):
         if f is not None:
             facts[v] = f
+    casts = _CastMotion(jaxpr)
     for eqn in jaxpr.eqns:
         known = _value_fact(eqn, [fact_of(v) for v in eqn.invars])
         if known is not None:
             facts[eqn.outvars[0]] = known
+        moved = casts.apply(eqn, read)
+        if moved is not None:
+            env[eqn.outvars[0]] = moved
+            continue
         deferrable = (
             eqn.primitive.name in CONST_OPS
             and len(eqn.outvars) == 1
@@ -98,6 +103,88 @@ def _eval(
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+LAYOUT_OPS = frozenset({"slice", "concatenate", "reshape", "transpose", "squeeze", "expand_dims", "rev"})
+"""Primitives that only move elements: a float cast commutes with them exactly."""
+
+
+def _float_cast(eqn: Any) -> tuple[Any, Any] | None:
+    """(from, to) dtypes of a float-to-float `convert_element_type` of a variable, else None."""
+    if eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], jcore.Literal):
+        return None
+    src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.outvars[0].aval.dtype)
+    floating = all(jax.numpy.issubdtype(d, jax.numpy.floating) for d in (src, dst))
+    return (src, dst) if floating and src != dst else None
+
+
+class _CastMotion:
+    """Moves float casts across layout glue so the layout ops outside kernels move the narrow dtype and
+    the casts land next to the arithmetic, inside kernels:
+
+    * widening: `slice(convert_f32(x_bf16))` becomes `convert_f32(slice(x_bf16))`: the slice copies bf16,
+      and the cast fuses into the kernel that reads it (rotate-half: `x.astype(f32)[..., :half]`);
+    * narrowing: `convert_bf16(concatenate(a_f32, b_f32))`, when the cast is the layout result's only use,
+      becomes `concatenate(convert_bf16(a), convert_bf16(b))`: each kernel writes bf16, and the concatenate
+      copies half the bytes.
+
+    Both are exact: a cast is elementwise, and layout ops only move elements."""
+
+    def __init__(self, jaxpr: Any) -> None:
+        uses: dict[Any, int] = {}
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if not isinstance(v, jcore.Literal):
+                    uses[v] = uses.get(v, 0) + 1
+        for v in jaxpr.outvars:
+            if not isinstance(v, jcore.Literal):
+                uses[v] = uses.get(v, 0) + 1
+        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        self.narrow_to: dict[Any, Any] = {}  # layout result var -> the dtype its only use casts it to
+        for eqn in jaxpr.eqns:
+            cast = _float_cast(eqn)
+            src = producer.get(eqn.invars[0]) if cast else None
+            if (
+                cast is not None
+                and src is not None
+                and src.primitive.name in LAYOUT_OPS
+                and uses.get(eqn.invars[0]) == 1
+                and cast[1].itemsize < cast[0].itemsize
+            ):
+                self.narrow_to[eqn.invars[0]] = cast[1]
+        self.wide_of: dict[Any, Any] = {}  # var -> the narrow value it is a widening cast of
+        self.narrowed: set[Any] = set()  # layout results computed already in their cast's dtype
+
+    def apply(self, eqn: Any, read: Callable[[Any], Any]) -> Any | None:
+        """The equation's single result computed with a moved cast, or None to evaluate it as usual."""
+        from jax import lax
+
+        name = eqn.primitive.name
+        cast = _float_cast(eqn)
+        if cast is not None:
+            v = eqn.invars[0]
+            if v in self.narrowed:  # its operand was made in this dtype already
+                return read(v)
+            if cast[1].itemsize > cast[0].itemsize:
+                self.wide_of[eqn.outvars[0]] = read(v)
+            return None
+        if name not in LAYOUT_OPS or len(eqn.outvars) != 1:
+            return None
+        out = eqn.outvars[0]
+        ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        if not ins or len(ins) != len(eqn.invars):
+            return None
+        to = self.narrow_to.get(out)
+        if to is not None:
+            self.narrowed.add(out)
+            return _apply(eqn, [lax.convert_element_type(read(v), to) for v in ins])[0]
+        if all(v in self.wide_of for v in ins):
+            narrow = [self.wide_of[v] for v in ins]
+            if len({np.dtype(x.dtype) for x in narrow}) == 1:
+                moved = _apply(eqn, narrow)[0]
+                self.wide_of[out] = moved
+                return lax.convert_element_type(moved, np.dtype(out.aval.dtype))
+        return None
 
 
 def _value_fact(eqn: Any, in_facts: list[str | None]) -> str | None:
