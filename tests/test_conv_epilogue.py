@@ -60,6 +60,21 @@ def conv3d_relu_globalmax_nchw(x, w, b):
     return jnp.max(jax.nn.relu(y * b[None, :, None, None, None]), axis=(2, 3, 4)) * 0.5
 
 
+def depthwise7_bias_bf16(x, w, b):
+    """ConvNeXt's 7x7 depthwise conv + bias: one filter per channel, a VPU kernel (no im2col, no MXU)."""
+    c = x.shape[-1]
+    y = lax.conv_general_dilated(
+        x,
+        w,
+        (1, 1),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=c,
+        preferred_element_type=jnp.float32,
+    )
+    return (y + b.astype(jnp.float32)).astype(x.dtype)
+
+
 CASES = [
     (
         conv_bias_hardswish_bf16,
@@ -96,6 +111,13 @@ CASES = [
         1e-4,
         1,
     ),
+    (
+        depthwise7_bias_bf16,
+        [((1, 12, 10, 256), (7, 7, 1, 256), (256,)), ((2, 9, 7, 5), (7, 7, 1, 5), (5,))],
+        "bfloat16",
+        0.05,
+        1,
+    ),
 ]
 
 
@@ -123,6 +145,8 @@ def test_conv_epilogue_is_fused_correct_and_compiles(fn, shapes, dtype, atol, n_
     configs = (
         [default, default.replace(block_rows=2)] if "arbitrary" in program.kernels[0].code else [default]
     )
+    if "depthwise" in fn.__name__:  # two channel blocks: x's channel block must follow the output's
+        configs.append(default.replace(block_o=128, block_rows=4))
     rng = np.random.default_rng(7)
     for config in configs:
         src = render(program, config, TPU)

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+
 from maxkernel.authors.offline.dataflow import is_literal
 from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name, elementwise_expr, literal_code
 
@@ -100,6 +102,18 @@ def _shape(v: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in v.aval.shape)
 
 
+def literals_fixed(traces: Any, e: Any) -> bool:
+    """Every literal operand has one value in every input configuration (a `1 / (H * W)` of a mean does
+    not: it stays in a kernel whose literal resolution expresses it from the shapes)."""
+    others = traces.aligned_eqns(e)
+    for k, v in enumerate(e.invars):
+        if is_literal(v) and any(
+            np.asarray(a.invars[k].val).tolist() != np.asarray(v.val).tolist() for a in others
+        ):
+            return False
+    return True
+
+
 def _eqn_ok(out: ConvOut, e: Any, *, owned: bool) -> bool:
     """Can the kernel emit this equation? Owned ones must produce a block; pulled ones (floats on inputs)
     any role."""
@@ -136,7 +150,7 @@ def epilogue_ok(part: Partition, region: Region, i: int, kind: str) -> bool:
         return False
     if kind == "absorbed" and e.primitive.name not in LAYOUT_PRIMITIVES | {"convert_element_type"}:
         return False
-    if not _eqn_ok(out, e, owned=True):
+    if not _eqn_ok(out, e, owned=True) or not literals_fixed(g.traces, e):
         return False
     for v in e.invars:
         if is_literal(v) or v in produced:
@@ -149,6 +163,8 @@ def epilogue_ok(part: Partition, region: Region, i: int, kind: str) -> bool:
         for p in closure:
             pe = g.eqns[p]
             if g.kind[p] not in ("elementwise", "absorbed") or not _eqn_ok(out, pe, owned=False):
+                return False
+            if not literals_fixed(g.traces, pe):
                 return False
             for u in pe.invars:
                 if not is_literal(u) and g.producer.get(u) not in closure and out.role(_shape(u)) == "block":
@@ -195,6 +211,8 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
         args = []
         for v in e.invars:
             if is_literal(v):
+                if not literals_fixed(g.traces, e):
+                    raise EmitError("a conv epilogue literal that changes with the input shapes")
                 args.append(literal_code(v.val, dtype_name(v.aval)))
             else:
                 args.append(code[v])

@@ -20,10 +20,10 @@ import math
 from typing import TYPE_CHECKING
 
 from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue
-from maxkernel.authors.offline.emit import dtype_code, dtype_name
+from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name
 from maxkernel.authors.offline.kernels import SUBLANE, KernelBuilder, LowerError, nbytes
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
-from maxkernel.authors.offline.trace import direct_conv_ok
+from maxkernel.authors.offline.trace import direct_conv_ok, is_depthwise
 
 if TYPE_CHECKING:
     from maxkernel.authors.offline.lower import Lowering
@@ -43,7 +43,10 @@ class ConvBuilder(KernelBuilder):
         x, w = e.invars
         outs = self.outputs
         n_extra = len([v for v in self.inputs if v not in e.invars])
-        ep = build_epilogue(self, e, [f"e{k}_ref" for k in range(n_extra)])
+        try:
+            ep = build_epilogue(self, e, [f"e{k}_ref" for k in range(n_extra)])
+        except EmitError as exc:
+            raise LowerError(str(exc)) from exc
         if any(r is None for r in ep.results) != (ep.reduction is not None):
             raise LowerError("a spatial reduction of the conv region that is not its output")
         reduced = ep.reduction is not None
@@ -57,6 +60,7 @@ class ConvBuilder(KernelBuilder):
             p, tuple(int(s) for s in x.aval.shape), x.aval.dtype.itemsize, tuple(int(s) for s in w.aval.shape)
         ):
             raise LowerError("a convolution the direct kernel does not cover")
+        depthwise = is_depthwise(p, tuple(int(s) for s in x.aval.shape), tuple(int(s) for s in w.aval.shape))
         s, c = self.stem, self.cprefix
         xn, wn = self.low.name_of(x), self.low.name_of(w)
         xdt = dtype_name(x.aval)
@@ -110,10 +114,16 @@ class ConvBuilder(KernelBuilder):
         lines.append(
             f"{'    ' * (depth_in + 1)}window = x_ref[{win}]  # the tap's shifted window of the halo'd block"
         )
-        lines.append(
-            f"{'    ' * (depth_in + 1)}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), w_ref[{tap_idx}], "
-            f"preferred_element_type=jnp.float32{prec_code})"
-        )
+        if depthwise:  # one filter per channel: a VPU multiply-add per tap, no contraction for the MXU
+            lines.append(
+                f"{'    ' * (depth_in + 1)}acc += window.reshape({flat}, window.shape[-1]).astype(jnp.float32) "
+                f"* w_ref[{tap_idx}].astype(jnp.float32)  # (pixels, bo) * (1, bo)"
+            )
+        else:
+            lines.append(
+                f"{'    ' * (depth_in + 1)}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), "
+                f"w_ref[{tap_idx}], preferred_element_type=jnp.float32{prec_code})"
+            )
         lines.append(f"{'    ' * depth_in}return acc")
         for k in range(len(outer) - 1, 0, -1):
             lines.append("")
@@ -225,8 +235,15 @@ class ConvBuilder(KernelBuilder):
             if reduced
             else f"(n_b, n_o{lead}_p // rows, n_out_p // bo)"
         )
-        code = f'''def {s}_x_index_map({grid_args}, *, rows):
-    return (n_index, r_index * rows, {", ".join(["0"] * nsp)})  # element offsets
+        x_chan = "o_index * bo" if depthwise else "0"  # depthwise: channel block c of x feeds output block c
+        x_kw = ", bo" if depthwise else ""
+        x_last = (
+            "*(pl.Element(d) for d in x.shape[2:-1]), pl.Element(bo)"
+            if depthwise
+            else ("*(pl.Element(d) for d in x.shape[2:])")
+        )
+        code = f'''def {s}_x_index_map({grid_args}, *, rows{x_kw}):
+    return (n_index, r_index * rows, {", ".join(["0"] * (nsp - 1) + [x_chan])})  # element offsets
 
 
 def {s}_w_index_map({grid_args}):
@@ -270,7 +287,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 else f"({pads[i][0]}, {pads[i][1]})"
                 for i, a in enumerate(sp)
             )
-        }, (0, 0)])
+        }, {"(0, n_out_p - n_out)" if depthwise else "(0, 0)"}])
     wt = _pad_to(wt, (*wt.shape[:-1], n_out_p))
 {ep_prep}    out_dims = (n_b, {
             ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
@@ -294,8 +311,8 @@ def {s}({", ".join([xn, wn, *ep_names])}):
         grid={grid_code},
         in_specs=[
             pl.BlockSpec(  # element offsets (every dim, as Pallas requires): blocks overlap by the halo
-                (pl.Element(1), pl.Element(rows + n_k{lead} - 1), *(pl.Element(d) for d in x.shape[2:])),
-                functools.partial({s}_x_index_map, rows=rows),
+                (pl.Element(1), pl.Element(rows + n_k{lead} - 1), {x_last}),
+                functools.partial({s}_x_index_map, rows=rows{", bo=bo" if depthwise else ""}),
             ),
             pl.BlockSpec((*wt.shape[:-1], bo), {s}_w_index_map),{ep_specs}
         ],
@@ -346,7 +363,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 what="halo'd input rows",
                 dims=[pr]
                 + [DimRef(kind="full", extent=v) for v in padded_sp[1:]]
-                + [DimRef(kind="full", extent=c_in)],
+                + [po if depthwise else DimRef(kind="full", extent=c_in)],
                 itemsize=x.aval.dtype.itemsize,
                 kind="input",
                 axes=[0, ax_r],
@@ -354,7 +371,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             ),
             BufferSpec(
                 what="weights block",
-                dims=[DimRef(kind="full", extent=taps * c_in), po],
+                dims=[DimRef(kind="full", extent=taps * (1 if depthwise else c_in)), po],
                 itemsize=w.aval.dtype.itemsize,
                 kind="input",
                 axes=[ax_o],
@@ -402,11 +419,15 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 kind="temporary",
             ),
         ]
-        flops = 2.0 * n_b * math.prod(out_sp) * taps * c_in * c_out
+        flops = 2.0 * n_b * math.prod(out_sp) * taps * (1 if depthwise else c_in) * c_out
         spec = KernelSpec(
             name=s,
             family=self.family,
-            title=f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)",
+            title=(
+                f"{nsp}-D depthwise convolution as {taps} shifted VPU multiply-adds over halo'd row blocks in VMEM"
+                if depthwise
+                else f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)"
+            ),
             code=code,
             params=params,
             grid=[
