@@ -19,10 +19,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from maxkernel.authors.offline.emit import dtype_code, dtype_name
+from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue
+from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name
 from maxkernel.authors.offline.kernels import SUBLANE, KernelBuilder, LowerError, nbytes
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
-from maxkernel.authors.offline.trace import direct_conv_ok
+from maxkernel.authors.offline.trace import direct_conv_ok, is_depthwise
 
 if TYPE_CHECKING:
     from maxkernel.authors.offline.lower import Lowering
@@ -35,14 +36,23 @@ class ConvBuilder(KernelBuilder):
     def __init__(self, low: Lowering, region: Region, index: int, n_kernels: int) -> None:
         super().__init__(low, region, index, n_kernels)
         self.eqn = self.g.eqns[min(region.owned)]
-        if len(self.outputs) != 1:
-            raise LowerError("a convolution whose raw and cast results are both needed")
 
     def build(self) -> tuple[KernelSpec, str]:
         e = self.eqn
         p = e.params
         x, w = e.invars
-        out = self.outputs[0]
+        outs = self.outputs
+        n_extra = len([v for v in self.inputs if v not in e.invars])
+        try:
+            ep = build_epilogue(self, e, [f"e{k}_ref" for k in range(n_extra)])
+        except EmitError as exc:
+            raise LowerError(str(exc)) from exc
+        if any(r is None for r in ep.results) != (ep.reduction is not None):
+            raise LowerError("a spatial reduction of the conv region that is not its output")
+        reduced = ep.reduction is not None
+        grid_args = "n_index, o_index, r_index" if reduced else "n_index, r_index, o_index"
+        ax_r, ax_o = (2, 1) if reduced else (1, 2)  # grid positions of the row and channel-block axes
+        out_refs = [f"o{k}_ref" for k in range(len(outs))]
         dn = p["dimension_numbers"]
         lhs_spec, rhs_spec, out_spec = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
         nsp = len(lhs_spec) - 2
@@ -50,9 +60,9 @@ class ConvBuilder(KernelBuilder):
             p, tuple(int(s) for s in x.aval.shape), x.aval.dtype.itemsize, tuple(int(s) for s in w.aval.shape)
         ):
             raise LowerError("a convolution the direct kernel does not cover")
+        depthwise = is_depthwise(p, tuple(int(s) for s in x.aval.shape), tuple(int(s) for s in w.aval.shape))
         s, c = self.stem, self.cprefix
         xn, wn = self.low.name_of(x), self.low.name_of(w)
-        odt = dtype_name(out.aval)
         xdt = dtype_name(x.aval)
         sub = SUBLANE.get(x.aval.dtype.itemsize, 8)
         prec = p.get("precision")
@@ -104,10 +114,16 @@ class ConvBuilder(KernelBuilder):
         lines.append(
             f"{'    ' * (depth_in + 1)}window = x_ref[{win}]  # the tap's shifted window of the halo'd block"
         )
-        lines.append(
-            f"{'    ' * (depth_in + 1)}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), w_ref[{tap_idx}], "
-            f"preferred_element_type=jnp.float32{prec_code})"
-        )
+        if depthwise:  # one filter per channel: a VPU multiply-add per tap, no contraction for the MXU
+            lines.append(
+                f"{'    ' * (depth_in + 1)}acc += window.reshape({flat}, window.shape[-1]).astype(jnp.float32) "
+                f"* w_ref[{tap_idx}].astype(jnp.float32)  # (pixels, bo) * (1, bo)"
+            )
+        else:
+            lines.append(
+                f"{'    ' * (depth_in + 1)}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), "
+                f"w_ref[{tap_idx}], preferred_element_type=jnp.float32{prec_code})"
+            )
         lines.append(f"{'    ' * depth_in}return acc")
         for k in range(len(outer) - 1, 0, -1):
             lines.append("")
@@ -117,37 +133,135 @@ class ConvBuilder(KernelBuilder):
             f"acc = lax.fori_loop(0, n_k{outer[0]}, taps_{outer[0]}, "
             f"jnp.zeros(({flat}, w_ref.shape[-1]), jnp.float32))  # f32[{flat}, bo]"
         )
+        if ep.lines:
+            lines.append("# fused epilogue on the f32 accumulator: no HBM round trip of the conv result")
+            lines.extend(ep.lines)
+        init: list[str] = []
+        for o, r in zip(out_refs, ep.results, strict=True):
+            if r is None and ep.reduction is not None:  # the spatial reduction: accumulated across row steps
+                src, prim = ep.reduction
+                ident = SPATIAL_REDUCTIONS[prim]
+                combine = "jnp.maximum" if prim == "reduce_max" else "jnp.add"
+                fold = "jnp.max" if prim == "reduce_max" else "jnp.sum"
+                first_row = "pl.program_id(2) * rows" + (" + plane" if per_plane else "")
+                row_ext = "1" if per_plane else "rows"
+                mid = "".join(f"n_o{a}, " for a in sp[1:-1])
+                init = [
+                    "@pl.when(pl.program_id(2) == 0)  # the (N, C_out) result stays resident over row steps",
+                    "def _init():",
+                    f"    {o}[...] = jnp.full({o}.shape, {ident}, {o}.dtype)",
+                    "",
+                ]
+                lines += [
+                    f"blk = {src}.reshape({row_ext}, {mid}n_o{sp[-1]}_p, {src}.shape[-1])",
+                    "# padded rows/columns (the conv of zero padding, not zero after the epilogue) do not count",
+                    f"valid = ({first_row} + lax.broadcasted_iota(jnp.int32, blk.shape, 0) < n_valid_{lead}) & "
+                    f"(lax.broadcasted_iota(jnp.int32, blk.shape, blk.ndim - 2) < n_valid_{sp[-1]})",
+                    f"blk = jnp.where(valid, blk, {ident}).reshape(-1, blk.shape[-1])",
+                    f"{o}[...] = {combine}({o}[...], {fold}(blk, axis=0, keepdims=True))",
+                ]
+            elif per_plane:
+                lines.append(f"{o}[pl.ds(plane, 1)] = {r}.reshape(1, *{o}.shape[1:]).astype({o}.dtype)")
+            else:
+                lines.append(f"{o}[...] = {r}.reshape({o}.shape).astype({o}.dtype)")
         accumulate = "".join(f"{pad}{line}\n" if line else "\n" for line in lines)
         if per_plane:
             body = (
-                "    def one_plane(plane, carry):\n"
+                ("".join(f"    {line}\n" if line else "\n" for line in init) if init else "")
+                + "    def one_plane(plane, carry):\n"
                 + accumulate
-                + "        out_ref[pl.ds(plane, 1)] = acc.reshape(1, *out_ref.shape[1:]).astype(out_ref.dtype)\n"
-                "        return carry\n\n"
+                + "        return carry\n\n"
                 "    lax.fori_loop(0, rows, one_plane, 0)"
             )
         else:
-            body = accumulate + "    out_ref[...] = acc.reshape(out_ref.shape).astype(out_ref.dtype)"
-        code = f'''def {s}_x_index_map(n_index, r_index, o_index, *, rows):
-    return (n_index, r_index * rows, {", ".join(["0"] * nsp)})  # element offsets
+            body = ("".join(f"    {line}\n" if line else "\n" for line in init) + accumulate).rstrip("\n")
+        ep_refs = [f"e{k}_ref" for k in range(len(ep.inputs))]
+        ep_names = [self.low.name_of(v) for v in ep.inputs]
+        ep_args = [f"ep{k}" for k in range(len(ep.inputs))]
+        ep_maps = ""
+        if "chan" in ep.input_roles:
+            ep_maps += (
+                f"\n\ndef {s}_chan_index_map({grid_args}):\n"
+                "    return (0, o_index)  # the output-channel block\n"
+            )
+        if "scalar" in ep.input_roles:
+            ep_maps += f"\n\ndef {s}_scalar_index_map({grid_args}):\n    return (0, 0)\n"
+        ep_prep = "".join(
+            f"    {a} = _pad_to(jnp.reshape({n}, (1, -1)), (1, n_out_p))  # per-channel epilogue operand\n"
+            if r == "chan"
+            else f"    {a} = jnp.reshape({n}, (1, 1))  # scalar epilogue operand\n"
+            for a, n, r in zip(ep_args, ep_names, ep.input_roles, strict=True)
+        )
+        ep_specs = "".join(
+            f"\n            pl.BlockSpec((1, bo), {s}_chan_index_map),"
+            if r == "chan"
+            else f"\n            pl.BlockSpec((1, 1), {s}_scalar_index_map),"
+            for r in ep.input_roles
+        )
+        out_block = (
+            f"pl.BlockSpec((None, rows, {', '.join([f'n_o{a}' for a in sp[1:-1]] + [f'n_o{sp[-1]}_p'])}, bo), "
+            f"{s}_out_index_map)"
+        )
+        red_block = f"pl.BlockSpec((None, 1, bo), {s}_reduced_index_map)"
+        if reduced:
+            ep_maps += (
+                f"\n\ndef {s}_reduced_index_map({grid_args}):\n"
+                "    return (n_index, 0, o_index)  # the same block for every row step: an accumulator\n"
+            )
+        red_kw = f", n_valid_{lead}, n_valid_{sp[-1]}" if reduced else ""
+        red_args = f", n_valid_{lead}=n_o{lead}, n_valid_{sp[-1]}=n_o{sp[-1]}" if reduced else ""
+        out_shapes = ", ".join(
+            "jax.ShapeDtypeStruct((n_b, 1, n_out_p), jnp.float32)"
+            if r is None
+            else f"jax.ShapeDtypeStruct(out_dims, {dtype_code(dtype_name(v.aval))})"
+            for v, r in zip(outs, ep.results, strict=True)
+        )
+        out_blocks = ", ".join(red_block if r is None else out_block for r in ep.results)
+        out_sizes = ", ".join(f"n_o{a}" for a in sp)
+        crops = "\n".join(
+            f"    out[{k}] = out[{k}][:, 0, :n_out]  # (N, C_out), summed over the spatial dims"
+            if r is None
+            else f"    out[{k}] = {_transposed(f'_crop(out[{k}], (n_b, {out_sizes}, n_out))', tuple(from_cl))}"
+            for k, r in enumerate(ep.results)
+        )
+        semantics = (
+            '("parallel", "parallel", "arbitrary")' if reduced else '("parallel", "parallel", "parallel")'
+        )
+        ep_doc = ", then the fused epilogue before the one store" if ep.lines else ""
+        # a spatial reduction accumulates over row steps: the row axis goes last ("arbitrary" dims must follow
+        # the parallel ones), the batch and channel-block axes stay parallel for megacore
+        grid_code = (
+            f"(n_b, n_out_p // bo, n_o{lead}_p // rows)"
+            if reduced
+            else f"(n_b, n_o{lead}_p // rows, n_out_p // bo)"
+        )
+        x_chan = "o_index * bo" if depthwise else "0"  # depthwise: channel block c of x feeds output block c
+        x_kw = ", bo" if depthwise else ""
+        x_last = (
+            "*(pl.Element(d) for d in x.shape[2:-1]), pl.Element(bo)"
+            if depthwise
+            else ("*(pl.Element(d) for d in x.shape[2:])")
+        )
+        code = f'''def {s}_x_index_map({grid_args}, *, rows{x_kw}):
+    return (n_index, r_index * rows, {", ".join(["0"] * (nsp - 1) + [x_chan])})  # element offsets
 
 
-def {s}_w_index_map(n_index, r_index, o_index):
+def {s}_w_index_map({grid_args}):
     return ({", ".join(["0"] * (nsp + 1))}, o_index)
 
 
-def {s}_out_index_map(n_index, r_index, o_index):
+def {s}_out_index_map({grid_args}):
     return (n_index, r_index, {", ".join(["0"] * (nsp - 1))}, o_index)
+{ep_maps}
 
-
-def {s}_kernel(x_ref, w_ref, out_ref, *, rows, {", ".join(f"n_k{a}" for a in sp)}, {
+def {s}_kernel(x_ref, w_ref, {", ".join(ep_refs + out_refs)}, *, rows, {", ".join(f"n_k{a}" for a in sp)}, {
             ", ".join(f"n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""
-        }n_o{sp[-1]}_p):
-    """Sum over kernel taps of (shifted input window) x (tap weights), all from VMEM."""
+        }n_o{sp[-1]}_p{red_kw}):
+    """Sum over kernel taps of (shifted input window) x (tap weights), all from VMEM{ep_doc}."""
 {body}
 
 
-def {s}({xn}, {wn}):
+def {s}({", ".join([xn, wn, *ep_names])}):
     """Direct convolution: halo'd row blocks in VMEM, one MXU matmul per kernel tap into an f32 accumulator."""
     x = {_transposed(xn, to_cl)}  # channels last: (N, {", ".join(sp.upper())}, C)
     wt = {_transposed(wn, w_perm)}  # ({", ".join("K" + a for a in sp)}, C_in, C_out)
@@ -173,44 +287,45 @@ def {s}({xn}, {wn}):
                 else f"({pads[i][0]}, {pads[i][1]})"
                 for i, a in enumerate(sp)
             )
-        }, (0, 0)])
+        }, {"(0, n_out_p - n_out)" if depthwise else "(0, 0)"}])
     wt = _pad_to(wt, (*wt.shape[:-1], n_out_p))
-    out_shape = jax.ShapeDtypeStruct((n_b, {
+{ep_prep}    out_dims = (n_b, {
             ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
-        }, n_out_p), {dtype_code(odt)})
+        }, n_out_p)
+    out_shape = [{out_shapes}]  # ({
+            ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
+        }, C_out padded)
     cost = pl.CostEstimate(
         flops=2 * n_b * {" * ".join(f"n_o{a}" for a in sp)} * {
             " * ".join(f"n_k{a}" for a in sp)
         } * n_c * n_out,
         transcendentals=0,
-        bytes_accessed=_nbytes(x, wt, out_shape),
+        bytes_accessed=_nbytes(x, wt, {"".join(f"{n}, " for n in ep_args)}*out_shape),
     )
-    out = pl.pallas_call(
+    out = list(pl.pallas_call(
         functools.partial(
             {s}_kernel, rows=rows, {", ".join(f"n_k{a}=n_k{a}" for a in sp)}, {
             ", ".join(f"n_o{a}=n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""
-        }n_o{sp[-1]}_p=n_o{sp[-1]}_p
+        }n_o{sp[-1]}_p=n_o{sp[-1]}_p{red_args}
         ),
-        grid=(n_b, n_o{lead}_p // rows, n_out_p // bo),
+        grid={grid_code},
         in_specs=[
             pl.BlockSpec(  # element offsets (every dim, as Pallas requires): blocks overlap by the halo
-                (pl.Element(1), pl.Element(rows + n_k{lead} - 1), *(pl.Element(d) for d in x.shape[2:])),
-                functools.partial({s}_x_index_map, rows=rows),
+                (pl.Element(1), pl.Element(rows + n_k{lead} - 1), {x_last}),
+                functools.partial({s}_x_index_map, rows=rows{", bo=bo" if depthwise else ""}),
             ),
-            pl.BlockSpec((*wt.shape[:-1], bo), {s}_w_index_map),
+            pl.BlockSpec((*wt.shape[:-1], bo), {s}_w_index_map),{ep_specs}
         ],
-        out_specs=pl.BlockSpec((None, rows, {
-            ", ".join([f"n_o{a}" for a in sp[1:-1]] + [f"n_o{sp[-1]}_p"])
-        }, bo), {s}_out_index_map),
+        out_specs=[{out_blocks}],
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel"),
+            dimension_semantics={semantics},
             vmem_limit_bytes={c}VMEM_LIMIT_BYTES,
         ),
         cost_estimate=cost,
-    )(x, wt)
-    out = _crop(out, (n_b, {", ".join(f"n_o{a}" for a in sp)}, n_out))
-    return {_transposed("out", tuple(from_cl))}
+    )(x, wt{"".join(f", {n}" for n in ep_args)}))
+{crops}
+    return {", ".join(f"out[{k}]" for k in range(len(outs)))}
 '''
         xs = tuple(int(v) for v in x.aval.shape)
         ws = tuple(int(v) for v in w.aval.shape)
@@ -248,27 +363,53 @@ def {s}({xn}, {wn}):
                 what="halo'd input rows",
                 dims=[pr]
                 + [DimRef(kind="full", extent=v) for v in padded_sp[1:]]
-                + [DimRef(kind="full", extent=c_in)],
+                + [po if depthwise else DimRef(kind="full", extent=c_in)],
                 itemsize=x.aval.dtype.itemsize,
                 kind="input",
-                axes=[0, 1],
+                axes=[0, ax_r],
                 hbm_bytes=nbytes(x),
             ),
             BufferSpec(
                 what="weights block",
-                dims=[DimRef(kind="full", extent=taps * c_in), po],
+                dims=[DimRef(kind="full", extent=taps * (1 if depthwise else c_in)), po],
                 itemsize=w.aval.dtype.itemsize,
                 kind="input",
-                axes=[2],
+                axes=[ax_o],
                 hbm_bytes=nbytes(w),
             ),
-            BufferSpec(
-                what="output block",
-                dims=[pr, *mid, DimRef(kind="full", extent=w_last), po],
-                itemsize=out.aval.dtype.itemsize,
-                kind="output",
-                axes=[0, 1, 2],
-                hbm_bytes=nbytes(out),
+            *(
+                BufferSpec(
+                    what="per-channel epilogue operand" if r == "chan" else "scalar epilogue operand",
+                    dims=[
+                        DimRef(kind="full", extent=1),
+                        po if r == "chan" else DimRef(kind="full", extent=1),
+                    ],
+                    itemsize=v.aval.dtype.itemsize,
+                    kind="input",
+                    axes=[ax_o] if r == "chan" else [],
+                    hbm_bytes=nbytes(v),
+                )
+                for v, r in zip(ep.inputs, ep.input_roles, strict=True)
+            ),
+            *(
+                BufferSpec(
+                    what="output block",
+                    dims=[pr, *mid, DimRef(kind="full", extent=w_last), po],
+                    itemsize=out.aval.dtype.itemsize,
+                    kind="output",
+                    axes=[0, 1, 2],
+                    hbm_bytes=nbytes(out),
+                )
+                if r is not None
+                else BufferSpec(  # written back once per (batch, channel block), after the last row step
+                    what="spatially reduced (N, C_out) block",
+                    dims=[DimRef(kind="full", extent=1), po],
+                    itemsize=4,
+                    kind="output",
+                    axes=[0, ax_o],
+                    hbm_bytes=nbytes(out),
+                )
+                for out, r in zip(outs, ep.results, strict=True)
             ),
             BufferSpec(
                 what="f32 accumulator",
@@ -278,31 +419,62 @@ def {s}({xn}, {wn}):
                 kind="temporary",
             ),
         ]
-        flops = 2.0 * n_b * math.prod(out_sp) * taps * c_in * c_out
+        flops = 2.0 * n_b * math.prod(out_sp) * taps * (1 if depthwise else c_in) * c_out
         spec = KernelSpec(
             name=s,
             family=self.family,
-            title=f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)",
+            title=(
+                f"{nsp}-D depthwise convolution as {taps} shifted VPU multiply-adds over halo'd row blocks in VMEM"
+                if depthwise
+                else f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)"
+            ),
             code=code,
             params=params,
             grid=[
                 GridAxis(name="n_index", extent=n_b, param=None),
-                GridAxis(name="r_index", extent=out_sp[0], param=params[0].name),
-                GridAxis(name="o_index", extent=c_out, param=params[1].name),
+                *(
+                    axis
+                    for _, axis in sorted(
+                        [
+                            (
+                                ax_r,
+                                GridAxis(
+                                    name="r_index",
+                                    extent=out_sp[0],
+                                    param=params[0].name,
+                                    semantics="arbitrary" if reduced else "parallel",
+                                ),
+                            ),
+                            (ax_o, GridAxis(name="o_index", extent=c_out, param=params[1].name)),
+                        ],
+                        key=lambda t: t[0],
+                    )
+                ),
             ],
             buffers=buffers,
             flops=flops,
             structure=(
-                "grid (batch, output-row blocks, output-channel blocks), all parallel; each step fetches the "
-                "halo'd rows its output rows read (element-offset block), sums one MXU matmul per kernel tap "
-                "of the tap's shifted window into an f32 accumulator and writes its rows once"
+                (
+                    "grid (batch, output-channel blocks, output-row blocks), the row axis arbitrary: each step "
+                    "fetches the halo'd rows its output rows read, sums one MXU matmul per kernel tap into an "
+                    "f32 accumulator, runs the epilogue on it and adds the masked block into the resident "
+                    "(N, C_out) spatial reduction; the full-size result is never written"
+                )
+                if reduced
+                else (
+                    "grid (batch, output-row blocks, output-channel blocks), all parallel; each step fetches the "
+                    "halo'd rows its output rows read (element-offset block), sums one MXU matmul per kernel "
+                    "tap of the tap's shifted window into an f32 accumulator"
+                    + (", runs the fused epilogue on it" if ep.lines else "")
+                    + " and writes its rows once"
+                )
             ),
             notes=[
                 "no im2col array in HBM: the taps read shifted windows of a halo'd block in VMEM",
                 "the block model sizes the input block as `rows` rows; the k-1 halo rows are not counted",
             ],
         )
-        return spec, f"{s}({xn}, {wn})"
+        return spec, f"{s}({', '.join([xn, wn, *ep_names])})"
 
 
 def _transposed(name: str, perm: tuple[int, ...]) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maxkernel.authors.offline.axes import Axes, Conflict, Node
+from maxkernel.authors.offline.conv_epilogue import epilogue_ok as conv_epilogue_ok
 from maxkernel.authors.offline.dataflow import Graph, is_literal, reduced_axes
 from maxkernel.authors.offline.families import FAMILY_OF, families_starting
 from maxkernel.authors.offline.online import online_sums
@@ -267,6 +268,8 @@ class Partition:
     def _template_ok(self, region: Region, ax: Axes, i: int) -> bool:
         e = self.g.eqns[i]
         kind = self.g.kind[i]
+        if region.kind == "conv" and self.opt.epilogue_reductions:
+            return conv_epilogue_ok(self, region, i, kind)  # bias, scale, activations, casts on its accumulator
         if FAMILY_OF[region.kind].fixed_template:  # only a cast of its result joins it
             return len(region.owned) == 1 and e.primitive.name == "convert_element_type"
         if region.kind == "map":

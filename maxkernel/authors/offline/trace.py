@@ -769,6 +769,14 @@ DIRECT_CONV_MAX_BLOCK_BYTES = 16 * 2**20
 input) must fit this, double-buffered, next to the weights and outputs."""
 
 
+def is_depthwise(params: dict[str, Any], x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> bool:
+    """One filter per channel (groups = C_in = C_out, multiplier 1): the conv kernel's VPU variant."""
+    dn = params["dimension_numbers"]
+    groups = params.get("feature_group_count", 1)
+    c_in, c_out = x_shape[dn.lhs_spec[1]], w_shape[dn.rhs_spec[0]]
+    return groups > 1 and groups == c_in == c_out and w_shape[dn.rhs_spec[1]] == 1
+
+
 def direct_conv_ok(
     params: dict[str, Any], x_shape: tuple[int, ...], itemsize: int, w_shape: tuple[int, ...]
 ) -> bool:
@@ -785,9 +793,11 @@ def direct_conv_ok(
         d != 1 for d in (params.get("rhs_dilation") or ())
     ):
         return False
-    if params.get("feature_group_count", 1) != 1 or params.get("batch_group_count", 1) != 1:
-        return False
     dn = params["dimension_numbers"]
+    if params.get("batch_group_count", 1) != 1:
+        return False
+    if params.get("feature_group_count", 1) != 1 and not is_depthwise(params, x_shape, w_shape):
+        return False
     plane = math.prod(x_shape[d] for d in (dn.lhs_spec[1], *dn.lhs_spec[3:])) * itemsize
     plane = plane * math.prod(
         1 + (int(a) + int(b)) / max(1, x_shape[d])

@@ -1,0 +1,233 @@
+"""Elementwise epilogues fused into the direct convolution kernel (bias, scale, clamp, activations, casts).
+
+Without this, a `conv -> + bias -> activation` chain is two kernels: the conv writes its f32 result to HBM
+and a map kernel reads it back, applies the chain and writes again. XLA fuses such an epilogue into its
+convolution, so the unfused chain starts a full f32 round trip behind. Here the chain runs on the conv's f32
+accumulator in VMEM, right before the kernel's single store.
+
+The kernel holds a block of the conv output as a 2-D `(pixels, block_o)` array (channels last), so the
+values an epilogue may use are exactly those that broadcast against it without a relayout:
+
+* **block**: the conv output's own shape (the accumulator, or what the chain made of it);
+* **chan**: one value per output channel (a bias, a per-channel scale): a `(1, block_o)` block of a
+  `(1, C_out)` copy that the wrapper pads like the weights' channels;
+* **scalar**: one value (a literal, or a rank-0 input as a `(1, 1)` block).
+
+Anything else (a full-size second operand, an iota, a reduction) stays out of the conv region, which keeps
+the partition's old behaviour for it: the value is written once and the next kernel reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from maxkernel.authors.offline.dataflow import is_literal
+from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name, elementwise_expr, literal_code
+
+if TYPE_CHECKING:
+    from maxkernel.authors.offline.partition import Partition, Region
+
+Role = Literal["block", "chan", "scalar"]
+
+LAYOUT_PRIMITIVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
+"""Layout ops that only relabel a chan/scalar value (or broadcast it to the block): aliases in the kernel."""
+
+EXCLUDED = frozenset({"iota", "rng_bit_generator", "random_bits", "erf_inv"})
+"""Elementwise-kind primitives the epilogue does not emit (an iota needs index arithmetic on the block)."""
+
+
+SPATIAL_REDUCTIONS = {"reduce_sum": "0.0", "reduce_max": "-jnp.inf"}
+"""Reductions over all spatial dims (a spatial sum, a global pool) the kernel accumulates across its
+output-row steps, with their identity: the block is never written, only an `(N, C_out)` result."""
+
+
+@dataclass(frozen=True)
+class ConvOut:
+    """The conv output's shape in the reference's layout and which of its dims holds the channels."""
+
+    shape: tuple[int, ...]
+    channel_dim: int
+    batch_dim: int = 0
+
+    @property
+    def spatial_dims(self) -> tuple[int, ...]:
+        return tuple(d for d in range(len(self.shape)) if d not in (self.batch_dim, self.channel_dim))
+
+    @property
+    def reduced_shape(self) -> tuple[int, int]:
+        return (self.shape[self.batch_dim], self.channels)
+
+    @property
+    def channels(self) -> int:
+        return self.shape[self.channel_dim]
+
+    def role(self, shape: tuple[int, ...]) -> Role | None:
+        """How a value of this shape lives in the kernel, or None when it cannot."""
+        if shape == self.shape:
+            return "block"
+        if math.prod(shape) == 1:
+            return "scalar"
+        if shape == (self.channels,):
+            return "chan"
+        if len(shape) == len(self.shape) and all(
+            s == (self.channels if d == self.channel_dim else 1) for d, s in enumerate(shape)
+        ):
+            return "chan"
+        return None
+
+
+def conv_out_of(conv_eqn: Any) -> ConvOut:
+    shape = tuple(int(s) for s in conv_eqn.outvars[0].aval.shape)
+    spec = conv_eqn.params["dimension_numbers"].out_spec
+    return ConvOut(shape=shape, channel_dim=int(spec[1]), batch_dim=int(spec[0]))
+
+
+def spatial_reduction_ok(out: ConvOut, e: Any, produced: set[Any]) -> bool:
+    """A sum/max of an epilogue block over every spatial dim, to (N, C_out) in that order, in f32."""
+    if e.primitive.name not in SPATIAL_REDUCTIONS:
+        return False
+    src = e.invars[0]
+    if src not in produced or out.role(_shape(src)) != "block" or out.batch_dim > out.channel_dim:
+        return False
+    if tuple(sorted(int(a) for a in e.params["axes"])) != out.spatial_dims:
+        return False
+    return _shape(e.outvars[0]) == out.reduced_shape and dtype_name(e.outvars[0].aval) == "float32"
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in v.aval.shape)
+
+
+def literals_fixed(traces: Any, e: Any) -> bool:
+    """Every literal operand has one value in every input configuration (a `1 / (H * W)` of a mean does
+    not: it stays in a kernel whose literal resolution expresses it from the shapes)."""
+    others = traces.aligned_eqns(e)
+    for k, v in enumerate(e.invars):
+        if is_literal(v) and any(
+            np.asarray(a.invars[k].val).tolist() != np.asarray(v.val).tolist() for a in others
+        ):
+            return False
+    return True
+
+
+def _eqn_ok(out: ConvOut, e: Any, *, owned: bool) -> bool:
+    """Can the kernel emit this equation? Owned ones must produce a block; pulled ones (floats on inputs)
+    any role."""
+    name = e.primitive.name
+    if name in EXCLUDED:
+        return False
+    roles = [out.role(_shape(v)) for v in e.outvars]
+    if None in roles or (owned and any(r != "block" for r in roles)):
+        return False
+    for v in e.invars:
+        if not is_literal(v) and out.role(_shape(v)) is None:
+            return False
+    if name == "broadcast_in_dim":
+        src = e.invars[0]
+        if out.role(_shape(src)) == "chan" and len(_shape(src)) == 1:
+            # a (C,) vector must land on the channel dim (a W-long vector of the same length must not)
+            return tuple(e.params["broadcast_dimensions"]) == (out.channel_dim,)
+    return True
+
+
+def epilogue_ok(part: Partition, region: Region, i: int, kind: str) -> bool:
+    """May owned equation `i` join the conv region as part of its epilogue?"""
+    g = part.g
+    conv = g.eqns[min(region.owned)]
+    out = conv_out_of(conv)
+    e = g.eqns[i]
+    produced = part.produced_in(region)
+    if any(g.kind[j] == "reduce" for j in region.owned):
+        return False  # nothing follows the accumulated reduction inside the kernel
+    if kind == "reduce":
+        src = g.producer.get(e.invars[0])
+        return (src in region.owned) and spatial_reduction_ok(out, e, produced)
+    if kind not in ("elementwise", "absorbed"):
+        return False
+    if kind == "absorbed" and e.primitive.name not in LAYOUT_PRIMITIVES | {"convert_element_type"}:
+        return False
+    if not _eqn_ok(out, e, owned=True) or not literals_fixed(g.traces, e):
+        return False
+    for v in e.invars:
+        if is_literal(v) or v in produced:
+            continue
+        closure = part.float_closure(v)
+        if not closure:
+            if out.role(_shape(v)) == "block":
+                return False  # a full-size operand read from HBM: not this template
+            continue
+        for p in closure:
+            pe = g.eqns[p]
+            if g.kind[p] not in ("elementwise", "absorbed") or not _eqn_ok(out, pe, owned=False):
+                return False
+            if not literals_fixed(g.traces, pe):
+                return False
+            for u in pe.invars:
+                if not is_literal(u) and g.producer.get(u) not in closure and out.role(_shape(u)) == "block":
+                    return False
+    return True
+
+
+@dataclass
+class Epilogue:
+    """The code of a fused epilogue: extra kernel inputs, and the lines that turn `acc` into the outputs."""
+
+    inputs: list[Any]  # region inputs beyond x and w, each a chan or scalar value
+    input_roles: list[Role]
+    lines: list[str]  # kernel lines on the accumulator `acc`
+    results: list[str | None]  # per region output: the block expression to store; None for the reduction
+    reduction: tuple[str, str] | None = None  # (the reduced block's expression, the reduce primitive)
+
+
+def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
+    """Emit the region's equations after the conv, in program order, on the accumulator `acc`."""
+    part, region = builder.part, builder.region
+    g = part.g
+    out = conv_out_of(conv_eqn)
+    conv_var = conv_eqn.outvars[0]
+    extra = [v for v in builder.inputs if v not in conv_eqn.invars]
+    roles: list[Role] = []
+    code: dict[Any, str] = {}
+    lines: list[str] = []
+    cdt = dtype_name(conv_var.aval)
+    code[conv_var] = "acc" if cdt == "float32" else f"acc.astype({dtype_code(cdt)})"
+    for v, ref in zip(extra, in_refs, strict=True):
+        role = out.role(_shape(v))
+        if role not in ("chan", "scalar"):
+            raise EmitError("a conv epilogue operand that is neither per-channel nor a scalar")
+        roles.append(role)
+        code[v] = f"{ref}[...]"
+    order = sorted(set(region.owned) | set(region.pulled))
+    n = 0
+    reduction: tuple[str, str] | None = None
+    for p in order:
+        e = g.eqns[p]
+        if e is conv_eqn:
+            continue
+        args = []
+        for v in e.invars:
+            if is_literal(v):
+                if not literals_fixed(g.traces, e):
+                    raise EmitError("a conv epilogue literal that changes with the input shapes")
+                args.append(literal_code(v.val, dtype_name(v.aval)))
+            else:
+                args.append(code[v])
+        name = e.primitive.name
+        ov = e.outvars[0]
+        if name in SPATIAL_REDUCTIONS:
+            reduction = (args[0], name)
+            continue
+        if name in LAYOUT_PRIMITIVES:
+            code[ov] = args[0]  # chan/scalar values already broadcast against the (pixels, block_o) block
+            continue
+        expr = elementwise_expr(e, args, dtype_name(ov.aval), [dtype_name(v.aval) for v in e.invars], False)
+        n += 1
+        local = f"ep{n}"
+        lines.append(f"{local} = {expr}  # {dtype_name(ov.aval)} {out.role(_shape(ov))}")
+        code[ov] = local
+    results = [code.get(v) for v in builder.outputs]
+    return Epilogue(inputs=extra, input_roles=roles, lines=lines, results=results, reduction=reduction)
