@@ -19,7 +19,7 @@ from maxkernel.authors.offline.trace import flatten
 from maxkernel.tools.harness import EvalOptions, evaluate
 from maxkernel.tools.tasks import load_task
 
-ROTARY = '''
+ROTARY = """
 import jax
 import jax.numpy as jnp
 
@@ -40,7 +40,7 @@ def computation(x, positions, theta):
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-'''
+"""
 
 
 def test_casts_move_across_slices_and_concatenates_exactly() -> None:
@@ -64,7 +64,9 @@ def test_rotary_glue_moves_bf16_and_the_kernel_is_accepted(tmp_path: Path) -> No
     d = tmp_path / "rotary"
     d.mkdir()
     (d / "reference.py").write_text(textwrap.dedent(ROTARY).lstrip())
-    (d / "kernel_task.yaml").write_text("task_id: rotary\ndescription: rotate-half rotary\natol: 2e-2\nrtol: 2e-2\n")
+    (d / "kernel_task.yaml").write_text(
+        "task_id: rotary\ndescription: rotate-half rotary\natol: 2e-2\nrtol: 2e-2\n"
+    )
     task = load_task(d, work_dir=tmp_path)
     author = OfflineAuthor()
     ctx = AuthorContext(task=task, tpu=["v5e"], work_dir=tmp_path)

@@ -124,7 +124,9 @@ class SqlBackend:
             if c in have:
                 continue
             try:
-                self.execute(f"ALTER TABLE {quote(table)} ADD COLUMN {quote(c)} {self.dialect.column_types[t]}")
+                self.execute(
+                    f"ALTER TABLE {quote(table)} ADD COLUMN {quote(c)} {self.dialect.column_types[t]}"
+                )
             except Exception as exc:  # noqa: BLE001 - another process added it first
                 if "duplicate" not in str(exc).lower() and "already exists" not in str(exc).lower():
                     raise

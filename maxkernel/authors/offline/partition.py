@@ -269,7 +269,9 @@ class Partition:
         e = self.g.eqns[i]
         kind = self.g.kind[i]
         if region.kind == "conv" and self.opt.epilogue_reductions:
-            return conv_epilogue_ok(self, region, i, kind)  # bias, scale, activations, casts on its accumulator
+            return conv_epilogue_ok(
+                self, region, i, kind
+            )  # bias, scale, activations, casts on its accumulator
         if FAMILY_OF[region.kind].fixed_template:  # only a cast of its result joins it
             return len(region.owned) == 1 and e.primitive.name == "convert_element_type"
         if region.kind == "map":
