@@ -14,13 +14,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from test_offline_author import TPU, make_task
+from test_offline_author import TPU, synthesize_once
 
-from maxkernel.authors.base import AuthorContext
-from maxkernel.authors.offline import OfflineAuthor
 from maxkernel.tools.estimate import estimate_pallas
 from maxkernel.tools.harness import EvalOptions, evaluate
-from maxkernel.tools.tasks import load_task
 
 GQA = """
 def get_inputs(dtype=jnp.bfloat16, scale="tpu"):
@@ -58,16 +55,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _synthesize(name: str, work: Path) -> tuple[str, object]:
-    if name in _SYNTHESIZED:
-        return _SYNTHESIZED[name]
-    task = load_task(make_task(work / "tasks", name, CASES[name]), work_dir=work)
-    author = OfflineAuthor()
-    ctx = AuthorContext(task=task, tpu=TPU, work_dir=work)
-    plan = author.plan(ctx)
-    assert plan.supported, plan.unsupported_reason
-    assert plan.family == "attention"
-    _SYNTHESIZED[name] = (author.implement(ctx, plan).source, task)
-    return _SYNTHESIZED[name]
+    return synthesize_once(_SYNTHESIZED, name, CASES[name], work, family="attention")
 
 
 @pytest.mark.parametrize("name", list(CASES))

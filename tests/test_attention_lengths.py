@@ -15,12 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_offline_author import TPU, make_task
+from test_offline_author import TPU, synthesize_once
 
-from maxkernel.authors.base import AuthorContext
-from maxkernel.authors.offline import OfflineAuthor
 from maxkernel.tools.harness import EvalOptions, evaluate
-from maxkernel.tools.tasks import load_task
 
 DECODE = """
 def get_inputs(dtype=jnp.bfloat16, scale="tpu"):
@@ -55,15 +52,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _synthesize(name: str, work: Path) -> tuple[str, object]:
-    if name in _SYNTHESIZED:
-        return _SYNTHESIZED[name]
-    task = load_task(make_task(work / "tasks", name, CASES[name]), work_dir=work)
-    author = OfflineAuthor()
-    ctx = AuthorContext(task=task, tpu=TPU, work_dir=work)
-    plan = author.plan(ctx)
-    assert plan.supported, plan.unsupported_reason
-    _SYNTHESIZED[name] = (author.implement(ctx, plan).source, task)
-    return _SYNTHESIZED[name]
+    return synthesize_once(_SYNTHESIZED, name, CASES[name], work)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -16,13 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_offline_author import TPU, make_task
+from test_offline_author import TPU, synthesize_once
 
-from maxkernel.authors.base import AuthorContext
-from maxkernel.authors.offline import OfflineAuthor
 from maxkernel.tools.estimate import estimate_pallas
 from maxkernel.tools.harness import EvalOptions, evaluate
-from maxkernel.tools.tasks import load_task
 
 SLIDING = """
 def get_inputs(dtype=jnp.bfloat16, scale="tpu"):
@@ -75,17 +72,8 @@ _SYNTHESIZED: dict[str, tuple[str, object]] = {}
 
 def _synthesize(name: str, work: Path) -> tuple[str, object]:
     """Plan and write the kernel for one case (once per test session: two tests share a case)."""
-    if name in _SYNTHESIZED:
-        return _SYNTHESIZED[name]
     body, atol = CASES[name]
-    task = load_task(make_task(work / "tasks", name, body, atol), work_dir=work)
-    author = OfflineAuthor()
-    ctx = AuthorContext(task=task, tpu=TPU, work_dir=work)
-    plan = author.plan(ctx)
-    assert plan.supported, plan.unsupported_reason
-    assert plan.family == "attention"
-    _SYNTHESIZED[name] = (author.implement(ctx, plan).source, task)
-    return _SYNTHESIZED[name]
+    return synthesize_once(_SYNTHESIZED, name, body, work, atol=atol, family="attention")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -31,6 +31,29 @@ from jax import lax
 """
 
 
+def synthesize_once(
+    cache: dict[str, tuple[str, object]],
+    name: str,
+    body: str,
+    work: Path,
+    *,
+    atol: float | None = None,
+    family: str | None = None,
+) -> tuple[str, object]:
+    """The offline author's kernel source and task for one test case, planned and written once per session
+    (`cache` is the test module's own: several tests share a case). `family`: the plan must pick it."""
+    if name not in cache:
+        task = load_task(make_task(work / "tasks", name, body, atol), work_dir=work)
+        author = OfflineAuthor()
+        ctx = AuthorContext(task=task, tpu=TPU, work_dir=work)
+        plan = author.plan(ctx)
+        assert plan.supported, plan.unsupported_reason
+        if family is not None:
+            assert plan.family == family
+        cache[name] = (author.implement(ctx, plan).source, task)
+    return cache[name]
+
+
 def make_task(root: Path, name: str, body: str, atol: float | None = None) -> Path:
     d = root / name
     d.mkdir(parents=True)
