@@ -137,3 +137,25 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "Z"
+
+
+def test_a_killed_job_has_stopped_writing_when_kill_returns(zroot: Path) -> None:
+    """The harness deletes a run dir right after killing its jobs; a job's processes that outlived the kill
+    by a moment kept writing into it, and the deleted run dir came back (a CI run left one behind)."""
+    from maxkernel.tools.readback import remove_tree
+
+    child = SandboxedChild(PROBE, {"scribble": True}, fresh_run_dir(zroot, "probe"),
+                           SandboxLimits(timeout_s=180), zygote_root=zroot)  # fmt: skip
+    child.start()
+    assert child.via_zygote
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        any(child.run_dir.glob("child-*")) and any(child.run_dir.glob("parent-*"))
+    ):
+        time.sleep(0.05)
+    assert any(child.run_dir.glob("child-*")), "the job never started writing"
+    child.kill()
+    assert child.proc is not None and child.proc.poll() is not None
+    remove_tree(child.run_dir)
+    time.sleep(1.0)
+    assert not child.run_dir.exists()

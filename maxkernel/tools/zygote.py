@@ -38,6 +38,7 @@ import atexit
 import ctypes
 import hashlib
 import importlib
+import itertools
 import json
 import logging
 import os
@@ -85,6 +86,8 @@ JOB_FDS = 4
 """A job's descriptors after the fork: 0 stdin, 1 stdout, 2 stderr, 3 the one-time key pipe."""
 KEY_FD = 3
 EXIT_TIMEOUT = 124
+EXIT_KILLED = 128 + signal.SIGKILL
+"""A job killed on request: the status a SIGKILLed process reports through a shell."""
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -248,7 +251,6 @@ def _job(libc: ctypes.CDLL, req: dict[str, Any]) -> None:
     """pid 1 of the job's own pid namespace: becomes the sandboxed worker and never returns."""
     code = 1
     try:
-        _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)
         try:
             _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         except OSError:
@@ -259,6 +261,9 @@ def _job(libc: ctypes.CDLL, req: dict[str, Any]) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
         resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
         _drop_privileges(libc)
+        # After the drop: changing credentials clears the parent-death signal, and a job whose middle
+        # process was killed then ran on, orphaned, writing into a run dir the agent was deleting.
+        _prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)
         # The zygote's non-dumpable flag survives the fork; left on, the job could not read its own
         # /proc/self (owned by root then), which libraries use to size thread pools. Other jobs cannot
         # see this one (their own pid namespaces), and the zygote stays non-dumpable.
@@ -293,18 +298,27 @@ def _middle(libc: ctypes.CDLL, req: dict[str, Any], fds: list[int], ctrl: socket
         for target, fd in enumerate(fds[:JOB_FDS]):
             os.dup2(fd, target)
         os.closerange(JOB_FDS, 1 << 16)
+        job_pid: list[int] = []
+
+        def end_job(code: int) -> None:
+            # Kill the job and reap it before this process exits: the job is pid 1 of its namespace, so
+            # its exit waits for every process in it. Exiting first (leaving the job to its death signal)
+            # let the agent delete a run dir the job's processes were still writing into.
+            if job_pid:
+                os.kill(job_pid[0], signal.SIGKILL)
+                os.waitpid(job_pid[0], 0)
+            os._exit(code)
+
+        signal.signal(signal.SIGTERM, lambda _s, _f: end_job(EXIT_KILLED))
         _isolate(libc, root, req["run_dir"], read_paths)
         pid = os.fork()
         if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _job(libc, req)
+        job_pid.append(pid)
         os.close(KEY_FD)
         os.close(0)
-
-        def on_timeout(_sig: int, _frame: Any) -> None:
-            os.kill(pid, signal.SIGKILL)
-            os._exit(EXIT_TIMEOUT)
-
-        signal.signal(signal.SIGALRM, on_timeout)
+        signal.signal(signal.SIGALRM, lambda _s, _f: end_job(EXIT_TIMEOUT))
         signal.setitimer(signal.ITIMER_REAL, float(req["timeout_s"]))
         _, status = os.waitpid(pid, 0)
         rc = os.waitstatus_to_exitcode(status)
@@ -348,8 +362,8 @@ def serve(root: str, ctrl_fd: int, preload: list[str], read_paths: list[str] | N
                     ctrl.send(json.dumps({"id": req["id"], "pid": pid}).encode())
                 elif req.get("op") == "kill":
                     pid = next((p for p, i in jobs.items() if i == req["id"]), None)
-                    if pid is not None:
-                        os.kill(pid, signal.SIGKILL)
+                    if pid is not None:  # the job's middle process kills and reaps it, then exits
+                        os.kill(pid, signal.SIGTERM)
             while jobs:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
@@ -360,8 +374,8 @@ def serve(root: str, ctrl_fd: int, preload: list[str], read_paths: list[str] | N
                     ctrl.send(json.dumps({"id": job_id, "exit": rc}).encode())
     except (BrokenPipeError, ConnectionResetError):
         pass
-    for pid in jobs:
-        os.kill(pid, signal.SIGKILL)
+    for pid in jobs:  # each middle kills and reaps its job
+        os.kill(pid, signal.SIGTERM)
     return 0
 
 
@@ -390,6 +404,10 @@ def probe_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
             facts["read_writable"] = True
         except OSError:
             facts["read_writable"] = False
+    if payload.get("scribble"):  # a job that writes into its run dir until it is killed, from two processes
+        tag = "child" if os.fork() == 0 else "parent"
+        for n in itertools.count():
+            (Path(ctx.run_dir) / f"{tag}-{n % 1000}").write_text("x")
     if payload.get("leave_state"):
         candidate._LEFT_BEHIND = "yes"  # type: ignore[attr-defined]
 
