@@ -187,3 +187,24 @@ def test_poisoning_the_reference_sets_changes_nothing(matmul_task: KernelTask, t
     good = run(matmul_task, "good_matmul.py", tmp_path)
     assert good.accepted and [s.origin for s in good.correctness.sets] == ["task", "random", "random"]
     assert not list((tmp_path / "evals").iterdir())  # run dirs are cleaned after read-back
+
+
+def test_a_reference_with_coupled_sizes_skips_the_larger_check(data_dir: Path, session_work: Path) -> None:
+    """The larger check grows each size on its own; where the reference's sizes are coupled (x has s * s rows)
+    the reference cannot run there either, and a correct kernel was rejected at "trace" for it (ViT patch
+    embedding). The check is skipped, saying why."""
+    task = load_task(data_dir / "tasks" / "coupled_shapes", work_dir=session_work)
+    r = run(task, "coupled_shapes_add.py", session_work)
+    assert r.accepted, r.error
+    assert r.correctness.larger is None
+    assert r.correctness.larger_check.startswith("skipped: the reference does not run at"), r.correctness
+
+
+def test_failing_to_trace_where_the_reference_runs_is_a_rejection(
+    matmul_task: KernelTask, tmp_path: Path
+) -> None:
+    source = (Path(__file__).parent / "data" / "hostile" / "larger_shape_raises.py").read_text()
+    r = run(matmul_task, "", tmp_path, source=source)
+    assert not r.accepted and r.error is not None and r.error.stage == "correctness", r.error
+    assert "at the larger check shape" in r.error.message and "not at this size" in r.error.message
+    assert r.correctness.sets and all(s.ok for s in r.correctness.sets)
