@@ -144,6 +144,18 @@ def test_store_never_runs_the_same_evaluation_twice(matmul_task: KernelTask, tmp
     assert len(store.executions("small_matmul")) == 2
 
 
+def test_changed_harness_code_is_not_answered_from_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed check must not be answered with the verdict the old code reached (a rejected patch-embedding
+    kernel kept coming back "cached" after the larger-shape check was fixed)."""
+    from maxkernel.tools import store as store_mod
+    from maxkernel.tools.store import evaluation_key
+
+    before = evaluation_key("task", "source", {"tpu": ["v5e"]})
+    assert store_mod.harness_fingerprint() in store_mod.toolchain_versions().values()
+    monkeypatch.setattr(store_mod, "harness_fingerprint", lambda: "other-harness-code")
+    assert evaluation_key("task", "source", {"tpu": ["v5e"]}) != before
+
+
 @pytest.mark.parametrize(
     ("task", "needle"),
     [

@@ -457,7 +457,7 @@ class RayRunner:
                 self.finished += 1
         if data.get("versions") != toolchain_versions():
             return _infrastructure(job, f"worker {data.get('host')} runs {data.get('versions')}, this driver "
-                                        f"{toolchain_versions()}: install the same jax/jaxlib/libtpu there")  # fmt: skip
+                                        f"{toolchain_versions()}: install the same jax/jaxlib/libtpu and maxkernel there")  # fmt: skip
         result = EvalResult.model_validate(data["result"])
         log.info("ray: %s [%s] done on %s pid %s in %.1f s: %s", job.task.task_id, job.key[:10],
                  data.get("host"), data.get("pid"), data.get("seconds", 0.0),

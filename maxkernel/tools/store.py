@@ -30,6 +30,17 @@ __all__ = ["ResultsStore", "enable_wal", "evaluation_key", "sha256_text", "toolc
 
 
 @lru_cache(maxsize=1)
+@lru_cache(maxsize=1)
+def harness_fingerprint() -> str:
+    """A hash of the harness's own sources (`maxkernel/tools`): a verdict is only as good as the code that
+    reached it, so a fixed check must not be answered from the store with the old code's verdict."""
+    h = hashlib.sha256()
+    tools = Path(__file__).resolve().parent
+    for path in sorted(tools.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def toolchain_versions() -> dict[str, str]:
     out = {}
     for pkg in ("jax", "jaxlib", "libtpu"):
@@ -37,6 +48,7 @@ def toolchain_versions() -> dict[str, str]:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg] = "absent"
+    out["maxkernel-harness"] = harness_fingerprint()
     return out
 
 
