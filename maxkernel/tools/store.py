@@ -30,7 +30,6 @@ __all__ = ["ResultsStore", "enable_wal", "evaluation_key", "sha256_text", "toolc
 
 
 @lru_cache(maxsize=1)
-@lru_cache(maxsize=1)
 def harness_fingerprint() -> str:
     """A hash of the harness's own sources (`maxkernel/tools`): a verdict is only as good as the code that
     reached it, so a fixed check must not be answered from the store with the old code's verdict."""
@@ -41,15 +40,21 @@ def harness_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def toolchain_versions() -> dict[str, str]:
-    out = {}
+@lru_cache(maxsize=1)
+def _package_versions() -> tuple[tuple[str, str], ...]:
+    out = []
     for pkg in ("jax", "jaxlib", "libtpu"):
         try:
-            out[pkg] = metadata.version(pkg)
+            out.append((pkg, metadata.version(pkg)))
         except metadata.PackageNotFoundError:
-            out[pkg] = "absent"
-    out["maxkernel-harness"] = harness_fingerprint()
-    return out
+            out.append((pkg, "absent"))
+    return tuple(out)
+
+
+def toolchain_versions() -> dict[str, str]:
+    """What a stored verdict or estimate depends on besides its inputs: the JAX toolchain and the harness's
+    own code (which holds the estimators too)."""
+    return {**dict(_package_versions()), "maxkernel-harness": harness_fingerprint()}
 
 
 def sha256_text(text: str) -> str:
