@@ -482,3 +482,30 @@ def test_same_f32_matmul_is_charged_alike_on_both_sides(gen: str, n: int) -> Non
     # XLA's DEFAULT figure also holds its f32->bf16 conversion passes over HBM, which the kernel (rounding
     # in the MXU's path) does not make: never cheaper than the kernel at the same precision
     assert xla["default"].estimated_seconds >= kernel["default"].estimated_seconds
+
+
+def _times_two_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+
+
+def _times_two(x, block):
+    return pl.pallas_call(
+        _times_two_kernel,
+        grid=(x.shape[0] // block[0],),
+        in_specs=[pl.BlockSpec(block, lambda i: (i, 0))],
+        out_specs=pl.BlockSpec(block, lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(x)
+
+
+def test_vpu_work_is_counted_in_whole_vregs() -> None:
+    """A (rows, 1) column occupies as many vregs as a (rows, 128) tile, and the VPU spends as much on it:
+    counted by logical elements it was 128 times cheaper, which hid layouts that strand values in columns."""
+    column = jax.ShapeDtypeStruct((4096, 1), jnp.float32)
+    tile = jax.ShapeDtypeStruct((4096, 128), jnp.float32)
+    narrow = estimate_pallas(jax.make_jaxpr(functools.partial(_times_two, block=(512, 1)))(column), "v5e")
+    wide = estimate_pallas(jax.make_jaxpr(functools.partial(_times_two, block=(512, 128)))(tile), "v5e")
+    assert narrow.est_vpu_elementwise_ops == wide.est_vpu_elementwise_ops == 4096 * 128
+    odd = jax.ShapeDtypeStruct((4096, 200), jnp.float32)  # 200 lanes fill two vregs' worth: 256
+    padded = estimate_pallas(jax.make_jaxpr(functools.partial(_times_two, block=(512, 200)))(odd), "v5e")
+    assert padded.est_vpu_elementwise_ops == 4096 * 256

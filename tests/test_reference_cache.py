@@ -30,3 +30,22 @@ def test_a_changed_task_invalidates_cached_reference_work(data_dir: Path, tmp_pa
     assert changed.fingerprint != first.fingerprint
     assert store.get_reference_estimate(changed.fingerprint, "v5e") is None  # recomputed, not served
     assert store.get_reference_estimate(first.fingerprint, "v5e") == 1.25
+
+
+def test_a_changed_estimator_invalidates_cached_estimates(tmp_path: Path, monkeypatch) -> None:
+    """Stored estimates are keyed by the estimators' source too: a reference estimate from before the loop
+    pricing (one iteration of a lax.map) was served long after it, off by the loop's trip count."""
+    from maxkernel.tools import store as store_mod
+
+    store = ResultsStore(tmp_path / "results.db")
+    store.put_reference_estimate("fp", "v5e", 1.25)
+    key = store_mod.evaluation_key("fp", "src", {})
+    assert store.get_reference_estimate("fp", "v5e") == 1.25
+    monkeypatch.setattr(store_mod, "estimator_fingerprint", lambda: "a different block model")
+    assert store.get_reference_estimate("fp", "v5e") is None
+    assert store_mod.evaluation_key("fp", "src", {}) != key
+    # the real fingerprint reads the estimator modules themselves
+    monkeypatch.undo()
+    assert len(store_mod.estimator_fingerprint()) == 16
+    for name in store_mod.ESTIMATOR_SOURCES:
+        assert (Path(store_mod.__file__).parent / name).is_file()

@@ -97,7 +97,8 @@ ASSUMPTIONS: dict[str, str] = {
     f"{XLA_F32_PASSES['DEFAULT']}/{XLA_F32_PASSES['HIGH']}/{XLA_F32_PASSES['HIGHEST']} passes at DEFAULT/HIGH/"
     "HIGHEST (JAX docs), the extra ones on top of the compiler's precision-blind estimate",
     "vpu_rate": f"{VALU_VREG_OPS_PER_CYCLE} vreg ops/cycle x {VREG_ELEMENTS} elements, clock implied by the "
-    "compiler's transcendental rate at one vreg per cycle - assumption",
+    "compiler's transcendental rate at one vreg per cycle - assumption; each value counted in whole (8, 128) "
+    "vreg tiles (its last two dims padded), so lane-sparse columns cost what the VPU spends on them",
     "eup_rate": "transcendentals at the compiler cost model's rate (tpu_specs.compiler_transcendentals_per_s)",
     "overlap": "DMA, MXU, VPU and EUP overlap perfectly except the pipeline prologue/epilogue (first "
     "step's input blocks, last output write-back): time = max(memory, compute + exposed DMA) + steps x "
@@ -686,6 +687,21 @@ def _size(aval: Any) -> int:
     return int(math.prod(shape)) if shape else 1
 
 
+def _vreg_size(aval: Any) -> int:
+    """Elements a vector op on this in-kernel value really processes: its last two dims padded to whole
+    (8, 128) vreg tiles, the way Mosaic lays values out (rank 1: one sublane of lanes per vreg).
+
+    Counting logical elements priced a (rows, 1) column of row statistics, or the (k, rows, 1) winners of
+    a top-k, at 1/128 of the vreg work the VPU does on them, so a layout that strands values in lane-sparse
+    columns looked as cheap as a dense one."""
+    shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+    if not shape:
+        return 1
+    if len(shape) == 1:
+        return _pad(shape[0], VREG_ELEMENTS // 8) * 8
+    return int(math.prod(shape[:-2])) * _pad(shape[-2], 8) * _pad(shape[-1], VREG_ELEMENTS // 8)
+
+
 def _itemsize(aval: Any) -> int:
     dtype = getattr(aval, "dtype", None)
     try:
@@ -794,17 +810,17 @@ def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, facts: _StepFacts | None = 
         elif name in FREE_IN_KERNEL:
             continue
         elif name in TRANSCENDENTAL:
-            w.transcendentals += sum(_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ()))
+            w.transcendentals += sum(_vreg_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ()))
         elif name in REDUCTIONS:
-            w.vpu_ops += sum(_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ()))
+            w.vpu_ops += sum(_vreg_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ()))
         else:
             # Elementwise / layout / compare / select / convert / iota / broadcast / addupdate: charge the
             # elements written. Scalars run on the scalar unit and are not charged.
             w.vpu_ops += sum(
-                _size(v.aval) for v in eqn.outvars if getattr(getattr(v, "aval", None), "shape", ())
+                _vreg_size(v.aval) for v in eqn.outvars if getattr(getattr(v, "aval", None), "shape", ())
             )
             if name == "addupdate":
-                w.vpu_ops += sum(_size(v.aval) for v in eqn.invars[1:2] if getattr(v.aval, "shape", ()))
+                w.vpu_ops += sum(_vreg_size(v.aval) for v in eqn.invars[1:2] if getattr(v.aval, "shape", ()))
     return w
 
 

@@ -432,18 +432,33 @@ class Builder(KernelBuilder):
         scope.add(
             f"in_pos = lax.broadcasted_iota(jnp.int32, ({', '.join(shape_in)},), {pi}).astype(jnp.float32)"
         )
-        scope.add(f"k_pos = lax.broadcasted_iota(jnp.int32, ({', '.join(shape_k)},), {po})")
-        scope.add(f"row_shape = jnp.max({work}, axis={pi}, keepdims=True).shape")
-        scope.add(f"{vals} = jnp.zeros(jnp.broadcast_shapes(row_shape, k_pos.shape), jnp.float32)")
-        scope.add(f"{idxs} = jnp.zeros(jnp.broadcast_shapes(row_shape, k_pos.shape), jnp.int32)")
-        scope.add(f"for j in range({n_k}):")
-        scope.add(f"    best = jnp.max({work}, axis={pi}, keepdims=True)")
-        scope.add(
-            f"    first = jnp.min(jnp.where({work} == best, in_pos, float({n_in})), axis={pi}, keepdims=True)"
-        )
-        scope.add(f"    {vals} = jnp.where(k_pos == j, best, {vals})")
-        scope.add(f"    {idxs} = jnp.where(k_pos == j, first.astype(jnp.int32), {idxs})")
-        scope.add(f"    {work} = jnp.where(in_pos == first, -jnp.inf, {work})")
+        if po < len(space.dims) - 2:
+            # k on a leading dim: each round's winners are whole (rows, lanes) slabs, stacked at the end;
+            # writing them into a k-long accumulator with a select would touch all k slabs every round
+            scope.add(f"{vals}, {idxs} = [], []")
+            scope.add(f"for j in range({n_k}):")
+            scope.add(f"    best = jnp.max({work}, axis={pi}, keepdims=True)")
+            scope.add(
+                f"    first = jnp.min(jnp.where({work} == best, in_pos, float({n_in})), axis={pi}, keepdims=True)"
+            )
+            scope.add(f"    {vals}.append(best)")
+            scope.add(f"    {idxs}.append(first.astype(jnp.int32))")
+            scope.add(f"    {work} = jnp.where(in_pos == first, -jnp.inf, {work})")
+            scope.add(f"{vals} = jnp.concatenate({vals}, axis={po})")
+            scope.add(f"{idxs} = jnp.concatenate({idxs}, axis={po})")
+        else:
+            scope.add(f"k_pos = lax.broadcasted_iota(jnp.int32, ({', '.join(shape_k)},), {po})")
+            scope.add(f"row_shape = jnp.max({work}, axis={pi}, keepdims=True).shape")
+            scope.add(f"{vals} = jnp.zeros(jnp.broadcast_shapes(row_shape, k_pos.shape), jnp.float32)")
+            scope.add(f"{idxs} = jnp.zeros(jnp.broadcast_shapes(row_shape, k_pos.shape), jnp.int32)")
+            scope.add(f"for j in range({n_k}):")
+            scope.add(f"    best = jnp.max({work}, axis={pi}, keepdims=True)")
+            scope.add(
+                f"    first = jnp.min(jnp.where({work} == best, in_pos, float({n_in})), axis={pi}, keepdims=True)"
+            )
+            scope.add(f"    {vals} = jnp.where(k_pos == j, best, {vals})")
+            scope.add(f"    {idxs} = jnp.where(k_pos == j, first.astype(jnp.int32), {idxs})")
+            scope.add(f"    {work} = jnp.where(in_pos == first, -jnp.inf, {work})")
         out_mat = frozenset((mat - {d_in.key}) | {d_out.key})
         vdt = dtype_name(e.outvars[0].aval)
         vcode = vals if vdt == "float32" else f"{vals}.astype({dtype_code(vdt)})"
