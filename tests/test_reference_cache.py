@@ -41,11 +41,11 @@ def test_a_changed_estimator_invalidates_cached_estimates(tmp_path: Path, monkey
     store.put_reference_estimate("fp", "v5e", 1.25)
     key = store_mod.evaluation_key("fp", "src", {})
     assert store.get_reference_estimate("fp", "v5e") == 1.25
-    monkeypatch.setattr(store_mod, "estimator_fingerprint", lambda: "a different block model")
+    monkeypatch.setattr(store_mod, "harness_fingerprint", lambda: "a different block model")
     assert store.get_reference_estimate("fp", "v5e") is None
     assert store_mod.evaluation_key("fp", "src", {}) != key
     # the real fingerprint reads the estimator modules themselves
     monkeypatch.undo()
-    assert len(store_mod.estimator_fingerprint()) == 16
-    for name in store_mod.ESTIMATOR_SOURCES:
+    assert len(store_mod.harness_fingerprint()) == 16
+    for name in ("estimate.py", "loop_pricing.py", "tpu_specs.py", "jaxpr.py"):
         assert (Path(store_mod.__file__).parent / name).is_file()

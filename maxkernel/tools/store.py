@@ -29,7 +29,7 @@ from maxkernel.tools.store_sql import (
 __all__ = [
     "ResultsStore",
     "enable_wal",
-    "estimator_fingerprint",
+    "harness_fingerprint",
     "evaluation_key",
     "sha256_text",
     "toolchain_versions",
@@ -38,8 +38,11 @@ __all__ = [
 
 @lru_cache(maxsize=1)
 def harness_fingerprint() -> str:
-    """A hash of the harness's own sources (`maxkernel/tools`): a verdict is only as good as the code that
-    reached it, so a fixed check must not be answered from the store with the old code's verdict."""
+    """A hash of the harness's own sources (`maxkernel/tools`, the estimators included), part of every key
+    under which a verdict or an estimate is stored: a result is only as good as the code that reached it.
+    Keyed by the toolchain alone, a fixed check kept answering with the old code's cached verdict, and a
+    reference estimate from before the loop pricing (the compiler's price for one iteration of a 64-trip
+    `lax.map`) was served long after it, off by the trip count."""
     h = hashlib.sha256()
     tools = Path(__file__).resolve().parent
     for path in sorted(tools.glob("*.py")):
@@ -64,23 +67,6 @@ def toolchain_versions() -> dict[str, str]:
     return {**dict(_package_versions()), "maxkernel-harness": harness_fingerprint()}
 
 
-ESTIMATOR_SOURCES: tuple[str, ...] = ("estimate.py", "loop_pricing.py", "tpu_specs.py", "jaxpr.py")
-"""The modules (in maxkernel/tools) whose code decides an estimate: the block model, the reference's
-compiler-model corrections, the per-generation figures, and the jaxpr walkers they share."""
-
-
-@lru_cache(maxsize=1)
-def estimator_fingerprint() -> str:
-    """A hash of the estimators' own source, part of every key under which an estimate is stored.
-
-    Keyed by the toolchain alone, a reference estimate computed before the loop pricing existed (the
-    compiler's figure for one iteration of `lax.map` over 64 batches: 0.56 ms where the loop is 36 ms on
-    v5e) kept coming back from the store after it did, and every speedup against that task was off by the
-    loop's trip count."""
-    here = Path(__file__).resolve().parent
-    return sha256_text("\n".join((here / name).read_text() for name in ESTIMATOR_SOURCES))[:16]
-
-
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -92,7 +78,6 @@ def evaluation_key(task_fingerprint: str, source_hash: str, options: dict[str, A
             "source": source_hash,
             "options": options,
             "versions": toolchain_versions(),
-            "estimator": estimator_fingerprint(),
         },
         sort_keys=True,
     )
@@ -215,7 +200,7 @@ class ResultsStore:
         )
 
     def _ref_key(self, task_fingerprint: str, gen: str) -> str:
-        return sha256_text(json.dumps([task_fingerprint, gen, toolchain_versions(), estimator_fingerprint()]))
+        return sha256_text(json.dumps([task_fingerprint, gen, toolchain_versions()]))
 
     def get_reference_estimate(self, task_fingerprint: str, gen: str) -> float | None:
         """The TPU compiler's estimate for the reference: the same for every candidate, so computed once."""
