@@ -7,6 +7,7 @@ region becomes one call of its kernel wrapper. Nothing in it hard-codes a config
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -25,6 +26,9 @@ from maxkernel.authors.offline.kernels import LowerError
 from maxkernel.authors.offline.partition import FUSION_LEVELS, Options, Partition, Region
 from maxkernel.authors.offline.spec import KernelSpec, ProgramSpec
 from maxkernel.authors.offline.trace import Atom, Resolver, Traces, Unsupported, _close, search
+
+_OFFSET_FORM = re.compile(r" [-+] \d+$")
+"""A grammar expression of the form `dim - k` / `dim + k` (see `trace._candidates`)."""
 
 
 class Lowering:
@@ -106,6 +110,16 @@ class Lowering:
         if all(v == values[0] for v in values):
             return str(int(values[0]))
         code = search([float(v) for v in values], True, local)
+        if code is not None and _OFFSET_FORM.search(code):
+            # `dim - k` fits any two configurations whose values sit k below a dim; when a whole number of
+            # windows of another operand's dim fits too (a crop to non-overlapping patches), that is the
+            # one that holds at other shapes: 72 and 232 cropped to 64 and 224 are "- 8" only by chance.
+            try:
+                windows = self.resolver.resolve([float(v) for v in values], integer=True)
+            except Unsupported:
+                windows = None
+            if windows is not None and "//" in windows:
+                return windows
         if code is not None:
             return code
         code = self.resolver.resolve([float(v) for v in values], integer=True)

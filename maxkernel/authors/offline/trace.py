@@ -866,6 +866,16 @@ def _conv_as_patches(x: Any, w: Any, params: dict[str, Any]) -> Any:
         xt = lax.pad(xt, jnp.zeros((), xt.dtype), cfg)
     sp = xt.shape[1 : 1 + nsp]
     out_sp = [(sp[i] - (ksz[i] - 1) * rdil[i] - 1) // strides[i] + 1 for i in range(nsp)]
+    if groups == 1 and all(strides[i] == ksz[i] and rdil[i] == 1 for i in range(nsp)):
+        # Non-overlapping windows (patch embeddings: a k x k kernel at stride k): each input element belongs
+        # to exactly one patch, so the patch matrix is the input itself re-laid out — one transpose, where
+        # one strided slice per tap (256 of them for 16 x 16) copied the input once per tap.
+        y = _patchify(xt, ksz, out_sp).reshape(xt.shape[0], *out_sp, -1)  # (N, O..., K... * C)
+        wm = wt.reshape(-1, wt.shape[-1])
+        y = lax.dot_general(
+            y, wm, (((nsp + 1,), (0,)), ((), ())), precision=prec, preferred_element_type=pref
+        )
+        return jnp.transpose(y, _out_perm(out_spec, nsp))
     taps = []
     for off in itertools.product(*[range(k) for k in ksz]):
         start = [0] + [o * d for o, d in zip(off, rdil, strict=True)] + [0]
@@ -907,13 +917,31 @@ def _conv_as_patches(x: Any, w: Any, params: dict[str, Any]) -> Any:
             patches, wg, (((nsp + 2,), (1,)), ((nsp + 1,), (0,))), precision=prec, preferred_element_type=pref
         )  # (G, N, O..., og)
         y = jnp.moveaxis(y, 0, -2).reshape(*y.shape[1:-1], c_out)
-    # (N, O..., C_out) -> out_spec layout
+    return jnp.transpose(y, _out_perm(out_spec, nsp))
+
+
+def _out_perm(out_spec: Sequence[int], nsp: int) -> list[int]:
+    """The transpose from (N, O..., C_out) to the convolution's output layout."""
     perm = [0] * (nsp + 2)
     perm[out_spec[0]] = 0
     perm[out_spec[1]] = nsp + 1
     for i in range(nsp):
         perm[out_spec[2 + i]] = 1 + i
-    return jnp.transpose(y, perm)
+    return perm
+
+
+def _patchify(xt: Any, ksz: Sequence[int], out_sp: Sequence[int]) -> Any:
+    """(N, S..., C) cut into non-overlapping K... windows: (N, O..., K..., C), the window's offsets in the
+    same order as the weights' (K..., C_in) rows. The tail of each spatial dim no window covers is dropped."""
+    from jax import lax
+
+    nsp = len(ksz)
+    covered = [o * k for o, k in zip(out_sp, ksz, strict=True)]
+    if list(xt.shape[1 : 1 + nsp]) != covered:
+        xt = lax.slice(xt, [0] * xt.ndim, [xt.shape[0], *covered, xt.shape[-1]])
+    split = [xt.shape[0]] + [d for o, k in zip(out_sp, ksz, strict=True) for d in (o, k)] + [xt.shape[-1]]
+    perm = [0] + [1 + 2 * i for i in range(nsp)] + [2 + 2 * i for i in range(nsp)] + [1 + 2 * nsp]
+    return lax.transpose(xt.reshape(split), perm)
 
 
 def flatten(fn: Callable[..., Any], specs: Sequence[jax.ShapeDtypeStruct]) -> Any:
@@ -1132,6 +1160,17 @@ def _candidates(integer: bool, atoms: list[Atom]) -> Any:
         yield a.code, a.values
     dims = [a for a in atoms if a.is_dim]
     if integer:
+        # Floor division by another dim where it is not exact: how many whole windows fit (non-overlapping
+        # patches of an image that is not a multiple of the patch), and the extent they cover. Before the
+        # `a - k` forms, which fit such values on two configurations by coincidence of their remainders.
+        for a, b in itertools.permutations(dims, 2):
+            if all(y for y in b.values) and any(x % y for x, y in zip(a.values, b.values, strict=True)):
+                floors = tuple(x // y for x, y in zip(a.values, b.values, strict=True))
+                yield f"{a.code} // {b.code}", floors
+                yield (
+                    f"{a.code} // {b.code} * {b.code}",
+                    tuple(f * y for f, y in zip(floors, b.values, strict=True)),
+                )
         for a in atoms:
             for k in range(1, 33):
                 yield f"{a.code} - {k}", tuple(x - k for x in a.values)
