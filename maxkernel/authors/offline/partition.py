@@ -11,10 +11,11 @@ Every equation gets a status:
 
 Regions grow greedily in program order. A `dot_general` starts a matmul region, or an attention region
 when the flash-attention pattern follows it; a reduction joins its producer's region when the template
-allows it (a matmul epilogue may reduce along its full output rows) and otherwise starts a row-wise region;
-elementwise work joins the region of its operands. Two matmul regions whose results are combined
-elementwise merge into one kernel with two accumulators (SwiGLU). Whatever cannot join is cut: the value is
-written to HBM by one kernel and read by the next.
+allows it (a matmul epilogue may reduce along its output rows: whole in a tile, or walked in N blocks with
+online accumulators when they are long), and otherwise starts a row-wise region; elementwise work joins the
+region of its operands. Two matmul regions whose results are combined elementwise merge into one kernel with
+two accumulators (SwiGLU). Whatever cannot join is cut: the value is written to HBM by one kernel and read
+by the next.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ TINY_GLUE_ELEMS = 1 << 16
 it is this small and under 1% of the largest input."""
 
 MATMUL_ROW_ELEMS = 16 * 1024
-"""A matmul epilogue may reduce along N only while a (bm, N) f32 tile stays small."""
+"""A matmul epilogue keeps N whole (one (bm, N) f32 tile) only up to this; a longer N is walked in blocks
+as a sequential grid axis, its reductions kept online (a cross-entropy over a large vocabulary)."""
 
 
 @dataclass
@@ -255,8 +257,14 @@ class Partition:
         self.owner[i] = region.id
         if self.g.kind[i] == "reduce":
             region.has_reduction = True
-            if region.kind == "map" and self.reduced_extent(ax, self.g.eqns[i]) > STREAM_ELEMS:
+            if self.reduced_extent(ax, self.g.eqns[i]) > self._stream_threshold(region):
                 region.stream = True
+
+    @staticmethod
+    def _stream_threshold(region: Region) -> int:
+        """Reduced extents above this are walked in blocks: a map's row is read once either way, a matmul's
+        (bm, N) f32 tile must fit VMEM next to its operand blocks."""
+        return MATMUL_ROW_ELEMS if region.kind == "matmul" else STREAM_ELEMS
 
     def try_add(self, region: Region, i: int) -> bool:
         prepared = self.prepare(region, i)
@@ -296,10 +304,11 @@ class Partition:
             n_classes = self._n_classes(region, ax)
             if red != n_classes or not n_classes:
                 return False
-            if self.reduced_extent(ax, e) > MATMUL_ROW_ELEMS:
-                return False  # a whole output row per tile would not fit VMEM: reduce in a separate kernel
             if e.primitive.name not in ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"):
                 return False
+        if region.kind == "matmul" and (region.stream or kind == "reduce"):
+            # a row longer than MATMUL_ROW_ELEMS: N becomes a sequential axis with online accumulators
+            return self._stream_ok(region, ax, i)
         return True
 
     def reduced_extent(self, ax: Axes, e: Any) -> int:
@@ -332,7 +341,7 @@ class Partition:
         every reduction must run along the same axes."""
         e = self.g.eqns[i]
         stream = region.stream
-        if self.g.kind[i] == "reduce" and self.reduced_extent(ax, e) > STREAM_ELEMS:
+        if self.g.kind[i] == "reduce" and self.reduced_extent(ax, e) > self._stream_threshold(region):
             stream = True
         if not stream:
             return True
