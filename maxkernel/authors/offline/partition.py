@@ -12,10 +12,10 @@ Every equation gets a status:
 Regions grow greedily in program order. A `dot_general` starts a matmul region, or an attention region
 when the flash-attention pattern follows it; a reduction joins its producer's region when the template
 allows it (a matmul epilogue may reduce along its output rows: whole in a tile, or walked in N blocks with
-online accumulators when they are long), and otherwise starts a row-wise region; elementwise work joins the
-region of its operands. Two matmul regions whose results are combined elementwise merge into one kernel with
-two accumulators (SwiGLU). Whatever cannot join is cut: the value is written to HBM by one kernel and read
-by the next.
+online accumulators when they are long), or a row-wise region that already reads the same input (a sibling
+reduction), and otherwise starts a row-wise region; elementwise work joins the region of its operands.
+Two matmul regions whose results are combined elementwise merge into one kernel with two accumulators
+(SwiGLU). Whatever cannot join is cut: the value is written to HBM by one kernel and read by the next.
 """
 
 from __future__ import annotations
@@ -424,6 +424,33 @@ class Partition:
                 return True
         for r in sorted(homes, key=lambda r: -r.id):
             if self.try_add(r, i):
+                return True
+        return False
+
+    def join_sibling(self, i: int) -> bool:
+        """A reduction of values computed outside any kernel (an input, its casts, a mask built from
+        another input) joins the newest map region that already reads the largest input it needs: two
+        reductions of one array (the log-sum-exp and the label's logit of a cross-entropy) then read it
+        once, in one kernel. The region's template decides, as for any equation (same reduced axes when
+        streamed, no cycle through other kernels)."""
+        g = self.g
+        if g.kind[i] != "reduce":
+            return False
+        sources: set[Any] = set()
+        for v in g.eqns[i].invars:
+            for p in [*self.float_closure(v), None]:
+                ins = [v] if p is None else g.eqns[p].invars
+                for w in ins:
+                    if is_literal(w):
+                        continue
+                    q = g.producer.get(w)
+                    if q is None or (self.status[q] == "glue" and q not in self.dual):
+                        sources.add(w)
+        if not sources:
+            return False
+        biggest = max(sources, key=_elems)
+        for r in sorted(self.regions.values(), key=lambda r: -r.id):
+            if r.kind == "map" and biggest in self.region_inputs(r) and self.try_add(r, i):
                 return True
         return False
 
