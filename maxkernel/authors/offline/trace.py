@@ -198,6 +198,10 @@ def _value_fact(eqn: Any, in_facts: list[str | None]) -> str | None:
         return "zeros" if np.all(np.asarray(eqn.invars[0].val) == 0) else None
     if name in ("broadcast_in_dim", "convert_element_type", "reshape") and in_facts[:1] == ["zeros"]:
         return "zeros"
+    if name == "convert_element_type" and in_facts[:1] == ["input"]:
+        # a cast of an input is still read in place by a gather (the cast moves after it, onto the picked
+        # elements): a take_along_axis of `logits.astype(f32)` stays one small gather of the bf16 input
+        return "input"
     return None
 
 
@@ -553,8 +557,9 @@ def _is_take_along_rows(eqn: Any, ins: list[Any]) -> bool:
     """`jnp.take_along_axis(a, idx[:, None], axis=-1)` on a 2-D computed value: one element per row, picked
     by a per-row index (the label's logit of a cross-entropy). At any row length: a matmul epilogue keeps a
     short row whole and walks a long one in column blocks (online), and a row-wise kernel streams it, so the
-    masked sum joins the kernel that computes (or already reads) `a`. Not for a program input, which a
-    gather reads in place without any kernel writing it first."""
+    masked sum joins the kernel that computes (or already reads) `a`. Not for a program input or a cast of
+    one, which a gather reads in place without any kernel writing it first: the few picked elements cost
+    less than the masked sum's compare, select and add on every element."""
     dn = eqn.params["dimension_numbers"]
     operand, idx = ins
     return (
