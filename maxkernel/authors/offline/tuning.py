@@ -85,16 +85,18 @@ def _round_mib(n: int) -> int:
 
 def hbm_traffic(kernel: KernelSpec, values: dict[str, int]) -> int:
     """Bytes moved between HBM and VMEM: each operand block is fetched again whenever its block index
-    changes, i.e. once per step of every grid axis up to the innermost axis it is indexed by."""
+    changes, i.e. once per step of every grid axis up to the innermost axis it is indexed by that has more
+    than one step (an lhs row block whose K is whole stays resident while an outer N axis walks)."""
     steps = [a.steps(values) for a in kernel.grid]
     total = 0
     for b in kernel.buffers:
         if b.kind not in ("input", "output"):
             continue
-        if not b.axes:
+        walked = [a for a in b.axes if steps[a] > 1]
+        if not walked:
             fetches = 1
         else:
-            last = max(b.axes)
+            last = max(walked)
             fetches = 1
             for s in steps[: last + 1]:
                 fetches *= s
