@@ -84,6 +84,8 @@ def _match_map(part: Partition, i: int) -> bool:
     homes = part.homes(part.g.eqns[i])
     if homes and part.join(homes, i):
         return True
+    if not homes and part.join_sibling(i):
+        return True
     part.start(i, "map")
     return True
 

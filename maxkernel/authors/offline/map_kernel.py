@@ -7,9 +7,7 @@ from typing import Any
 
 from maxkernel.authors.offline.axes import Axes, Conflict, Node
 from maxkernel.authors.offline.dataflow import is_literal, reduced_axes
-from maxkernel.authors.offline.emit import dtype_code, dtype_name
 from maxkernel.authors.offline.kernels import (
-    Builder,
     Scope,
     Space,
     SpaceDim,
@@ -19,9 +17,10 @@ from maxkernel.authors.offline.kernels import (
 )
 from maxkernel.authors.offline.online import online_sums
 from maxkernel.authors.offline.spec import BufferSpec
+from maxkernel.authors.offline.stream_reduce import StreamedReductions
 
 
-class MapBuilder(Builder):
+class MapBuilder(StreamedReductions):
     """Elementwise maps and reductions along whole trailing axes: one block of rows per grid step."""
 
     family = "rowwise"
@@ -271,136 +270,17 @@ class MapBuilder(Builder):
     def scratch(self) -> list[tuple[str, str, list[SpaceDim | str]]]:
         if not getattr(self, "stream", False):
             return []
-        out: list[tuple[str, str, list[SpaceDim | str]]] = []
-        for k, _ in enumerate(self.stream_reductions()):
-            dims: list[SpaceDim | str] = [("1" if d.role == "seq" else d) for d in self.space.dims]
-            out.append((f"acc{k}_ref", "jnp.float32", dims))
-        return out
-
-    def stream_reductions(self) -> list[int]:
-        return [i for i in sorted(self.region.owned) if self.g.kind[i] == "reduce"]
+        return self.stream_scratch(self.space, "acc")
 
     def make_body(self) -> list[str]:
         names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
+        scope = Scope(lines=[], indent="    ")
         if not self.stream:
-            scope = Scope(lines=[], indent="    ")
             for v, nm in zip(self.outputs, names, strict=True):
                 self.store(v, f"{nm}_ref", self.space, scope)
             return scope.lines
-        return self.stream_body(names)
-
-    def stream_body(self, names: list[str]) -> list[str]:
-        """Reductions along an axis walked in blocks: accumulate per block, finish at the last block."""
-        g = self.g
         red = next(d for d in self.dims if d.role == "seq")
-        pos = self.space.dims.index(red)
-        main = Scope(lines=[], indent="    ")
-        r_index = self.program_id(red.axis)  # type: ignore[arg-type]
-        reds = self.stream_reductions()
-        init = {
-            "reduce_sum": "jnp.zeros_like({a})",
-            "reduce_max": "jnp.full_like({a}, -jnp.inf)",
-            "reduce_min": "jnp.full_like({a}, jnp.inf)",
-        }
-        neutral = {"reduce_sum": "0", "reduce_max": "-jnp.inf", "reduce_min": "jnp.inf"}
-        combine = {
-            "reduce_sum": "{a} + {b}",
-            "reduce_max": "jnp.maximum({a}, {b})",
-            "reduce_min": "jnp.minimum({a}, {b})",
-        }
-        fn = {"reduce_sum": "jnp.sum", "reduce_max": "jnp.max", "reduce_min": "jnp.min"}
-        main.add(f"@pl.when({r_index} == 0)")
-        main.add("def _init():")
-        for k, i in enumerate(reds):
-            main.add(f"    acc{k}_ref[...] = " + init[g.eqns[i].primitive.name].format(a=f"acc{k}_ref"))
-        main.add("")
-        self.kw("n_red", red.ext)
-        self.kw(red.blk, red.blk)
-        shape = ["1"] * len(self.space.dims)
-        shape[pos] = red.blk
-        main.add(
-            f"valid = {r_index} * {red.blk} + lax.broadcasted_iota(jnp.int32, ({', '.join(shape)},), {pos}) < n_red"
-        )
-        post_vars: set[Any] = set()
-        for i in sorted(self.region.eqns()):
-            e = g.eqns[i]
-            if g.kind[i] == "reduce" or any(v in post_vars for v in e.invars if not is_literal(v)):
-                post_vars.update(e.outvars)
-        online = online_sums(g, self.region.eqns())
-        slot = {i: k for k, i in enumerate(reds)}
-        running: dict[int, tuple[str, str]] = {}  # max eqn -> (old running max, new running max)
-        for i in dict.fromkeys(o.max_eqn for o in online.values()):
-            # the running max of this block first: the online sums below rescale against it
-            k = slot[i]
-            e = g.eqns[i]
-            src = self._block_operand(e.invars[0], red, main)
-            old, new = self.fresh("m_prev"), self.fresh("m_next")
-            main.add(f"{old} = acc{k}_ref[...]  # running max before this block")
-            main.add(
-                f"{new} = jnp.maximum({old}, jnp.max(jnp.where(valid, {src}, -jnp.inf), axis={pos}, "
-                "keepdims=True))"
-            )
-            running[i] = (old, new)
-            out = e.outvars[0]
-
-            def current(
-                scope: Scope, space: Space, new: str = new, out: Any = out
-            ) -> tuple[str, frozenset[str]]:
-                dt = dtype_name(out.aval)
-                mat = frozenset(d.key for d in space.dims if d.role != "seq" and self.spans(out, d))
-                return (new if dt == "float32" else f"{new}.astype({dtype_code(dt)})"), mat
-
-            main.special[out] = current
-        for k, i in enumerate(reds):
-            e = g.eqns[i]
-            name = e.primitive.name
-            if i in running:
-                continue  # stored below, after the sums that rescale against the old value
-            src = self._block_operand(e.invars[0], red, main)
-            part = f"{fn[name]}(jnp.where(valid, {src}, {neutral[name]}), axis={pos}, keepdims=True)"
-            if i in online:
-                old, new = running[online[i].max_eqn]
-                scale = self.fresh("rescale")
-                main.add(f"{scale} = jnp.where({new} == -jnp.inf, 0.0, jnp.exp({old} - {new}))")
-                main.add(f"acc{k}_ref[...] = acc{k}_ref[...] * {scale} + {part}")
-                continue
-            main.add(f"acc{k}_ref[...] = " + combine[name].format(a=f"acc{k}_ref[...]", b=part))
-        for i, (_, new) in running.items():
-            main.add(f"acc{slot[i]}_ref[...] = {new}")
-        for v, nm in zip(self.outputs, names, strict=True):
-            if v not in post_vars:
-                self.store(v, f"{nm}_ref", self.space, main)
-        main.add("")
-        main.add(f"@pl.when({r_index} == pl.num_programs({red.axis}) - 1)")
-        main.add("def _finish():")
-        fin = Scope(lines=[], indent="        ")
-        for k, i in enumerate(reds):
-            out = g.eqns[i].outvars[0]
-            dt = dtype_name(out.aval)
-
-            def load(
-                scope: Scope, space: Space, k: int = k, dt: str = dt, out: Any = out
-            ) -> tuple[str, frozenset[str]]:
-                nm = self.fresh("acc")
-                cast = "" if dt == "float32" else f".astype({dtype_code(dt)})"
-                mat = frozenset(d.key for d in space.dims if d.role != "seq" and self.spans(out, d))
-                scope.add(f"{nm} = acc{k}_ref[...]{cast}" + self.comment(dt, space, mat))
-                return nm, mat
-
-            fin.special[out] = load
-        for v, nm in zip(self.outputs, names, strict=True):
-            if v in post_vars:
-                self.store(v, f"{nm}_ref", self.space, fin)
-        if not fin.lines:
-            fin.add("pass")
-        return main.lines + fin.lines
-
-    def _block_operand(self, x: Any, red: SpaceDim, scope: Scope) -> str:
-        """A reduction's operand on this block, materialised along the walked axis, in f32."""
-        code, mat = self.value(x, self.space, scope)
-        need = {d.key for d in self.space.dims if self.spans(x, d)} | {red.key}
-        code, mat = self.materialise(code, mat, need, self.space, scope, dtype_name(x.aval))
-        return code if dtype_name(x.aval) == "float32" else f"{code}.astype(jnp.float32)"
+        return self.streamed_body(scope, self.space, red, names, "acc")
 
     def title(self) -> str:
         red = any(self.g.kind[i] == "reduce" for i in self.region.eqns())

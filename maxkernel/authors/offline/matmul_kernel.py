@@ -7,7 +7,6 @@ from typing import Any
 from maxkernel.authors.offline.dataflow import is_literal
 from maxkernel.authors.offline.emit import dtype_code, dtype_name
 from maxkernel.authors.offline.kernels import (
-    Builder,
     LowerError,
     Scope,
     Space,
@@ -17,9 +16,10 @@ from maxkernel.authors.offline.kernels import (
     precision_arg,
 )
 from maxkernel.authors.offline.spec import BufferSpec
+from maxkernel.authors.offline.stream_reduce import StreamedReductions
 
 
-class MatmulBuilder(Builder):
+class MatmulBuilder(StreamedReductions):
     """(Batched) matmul with a K loop into f32 VMEM accumulators and a fused epilogue."""
 
     family = "matmul"
@@ -57,11 +57,14 @@ class MatmulBuilder(Builder):
         for k, c in enumerate(batch):
             dims.append(SpaceDim(key=f"b{k}" if len(batch) > 1 else "b", classes=[c], role="grid"))
         self.m = SpaceDim(key="m", classes=mcls, role="tiled", param=f"{self.cprefix}BLOCK_M")
-        n_full = self.region.has_reduction
+        # N is whole in a tile when the epilogue reduces along it, unless it is too long (region.stream): then
+        # it is walked in blocks as a sequential axis, outside K, with the reductions kept online
+        self.stream = self.region.stream
+        n_full = self.region.has_reduction and not self.stream
         self.n = SpaceDim(
             key="n",
             classes=ncls,
-            role="full" if n_full else "tiled",
+            role="full" if n_full else "seq" if self.stream else "tiled",
             param=None if n_full else f"{self.cprefix}BLOCK_N",
         )
         dims += [self.m, self.n]
@@ -84,6 +87,9 @@ class MatmulBuilder(Builder):
             if d.role in ("grid", "tiled"):
                 d.axis = axis
                 axis += 1
+        if self.stream:
+            self.n.axis = axis
+            axis += 1
         self.k_axis = axis
         for k in self.ks:
             k.axis = axis
@@ -92,29 +98,36 @@ class MatmulBuilder(Builder):
         if n_full:
             self.family = "matmul_rowreduce"
             self.stem = self.stem.replace("_matmul", "_matmul_rowreduce")
+        elif self.stream:
+            self.family = "matmul_online_reduce"
+            self.stem = self.stem.replace("_matmul", "_matmul_online_reduce")
         if len(dots) > 1:
-            self.family = "gated_matmul" if not n_full else self.family
-            self.stem = self.stem.replace("_matmul", "_gated_matmul") if not n_full else self.stem
+            reducing = self.region.has_reduction
+            self.family = "gated_matmul" if not reducing else self.family
+            self.stem = self.stem.replace("_matmul", "_gated_matmul") if not reducing else self.stem
 
     def out_space(self) -> Space:
         return self.epi
 
     def overhang_ok(self, d: SpaceDim) -> bool:
-        # rows of the lhs and columns of the rhs past the edge only reach output rows/columns past the edge;
-        # K needs real zeros (the accumulator sums along it)
-        return d.role == "tiled"
+        # rows of the lhs and columns of the rhs past the edge only reach output rows/columns past the edge
+        # (a walked N's reductions mask them with `valid`); K needs real zeros (the accumulator sums along it)
+        return d.role == "tiled" or d is self.n
 
     def scratch(self) -> list[tuple[str, str, list[SpaceDim | str]]]:
-        return [
+        accs: list[tuple[str, str, list[SpaceDim | str]]] = [
             (f"acc{i}_ref" if len(self.region.dots) > 1 else "acc_ref", "jnp.float32", [self.m, self.n])
             for i in range(len(self.region.dots))
         ]
+        if self.stream:
+            accs += self.stream_scratch(self.epi, "red")
+        return accs
 
     def make_body(self) -> list[str]:
         g = self.g
         main = Scope(lines=[], indent="    ")
         k_index = self.program_id(self.k_axis)
-        accs = [s[0] for s in self.scratch()]
+        accs = [s[0] for s in self.scratch()][: len(self.region.dots)]
         main.add(f"@pl.when({k_index} == 0)")
         main.add("def _init():")
         for a in accs:
@@ -173,6 +186,8 @@ class MatmulBuilder(Builder):
 
             epi.special[out] = load_acc
         names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
+        if self.stream:
+            return main.lines + self.streamed_body(epi, self.epi, self.n, names, "red")
         for v, nm in zip(self.outputs, names, strict=True):
             self.store(v, f"{nm}_ref", self.epi, epi)
         return main.lines + epi.lines
@@ -205,13 +220,22 @@ class MatmulBuilder(Builder):
             "block by a (bk, bn) block on the MXU and adds into an f32 VMEM accumulator; the epilogue runs once "
             "per output tile at the last K step, so it costs no extra HBM traffic"
         )
-        if self.region.has_reduction:
+        if self.stream:
+            s += (
+                "; the epilogue reduces along an N too long for one tile, so N is a sequential grid axis outside K: "
+                "each (bm, bn) logit tile is folded into f32 (bm, 1) accumulators in VMEM at its last K step "
+                "(a max and a sum of exp(x - max) kept online, rescaled whenever the running max grows) and the "
+                "finishing ops run at the last N block, so the [M, N] product never goes to HBM"
+            )
+        elif self.region.has_reduction:
             s += "; N is whole in each tile because the epilogue reduces along it"
         if len(self.region.dots) > 1:
             s += f"; {len(self.region.dots)} accumulators share the K loop (one per dot)"
         return s
 
     def param_doc(self, d: SpaceDim) -> str:
+        if d is self.n and self.stream:
+            return "columns (N) per grid step (the sequential axis the epilogue reduces along)"
         return {"m": "rows of the output tile (M)", "n": "columns of the output tile (N)"}.get(
             d.key, "contraction block (K) per grid step"
         )
@@ -240,10 +264,10 @@ class MatmulBuilder(Builder):
     def temporaries(self) -> list[BufferSpec]:
         return [
             BufferSpec(
-                what="epilogue f32 temporaries (~2 tiles)",
+                what=f"epilogue f32 temporaries (~{3 if self.stream else 2} tiles)",
                 dims=self.tile_refs(self.epi),
                 itemsize=4,
-                copies=2,
+                copies=3 if self.stream else 2,
                 kind="temporary",
             )
         ]

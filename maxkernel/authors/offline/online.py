@@ -12,16 +12,22 @@ The online form keeps a running max and a running sum and rescales the sum whene
 After the last block `m_run` is the row max and `s_run` equals `sum(exp(a - m_run))` exactly (up to
 rounding), so every value computed from them afterwards (`log(s) + m`, `lse - picked`) is unchanged.
 
+`jax.nn.logsumexp` shifts by a *finite* max instead, `s = where(isfinite(m), m, 0)` (and `max(m, -inf)`
+first, an identity): the same rescaling holds with `exp(s_run - s_new)`, and a row whose running max is
+still -inf has accumulated nothing, so its rescale factor is 0.
+
 This module only *recognises* the pattern in the jaxpr (a `reduce_sum` whose operand is `exp(a - b)`, where
-`b` is a `reduce_max` result seen through layout ops and `a` does not depend on any reduction); the
-partitioner uses it to keep such regions in one streamed kernel and the kernel builders use it to emit the
-rescaled accumulation.
+`b` is a `reduce_max` result seen through layout ops, or that finite shift of it, and `a` does not depend on
+any reduction); the partitioner uses it to keep such regions in one streamed kernel and the kernel builders
+use it to emit the rescaled accumulation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from maxkernel.authors.offline.dataflow import Graph, is_literal, reduced_axes
 
@@ -53,6 +59,7 @@ class OnlineSum:
     max_eqn: int
     values: tuple[int, ...]
     layout: tuple[int, ...]
+    finite_shift: bool = False  # b is where(isfinite(max), max, 0) (jax.nn.logsumexp), not the max itself
 
 
 def online_sum(g: Graph, s: int, own: set[int]) -> OnlineSum | None:
@@ -87,19 +94,63 @@ def online_sum(g: Graph, s: int, own: set[int]) -> OnlineSum | None:
     a, b = g.eqns[p].invars
     if is_literal(a) or is_literal(b):
         return None
-    m = _through_layout(g, b, own)
-    j = g.producer.get(m)
-    if j is None or j not in own or g.eqns[j].primitive.name != "reduce_max":
-        return None
-    if len(reduced_axes(g.eqns[j])) != len(reduced_axes(e)):
-        return None
     layout: list[int] = []
+    m = _through_layout(g, b, own)
     v = b
     while v is not m:
         q = g.producer[v]
         layout.append(q)
         v = g.eqns[q].invars[0]
-    return OnlineSum(max_eqn=j, values=tuple(sorted(chain)), layout=tuple(sorted(layout)))
+    finite = _finite_shift(g, m, own)
+    if finite is not None:
+        m, extra = finite
+        layout.extend(extra)
+    j = g.producer.get(m)
+    if j is None or j not in own or g.eqns[j].primitive.name != "reduce_max":
+        return None
+    if len(reduced_axes(g.eqns[j])) != len(reduced_axes(e)):
+        return None
+    return OnlineSum(
+        max_eqn=j,
+        values=tuple(sorted(chain)),
+        layout=tuple(sorted(layout)),
+        finite_shift=finite is not None,
+    )
+
+
+def _is_literal_value(g: Graph, var: Any, own: set[int], value: float) -> bool:
+    """`var` is the scalar literal `value`, or a broadcast of it inside `own`."""
+    if is_literal(var):
+        return bool(np.all(np.asarray(var.val) == value))
+    p = g.producer.get(var)
+    if p is None or g.eqns[p].primitive.name != "broadcast_in_dim":
+        return False
+    return is_literal(g.eqns[p].invars[0]) and bool(np.all(np.asarray(g.eqns[p].invars[0].val) == value))
+
+
+def _finite_shift(g: Graph, var: Any, own: set[int]) -> tuple[Any, list[int]] | None:
+    """`var = select_n(isfinite(x), 0, x)` with `x = max(m, -inf)` or `m` itself (jax.nn.logsumexp's shift):
+    (m, the equations between them); None when `var` is not of that form."""
+    p = g.producer.get(var)
+    if p is None or p not in own or g.eqns[p].primitive.name != "select_n" or len(g.eqns[p].invars) != 3:
+        return None
+    pred, on_false, x = g.eqns[p].invars
+    if is_literal(pred) or is_literal(x) or not _is_literal_value(g, on_false, own, 0.0):
+        return None
+    q = g.producer.get(pred)
+    if q is None or q not in own or g.eqns[q].primitive.name != "is_finite" or g.eqns[q].invars[0] is not x:
+        return None
+    eqns = [p, q]
+    r = g.producer.get(x)
+    if r is not None and r in own and g.eqns[r].primitive.name == "max":
+        a, c = g.eqns[r].invars
+        if _is_literal_value(g, c, own, -np.inf) and not is_literal(a):
+            eqns.append(r)
+            x = a
+        elif _is_literal_value(g, a, own, -np.inf) and not is_literal(c):
+            eqns.append(r)
+            x = c
+    return x, eqns
 
 
 def online_sums(g: Graph, eqns: list[int]) -> dict[int, OnlineSum]:

@@ -11,10 +11,11 @@ Every equation gets a status:
 
 Regions grow greedily in program order. A `dot_general` starts a matmul region, or an attention region
 when the flash-attention pattern follows it; a reduction joins its producer's region when the template
-allows it (a matmul epilogue may reduce along its full output rows) and otherwise starts a row-wise region;
-elementwise work joins the region of its operands. Two matmul regions whose results are combined
-elementwise merge into one kernel with two accumulators (SwiGLU). Whatever cannot join is cut: the value is
-written to HBM by one kernel and read by the next.
+allows it (a matmul epilogue may reduce along its output rows: whole in a tile, or walked in N blocks with
+online accumulators when they are long), or a row-wise region that already reads the same input (a sibling
+reduction), and otherwise starts a row-wise region; elementwise work joins the region of its operands.
+Two matmul regions whose results are combined elementwise merge into one kernel with two accumulators
+(SwiGLU). Whatever cannot join is cut: the value is written to HBM by one kernel and read by the next.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ TINY_GLUE_ELEMS = 1 << 16
 it is this small and under 1% of the largest input."""
 
 MATMUL_ROW_ELEMS = 16 * 1024
-"""A matmul epilogue may reduce along N only while a (bm, N) f32 tile stays small."""
+"""A matmul epilogue keeps N whole (one (bm, N) f32 tile) only up to this; a longer N is walked in blocks
+as a sequential grid axis, its reductions kept online (a cross-entropy over a large vocabulary)."""
 
 
 @dataclass
@@ -255,8 +257,14 @@ class Partition:
         self.owner[i] = region.id
         if self.g.kind[i] == "reduce":
             region.has_reduction = True
-            if region.kind == "map" and self.reduced_extent(ax, self.g.eqns[i]) > STREAM_ELEMS:
+            if self.reduced_extent(ax, self.g.eqns[i]) > self._stream_threshold(region):
                 region.stream = True
+
+    @staticmethod
+    def _stream_threshold(region: Region) -> int:
+        """Reduced extents above this are walked in blocks: a map's row is read once either way, a matmul's
+        (bm, N) f32 tile must fit VMEM next to its operand blocks."""
+        return MATMUL_ROW_ELEMS if region.kind == "matmul" else STREAM_ELEMS
 
     def try_add(self, region: Region, i: int) -> bool:
         prepared = self.prepare(region, i)
@@ -296,10 +304,11 @@ class Partition:
             n_classes = self._n_classes(region, ax)
             if red != n_classes or not n_classes:
                 return False
-            if self.reduced_extent(ax, e) > MATMUL_ROW_ELEMS:
-                return False  # a whole output row per tile would not fit VMEM: reduce in a separate kernel
             if e.primitive.name not in ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"):
                 return False
+        if region.kind == "matmul" and (region.stream or kind == "reduce"):
+            # a row longer than MATMUL_ROW_ELEMS: N becomes a sequential axis with online accumulators
+            return self._stream_ok(region, ax, i)
         return True
 
     def reduced_extent(self, ax: Axes, e: Any) -> int:
@@ -332,7 +341,7 @@ class Partition:
         every reduction must run along the same axes."""
         e = self.g.eqns[i]
         stream = region.stream
-        if self.g.kind[i] == "reduce" and self.reduced_extent(ax, e) > STREAM_ELEMS:
+        if self.g.kind[i] == "reduce" and self.reduced_extent(ax, e) > self._stream_threshold(region):
             stream = True
         if not stream:
             return True
@@ -415,6 +424,33 @@ class Partition:
                 return True
         for r in sorted(homes, key=lambda r: -r.id):
             if self.try_add(r, i):
+                return True
+        return False
+
+    def join_sibling(self, i: int) -> bool:
+        """A reduction of values computed outside any kernel (an input, its casts, a mask built from
+        another input) joins the newest map region that already reads the largest input it needs: two
+        reductions of one array (the log-sum-exp and the label's logit of a cross-entropy) then read it
+        once, in one kernel. The region's template decides, as for any equation (same reduced axes when
+        streamed, no cycle through other kernels)."""
+        g = self.g
+        if g.kind[i] != "reduce":
+            return False
+        sources: set[Any] = set()
+        for v in g.eqns[i].invars:
+            for p in [*self.float_closure(v), None]:
+                ins = [v] if p is None else g.eqns[p].invars
+                for w in ins:
+                    if is_literal(w):
+                        continue
+                    q = g.producer.get(w)
+                    if q is None or (self.status[q] == "glue" and q not in self.dual):
+                        sources.add(w)
+        if not sources:
+            return False
+        biggest = max(sources, key=_elems)
+        for r in sorted(self.regions.values(), key=lambda r: -r.id):
+            if r.kind == "map" and biggest in self.region_inputs(r) and self.try_add(r, i):
                 return True
         return False
 

@@ -198,6 +198,10 @@ def _value_fact(eqn: Any, in_facts: list[str | None]) -> str | None:
         return "zeros" if np.all(np.asarray(eqn.invars[0].val) == 0) else None
     if name in ("broadcast_in_dim", "convert_element_type", "reshape") and in_facts[:1] == ["zeros"]:
         return "zeros"
+    if name == "convert_element_type" and in_facts[:1] == ["input"]:
+        # a cast of an input is still read in place by a gather (the cast moves after it, onto the picked
+        # elements): a take_along_axis of `logits.astype(f32)` stays one small gather of the bf16 input
+        return "input"
     return None
 
 
@@ -549,41 +553,13 @@ def _trace_of(v: Any) -> Any:
     return core_src.set_current_trace(trace) if trace is not None else contextlib.nullcontext()
 
 
-@dataclass
-class _SizeDecisions:
-    """Rewrites whose choice depends on sizes (a row short enough for a matmul epilogue). The first
-    (TPU-scale) trace decides each in order and the other configurations replay those decisions, so every
-    trace has the same structure: a small validation shape must not take a rewrite the task's shape refused."""
-
-    decisions: dict[str, list[bool]] = field(default_factory=dict)
-    position: dict[str, int] = field(default_factory=dict)
-    replay: bool = False
-
-    def reset(self) -> None:
-        self.decisions, self.position, self.replay = {}, {}, False
-
-    def decide(self, kind: str, ok: Callable[[], bool]) -> bool:
-        seen = self.decisions.setdefault(kind, [])
-        if self.replay:
-            i = self.position.get(kind, 0)
-            if i < len(seen):
-                self.position[kind] = i + 1
-                return seen[i]
-            return ok()  # one the primary trace did not have: the structures differ anyway
-        seen.append(ok())
-        return seen[-1]
-
-
-SIZE_DECISIONS = _SizeDecisions()
-
-
 def _is_take_along_rows(eqn: Any, ins: list[Any]) -> bool:
     """`jnp.take_along_axis(a, idx[:, None], axis=-1)` on a 2-D computed value: one element per row, picked
-    by a per-row index (the label's logit of a cross-entropy). Only for rows a matmul epilogue keeps whole
-    (`MATMUL_ROW_ELEMS`, at the task's own shapes: see `_SizeDecisions`): a longer row's reduction runs in a
-    kernel of its own, which would read `a` again."""
-    from maxkernel.authors.offline.partition import MATMUL_ROW_ELEMS
-
+    by a per-row index (the label's logit of a cross-entropy). At any row length: a matmul epilogue keeps a
+    short row whole and walks a long one in column blocks (online), and a row-wise kernel streams it, so the
+    masked sum joins the kernel that computes (or already reads) `a`. Not for a program input or a cast of
+    one, which a gather reads in place without any kernel writing it first: the few picked elements cost
+    less than the masked sum's compare, select and add on every element."""
     dn = eqn.params["dimension_numbers"]
     operand, idx = ins
     return (
@@ -597,7 +573,6 @@ def _is_take_along_rows(eqn: Any, ins: list[Any]) -> bool:
         and tuple(dn.offset_dims) == ()
         and tuple(eqn.params["slice_sizes"]) == (1, 1)
         and np.issubdtype(operand.dtype, np.floating)
-        and SIZE_DECISIONS.decide("take_along_rows", lambda: int(operand.shape[1]) <= MATMUL_ROW_ELEMS)
     )
 
 
@@ -1037,7 +1012,6 @@ def trace_reference(
     PERMUTATIONS.clear()
     GROUPS.clear()
     DIRECT_CONV.enabled, DIRECT_CONV.decisions, DIRECT_CONV.replay = direct_conv, [], False
-    SIZE_DECISIONS.reset()
     closed = []
     for cfg in configs:
         specs = [jax.ShapeDtypeStruct(s, np.dtype(_np_dtype(d))) for s, d in cfg.dynamic]
@@ -1047,7 +1021,6 @@ def trace_reference(
             return computation(*dyn, *_statics)
 
         DIRECT_CONV.replay, DIRECT_CONV.position = bool(closed), 0
-        SIZE_DECISIONS.replay, SIZE_DECISIONS.position = bool(closed), {}
         closed.append(flatten(fn, specs))
     first = structure(closed[0])
     keep = [closed[0]]

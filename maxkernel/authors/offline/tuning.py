@@ -85,16 +85,18 @@ def _round_mib(n: int) -> int:
 
 def hbm_traffic(kernel: KernelSpec, values: dict[str, int]) -> int:
     """Bytes moved between HBM and VMEM: each operand block is fetched again whenever its block index
-    changes, i.e. once per step of every grid axis up to the innermost axis it is indexed by."""
+    changes, i.e. once per step of every grid axis up to the innermost axis it is indexed by that has more
+    than one step (an lhs row block whose K is whole stays resident while an outer N axis walks)."""
     steps = [a.steps(values) for a in kernel.grid]
     total = 0
     for b in kernel.buffers:
         if b.kind not in ("input", "output"):
             continue
-        if not b.axes:
+        walked = [a for a in b.axes if steps[a] > 1]
+        if not walked:
             fetches = 1
         else:
-            last = max(b.axes)
+            last = max(walked)
             fetches = 1
             for s in steps[: last + 1]:
                 fetches *= s
@@ -181,7 +183,7 @@ def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
         if vmem_estimate(kernel, vals) <= target:
             break
     if "matmul" in kernel.family and kernel.params:
-        target = ROW_TILE_TARGET if "rowreduce" in kernel.family else DEFAULT_TARGET
+        target = ROW_TILE_TARGET if "reduce" in kernel.family else DEFAULT_TARGET
         modelled = _modelled_values(kernel, min(budget, target))
         if modelled is not None and _modelled_cost(kernel, modelled) < _modelled_cost(kernel, vals):
             vals = modelled
@@ -191,8 +193,9 @@ def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
 
 
 ROW_TILE_TARGET = 32 * MiB
-"""VMEM a matmul default that keeps whole output rows (N full, a row-reduction epilogue) may use: a 16 MiB
-cap forces tiny row blocks there, each re-reading the whole weight matrix; still half the 64 MiB budget."""
+"""VMEM a matmul default whose epilogue reduces its rows may use, whether it keeps whole output rows (N
+full) or walks N online: a 16 MiB cap forces small row blocks and K blocks there, so the weight matrix is
+re-read once per row block and the lhs once per N block; still half the 64 MiB budget."""
 
 MODEL_HBM_BYTES_PER_S = get_spec("v5e").device_hbm_bytes_per_s
 """Bandwidth that weighs HBM bytes against grid steps when choosing default blocks (the slowest target
