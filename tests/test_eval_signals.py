@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from maxkernel.tools.candidate import (
+    FAST_COMPILE_MAX_BYTES,
+    INTERPRET_COMPILE_OPTIONS,
+    pick_interpret_compile,
+)
 from maxkernel.tools.harness import INTERPRET_SLOW_FLOOR_S, INTERPRET_SLOW_RATIO, _interpret_cost_signal
-from maxkernel.tools.results import EvalResult
+from maxkernel.tools.results import ArraySpec, EvalResult, InputConfig
 
 
 def test_an_interpret_run_far_slower_than_the_reference_is_named() -> None:
@@ -20,3 +25,18 @@ def test_an_interpret_run_far_slower_than_the_reference_is_named() -> None:
     _interpret_cost_signal(unknown, 100.0, {"reference": "forged"})  # no trusted reference time
     assert usual.warnings == tiny.warnings == unknown.warnings == []
     assert INTERPRET_SLOW_RATIO > 3
+
+
+def test_interpret_compile_is_fast_for_small_sets_and_optimised_for_large_ones() -> None:
+    def square(n: int) -> InputConfig:
+        spec = ArraySpec(shape=(n, n), dtype="float32")
+        return InputConfig(dynamic=[spec, spec], outputs=[spec], atol=1e-3, rtol=1e-3)
+
+    small, large = square(256), square(2048)  # 768 KiB and 48 MiB of inputs and outputs per set
+    assert pick_interpret_compile(small, 3) == "fast-compile"
+    assert pick_interpret_compile(large, 1) == "optimised"
+    # The budget counts every set run through the executable, not one.
+    many = FAST_COMPILE_MAX_BYTES // (small.input_bytes() + small.output_bytes()) + 1
+    assert pick_interpret_compile(small, many) == "optimised"
+    assert set(INTERPRET_COMPILE_OPTIONS) >= {"fast-compile", "optimised"}
+    assert INTERPRET_COMPILE_OPTIONS["optimised"] == {}  # XLA's own pipeline, unchanged

@@ -54,6 +54,8 @@ def test_good_kernel_is_accepted(matmul_task: KernelTask, session_work: Path) ->
     assert r.correctness.larger_check.startswith("ran at float32[256,512]"), r.correctness.larger_check
     assert r.correctness.larger is not None and r.correctness.larger.ok
     assert r.correctness.larger.max_abs_err is not None and r.correctness.larger.max_abs_err < 1e-3
+    # Small sets: the interpret-mode programs were compiled the fast way, and the result says so.
+    assert r.correctness.interpret_compile == ["fast-compile", "fast-compile"]
 
 
 def test_larger_shape_is_grown_within_the_task_and_the_memory_budget(matmul_task: KernelTask) -> None:

@@ -41,6 +41,7 @@ from maxkernel.tools.candidate import (
     PROGRAMS_FILE,
     STAGE_AWAIT_INPUTS,
     output_name,
+    pick_interpret_compile,
     tpu_program_file,
 )
 from maxkernel.tools.checks import check_pallas_does_work
@@ -301,6 +302,8 @@ def _run(
     larger, larger_note = larger_config(task, options)
     file_mb = _output_cap(task, options, larger)
     task_json = task.model_dump(mode="json")
+    interpret_compile = [pick_interpret_compile(c, options.input_sets) for c in task.validation_configs]
+    interpret_compile.append(pick_interpret_compile(larger, 1) if larger is not None else "optimised")
     larger_json = larger.model_dump(mode="json") if larger is not None else None
     judge = SandboxedChild(
         "maxkernel.tools.judge:judge_job",
@@ -332,6 +335,7 @@ def _run(
             "input_sets": [options.input_sets] * len(task.validation_configs),
             "larger_config": larger_json,
             "estimate_generation": (first_generation(options.tpu)) if options.estimate else None,
+            "interpret_compile": interpret_compile,
         },
         cand_dir,
         SandboxLimits(
@@ -348,8 +352,12 @@ def _run(
     judge.start()
     cand.start()
     try:
-        return _orchestrate(task, options, judge, cand, result, time.monotonic() + timeout + 5,
-                            cached_ref_estimate, device, larger_note)  # fmt: skip
+        result = _orchestrate(task, options, judge, cand, result, time.monotonic() + timeout + 5,
+                              cached_ref_estimate, device, larger_note)  # fmt: skip
+        if result.correctness is not None:  # say which compile of the interpret-mode programs ran
+            ran = len(task.validation_configs) + (result.correctness.larger is not None)
+            result.correctness.interpret_compile = interpret_compile[:ran]
+        return result
     finally:
         cand.kill()
         judge.kill()

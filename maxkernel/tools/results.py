@@ -163,6 +163,11 @@ class CorrectnessResult(BaseModel):
         "", description="the check at a second, larger shape: 'ran at <shapes>', or 'skipped: <why>'"
     )
     larger: SetCheck | None = Field(None, description="its one input set, when it ran (counts towards ok)")
+    interpret_compile: list[str] = Field(
+        default_factory=list,
+        description="how each validation config's interpret-mode program was compiled (then the larger "
+        "check's, when it ran): a `candidate.INTERPRET_COMPILE_OPTIONS` name",
+    )
     max_abs_err: float | None = None
     max_rel_err: float | None = None
 
