@@ -49,6 +49,7 @@ from maxkernel.tools.evaluation import compare, summarise, with_reference
 from maxkernel.tools.judge import EXPECTED_FILE, INPUTS_FILE, STAGE_INPUTS_READY
 from maxkernel.tools.program_tree import same_program, skeleton
 from maxkernel.tools.readback import MAX_JSON_BYTES, ReadBackError, load_arrays, read_capped, remove_tree
+from maxkernel.tools.reference_cache import TASK_INPUTS, TASK_INPUTS_FILE
 from maxkernel.tools.results import (
     CANDIDATE_STAGES,
     STAGE_INFO,
@@ -305,6 +306,9 @@ def _run(
     interpret_compile = [pick_interpret_compile(c, options.input_sets) for c in task.validation_configs]
     interpret_compile.append(pick_interpret_compile(larger, 1) if larger is not None else "optimised")
     larger_json = larger.model_dump(mode="json") if larger is not None else None
+    task_inputs = TASK_INPUTS.get(task)  # the task's own sets from an earlier evaluation: not secret
+    if task_inputs is not None:
+        (judge_dir / TASK_INPUTS_FILE).write_bytes(task_inputs)
     judge = SandboxedChild(
         "maxkernel.tools.judge:judge_job",
         {
@@ -313,6 +317,7 @@ def _run(
             "seed": options.seed,
             "larger": larger_json,
             "larger_budget_bytes": (options.memory_mb << 20) // LARGER_MEMORY_FRACTION,
+            "task_inputs": TASK_INPUTS_FILE if task_inputs is not None else None,
         },
         judge_dir,
         SandboxLimits(
@@ -445,6 +450,8 @@ def _orchestrate(
     judge_out = judge.wait(deadline)
     if not judge_out.ok or judge_out.value is None or not judge_out.value.get("ok"):
         return _judge_failure(result, judge_out)
+    if judge_out.value.get("task_inputs") == "computed":  # the judge's bytes, read before the candidate ran
+        TASK_INPUTS.learn(task, inputs, judge_out.value.get("origins"))
     result.stage_seconds["correctness"] = round(interpret_s, 4)
     _interpret_cost_signal(result, interpret_s, judge_out.value.get("seconds"))
     return _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
@@ -683,6 +690,8 @@ def _correctness(
     origins = judge.get("origins") or [["task"] + ["random"] * (options.input_sets - 1)] * len(val)
     correctness = CorrectnessResult(ok=True, scale=task.validation_note, larger_check=larger_note)
     correctness.shapes_used = [c.describe() for c in val]
+    if judge.get("task_inputs") in ("computed", "cached"):
+        correctness.task_inputs = judge["task_inputs"]
     larger_cfg, larger_note = _judged_larger(task, judge, larger_note)
     correctness.larger_check = larger_note
     result.correctness = correctness
