@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from maxkernel.tools.candidate import (
     FAST_COMPILE_MAX_BYTES,
     INTERPRET_COMPILE_OPTIONS,
@@ -40,3 +42,18 @@ def test_interpret_compile_is_fast_for_small_sets_and_optimised_for_large_ones()
     assert pick_interpret_compile(small, many) == "optimised"
     assert set(INTERPRET_COMPILE_OPTIONS) >= {"fast-compile", "optimised"}
     assert INTERPRET_COMPILE_OPTIONS["optimised"] == {}  # XLA's own pipeline, unchanged
+
+
+def test_an_optional_import_that_fails_is_tried_once() -> None:
+    import sys
+
+    from maxkernel.tools.worker import settle_optional_imports
+
+    missing, present = "maxkernel_no_such_module_for_this_test", "json"
+    try:
+        assert settle_optional_imports((missing, present)) == {missing: False, present: True}
+        assert sys.modules[missing] is None  # what Python itself records for a module known to be missing
+        with pytest.raises(ModuleNotFoundError):
+            __import__(missing)
+    finally:
+        sys.modules.pop(missing, None)
