@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
             # gets). Fresh jit wrappers each time, so neither trace is served from the other's cache.
             with pltpu.force_tpu_interpret_mode(interpret):
                 traced = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
-                executables.append(_compile(traced, compile_options[ci]))
+                executables.append(_BackgroundCompile(traced.lower(), compile_options[ci]))
             plain = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
             programs["validation"].append(
                 {"interpret": to_tree(traced.jaxpr), "plain": to_tree(plain.jaxpr), "out": _out_specs(traced)}
@@ -157,7 +158,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
         try:
             with pltpu.force_tpu_interpret_mode(interpret):
                 traced = jax.jit(bind_static(candidate, larger.static)).trace(*_specs(larger))
-                larger_exe = _compile(traced, compile_options[len(val)])
+                larger_exe = _BackgroundCompile(traced.lower(), compile_options[len(val)])
             plain = jax.jit(bind_static(candidate, larger.static)).trace(*_specs(larger))
             programs["larger"] = {
                 "interpret": to_tree(traced.jaxpr), "plain": to_tree(plain.jaxpr), "out": _out_specs(traced)
@@ -205,7 +206,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
             inputs = [_typed(arrays[input_name(ci, si, k)], a) for k, a in enumerate(cfg.dynamic)]
             try:
                 with pltpu.force_tpu_interpret_mode(interpret):
-                    out = executables[ci](*[jax.numpy.asarray(a) for a in inputs])
+                    out = executables[ci].result()(*[jax.numpy.asarray(a) for a in inputs])
                     leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
             except Exception as exc:  # noqa: BLE001
                 _reset_interpret()
@@ -226,7 +227,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
         inputs = [_typed(arrays[input_name(len(val), 0, k)], a) for k, a in enumerate(larger.dynamic)]
         try:
             with pltpu.force_tpu_interpret_mode(interpret):
-                out = larger_exe(*[jax.numpy.asarray(a) for a in inputs])
+                out = larger_exe.result()(*[jax.numpy.asarray(a) for a in inputs])
                 for k, leaf in enumerate(jax.tree_util.tree_leaves(out)):
                     outputs[output_name(len(val), 0, k)] = np.asarray(leaf)
         except Exception as exc:  # noqa: BLE001
@@ -234,11 +235,48 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
             larger_error = f"{type(exc).__name__}: {_first_lines(str(exc))}"
     (run_dir / OUTPUTS_FILE).write_bytes(pack_arrays(outputs))
     seconds["correctness"] = time.perf_counter() - t0
+    compiled = [c.seconds for c in [*executables, larger_exe] if c is not None and c.seconds is not None]
+    seconds["interpret_compile"] = sum(compiled)  # overlapping the stages above: not part of their sum
     return {"ok": True, "run_error": run_error, "larger_error": larger_error, "seconds": seconds}
 
 
-def _compile(traced: Any, options: dict[str, Any]) -> Any:
-    return traced.lower().compile(compiler_options=options) if options else traced.lower().compile()
+COMPILE_THREADS = 2
+"""Interpret-mode programs compiled at once, in the background (XLA compiles without the GIL)."""
+_COMPILE_SLOTS = threading.BoundedSemaphore(COMPILE_THREADS)
+
+
+class _BackgroundCompile:
+    """The XLA compile of a lowered interpret-mode program, started at once on a daemon thread.
+
+    Lowering stays on the main thread, before `await_inputs` (a program that does not lower is a trace
+    failure, reported as such). The compile of the already-fixed program overlaps the rest of the tracing,
+    the TPU export, the agent's checks and the judge's reference, and is joined when the inputs are run: a
+    compile error then surfaces as a failed run of that input set. Moving it after the announcement
+    changes nothing the agent relies on: the program trees it checks are fixed before, and the outputs
+    come from this (untrusted) process whatever it compiled. A daemon thread, so that a candidate that
+    fails early does not wait for a compile nobody needs."""
+
+    def __init__(self, lowered: Any, options: dict[str, Any]) -> None:
+        self.seconds: float | None = None
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(lowered, options), daemon=True)
+        self._thread.start()
+
+    def _run(self, lowered: Any, options: dict[str, Any]) -> None:
+        with _COMPILE_SLOTS:
+            t0 = time.perf_counter()
+            try:
+                self._value = lowered.compile(compiler_options=options) if options else lowered.compile()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the thread that runs the program
+                self._error = exc
+            self.seconds = time.perf_counter() - t0
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _load_candidate(path: Path) -> Any:

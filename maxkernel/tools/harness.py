@@ -453,6 +453,9 @@ def _orchestrate(
     if judge_out.value.get("task_inputs") == "computed":  # the judge's bytes, read before the candidate ran
         TASK_INPUTS.learn(task, inputs, judge_out.value.get("origins"))
     result.stage_seconds["correctness"] = round(interpret_s, 4)
+    cand_seconds = (cand_out.value or {}).get("seconds") if cand_out.ok else None
+    if isinstance(cand_seconds, dict):  # the candidate's own report, for the breakdown only
+        _record_seconds(result, {"interpret_compile": cand_seconds.get("interpret_compile")})
     _interpret_cost_signal(result, interpret_s, judge_out.value.get("seconds"))
     return _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
                     cached_ref_estimate, larger_note)  # fmt: skip
