@@ -11,7 +11,7 @@ import numpy as np
 
 from maxkernel.tools.candidate import input_name
 from maxkernel.tools.readback import pack_arrays
-from maxkernel.tools.reference_cache import TaskInputCache
+from maxkernel.tools.reference_cache import ReferenceEstimates, TaskInputCache
 from maxkernel.tools.store import ResultsStore
 from maxkernel.tools.tasks import KernelTask, load_task
 
@@ -25,6 +25,9 @@ def test_a_changed_task_invalidates_cached_reference_work(data_dir: Path, tmp_pa
     store.put_reference_estimate(first.fingerprint, "v5e", 1.25)
     assert load_task(task_dir, work_dir=work).fingerprint == first.fingerprint  # served from the cache
     assert store.get_reference_estimate(first.fingerprint, "v5e") == 1.25
+    in_memory = ReferenceEstimates()  # the same, for evaluations without a store
+    in_memory.put(first, "v5e", 1.25)
+    assert in_memory.get(first, "v5e") == 1.25 and in_memory.get(first, "v6e") is None
 
     ref = task_dir / "reference.py"
     text = ref.read_text()
@@ -35,6 +38,7 @@ def test_a_changed_task_invalidates_cached_reference_work(data_dir: Path, tmp_pa
     changed = load_task(task_dir, work_dir=work)
     assert changed.fingerprint != first.fingerprint
     assert store.get_reference_estimate(changed.fingerprint, "v5e") is None  # recomputed, not served
+    assert in_memory.get(changed, "v5e") is None
     assert store.get_reference_estimate(first.fingerprint, "v5e") == 1.25
 
 

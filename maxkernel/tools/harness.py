@@ -49,7 +49,7 @@ from maxkernel.tools.evaluation import compare, summarise, with_reference
 from maxkernel.tools.judge import EXPECTED_FILE, INPUTS_FILE, STAGE_INPUTS_READY
 from maxkernel.tools.program_tree import same_program, skeleton
 from maxkernel.tools.readback import MAX_JSON_BYTES, ReadBackError, load_arrays, read_capped, remove_tree
-from maxkernel.tools.reference_cache import TASK_INPUTS, TASK_INPUTS_FILE
+from maxkernel.tools.reference_cache import REFERENCE_ESTIMATES, TASK_INPUTS, TASK_INPUTS_FILE
 from maxkernel.tools.results import (
     CANDIDATE_STAGES,
     STAGE_INFO,
@@ -232,21 +232,30 @@ def evaluate(
         source=source,
         options=options,
         timeout_s=options.timeout_s or default_timeout(task, options),
-        cached_reference_estimate=(
-            store.get_reference_estimate(task.fingerprint, gen)
-            if store is not None and options.estimate
-            else None
-        ),
+        cached_reference_estimate=_cached_reference_estimate(task, gen, options, store),
         work_dir=str(Path(work_dir or Path.cwd() / ".maxkernel").resolve()),
         keep_run_dir=keep_run_dir,
     )
     result = runner.run(job) if runner is not None else run_job(job)
-    if store is not None and result.estimate and result.estimate.reference_estimated_seconds:
-        store.put_reference_estimate(task.fingerprint, gen, result.estimate.reference_estimated_seconds)
+    if result.estimate and result.estimate.reference_estimated_seconds:
+        REFERENCE_ESTIMATES.put(task, gen, result.estimate.reference_estimated_seconds)
+        if store is not None:
+            store.put_reference_estimate(task.fingerprint, gen, result.estimate.reference_estimated_seconds)
     if store is not None and STAGE_INFO[result.error.stage if result.error else "timing"].cached:
         store.put_evaluation(key, task.fingerprint, options.key_fields(), result, time.monotonic() - t0)
         store.log_execution(key, task.task_id)
     return result
+
+
+def _cached_reference_estimate(
+    task: KernelTask, gen: str, options: EvalOptions, store: ResultsStore | None
+) -> float | None:
+    """The compiler's estimate of the reference from an earlier evaluation of the same task: the store's,
+    else this process's (`reference_cache`); None when it must be computed."""
+    if not options.estimate:
+        return None
+    stored = store.get_reference_estimate(task.fingerprint, gen) if store is not None else None
+    return stored if stored is not None else REFERENCE_ESTIMATES.get(task, gen)
 
 
 def larger_config(task: KernelTask, options: EvalOptions) -> tuple[InputConfig | None, str]:
@@ -318,6 +327,10 @@ def _run(
             "larger": larger_json,
             "larger_budget_bytes": (options.memory_mb << 20) // LARGER_MEMORY_FRACTION,
             "task_inputs": TASK_INPUTS_FILE if task_inputs is not None else None,
+            "tpu": options.tpu,
+            "reference_estimate_generation": (
+                first_generation(options.tpu) if options.estimate and cached_ref_estimate is None else None
+            ),
         },
         judge_dir,
         SandboxLimits(
@@ -428,21 +441,21 @@ def _orchestrate(
                                   "trees already decide the verdict")  # fmt: skip
             return early
     expected_kernels = checks[0].pallas_calls if checks else None
-    gen = first_generation(options.tpu)
     request = {
         "programs": [base64.b64encode(b).decode() if b is not None else None for b in blobs],
         "tpu": options.tpu,
         "expected_kernels": expected_kernels,
-        "reference_estimate_generation": gen if options.estimate and cached_ref_estimate is None else None,
         "timing": device,
     }
-    judge.send(json.dumps(request).encode() + b"\n", close=False)
     try:
         inputs = read_capped(judge.run_dir / INPUTS_FILE, MAX_ARRAY_FILE_BYTES)
     except ReadBackError as exc:
         return _fail(result, "infrastructure", f"the judge's inputs could not be read: {exc}")
+    # The candidate first: its programs were read above, and the judge may still be busy with its warm-up
+    # (a request larger than the pipe's buffer would block this process until the judge reads it).
     t_run = time.monotonic()
     cand.send(inputs)
+    judge.send(json.dumps(request).encode() + b"\n", close=False)
     cand_out = cand.wait(deadline)
     interpret_s = time.monotonic() - t_run  # measured here, not reported by the candidate
     cand.kill()  # its reaper is gone only when every descendant is: nothing of it outlives this line

@@ -17,7 +17,9 @@ nor on the evaluation's secret. What is cached, where, and what is deliberately 
   every draw zeros). A changed task has another fingerprint, hence another key.
 * **The compiler's estimate of the reference** (`estimate_xla`, the TPU cost model, ~2.5 s): one number
   per (task fingerprint, generation, toolchain), kept in the results store (`ResultsStore.
-  get_reference_estimate`), written only by the agent from the judge's signed result.
+  get_reference_estimate`) and, for evaluations without a store (which recomputed it every time), in
+  `REFERENCE_ESTIMATES` in the agent's memory; written only by the agent from the judge's signed result.
+  It does not depend on any input, secret or not.
 * **Not cached: the reference's outputs.** Expected outputs on the secret draws are different for every
   evaluation by construction; caching them across candidates would need fixed draws, which a candidate
   could then learn and persist (through its outputs, its timing, a store it can influence) and replay.
@@ -112,3 +114,27 @@ class TaskInputCache:
 
 TASK_INPUTS = TaskInputCache()
 """The agent process's cache (one per process: a Ray worker has its own)."""
+
+
+class ReferenceEstimates:
+    """The compiler's estimate of each task's reference, per generation, in this process only: what the
+    results store keeps across processes, for the evaluations that run without one."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(task: KernelTask, gen: str) -> str:
+        return sha256_text(json.dumps(["reference estimate", task.fingerprint, gen, toolchain_versions()]))
+
+    def get(self, task: KernelTask, gen: str) -> float | None:
+        with self._lock:
+            return self._values.get(self.key(task, gen))
+
+    def put(self, task: KernelTask, gen: str, seconds: float) -> None:
+        with self._lock:
+            self._values[self.key(task, gen)] = float(seconds)
+
+
+REFERENCE_ESTIMATES = ReferenceEstimates()
