@@ -5,13 +5,15 @@ stealing and nothing to decide. It produces data and nothing else, in this order
 
 1. load the candidate module;
 2. trace it at every validation shape twice — once in TPU interpret mode (the program that is run for
-   correctness) and once plainly (the program a TPU would get) — and at the task's production shapes; each
-   trace goes out as a `program_tree` (plain JSON);
+   correctness, lowered here and compiled on a background thread with the agent's choice of
+   `INTERPRET_COMPILE_OPTIONS`) and once plainly (the program a TPU would get) — and at the task's
+   production shapes; each trace goes out as a `program_tree` (plain JSON);
 3. lower it for the TPU at the production shapes with `jax.export` and write the serialized artifact,
    which the judge deserializes, inspects and compiles itself;
 4. only then announce `await_inputs` and block on stdin. The judge's inputs (drawn from a secret seed in
    another process) arrive after the programs above are fixed and have been read by the agent; they are
-   run through the executables compiled in step 2, and the outputs are written to `outputs.npz`.
+   run through the executables compiled from the programs lowered in step 2 (joined first), and the
+   outputs are written to `outputs.npz`.
 
 It never sees the reference outputs, the comparison, the Pallas check or a signing key that matters: the
 agent treats every byte written here as untrusted (`readback`). A candidate that rewrites JAX inside this
