@@ -54,6 +54,8 @@ def test_good_kernel_is_accepted(matmul_task: KernelTask, session_work: Path) ->
     assert r.correctness.larger_check.startswith("ran at float32[256,512]"), r.correctness.larger_check
     assert r.correctness.larger is not None and r.correctness.larger.ok
     assert r.correctness.larger.max_abs_err is not None and r.correctness.larger.max_abs_err < 1e-3
+    # Small sets: the interpret-mode programs were compiled the fast way, and the result says so.
+    assert r.correctness.interpret_compile == ["fast-compile", "fast-compile"]
 
 
 def test_larger_shape_is_grown_within_the_task_and_the_memory_budget(matmul_task: KernelTask) -> None:
@@ -141,6 +143,10 @@ def test_store_never_runs_the_same_evaluation_twice(matmul_task: KernelTask, tmp
         matmul_task, src, EvalOptions(tpu=["v5e"], seed=1, timeout_s=120), store=store, work_dir=tmp_path
     )
     assert not other.cached and store.count_evaluations("small_matmul") == 2
+    # A fresh evaluation of a task already evaluated: the task's own (not secret) inputs come from the
+    # agent's cache, the secret draws are new, and the result says so.
+    assert other.accepted and other.correctness.task_inputs == "cached"
+    assert [s.origin for s in other.correctness.sets] == ["task", "random", "random"]
     assert len(store.executions("small_matmul")) == 2
 
 
@@ -192,8 +198,9 @@ def test_without_bubblewrap_the_audit_hook_still_refuses(
 
 
 def test_poisoning_the_reference_sets_changes_nothing(matmul_task: KernelTask, tmp_path: Path) -> None:
-    """There is no reference cache to poison: the judge computes expected outputs per evaluation, in a
-    process the candidate cannot reach, and a good kernel after the poisoner is still accepted."""
+    """There is no reference cache on disk to poison: the judge computes expected outputs per evaluation,
+    in a process the candidate cannot reach; the task's own input sets are cached in the agent's memory
+    only (`reference_cache`), and a good kernel after the poisoner is still accepted."""
     r = run(matmul_task, "poisons_reference_cache.py", tmp_path)
     assert not r.accepted
     good = run(matmul_task, "good_matmul.py", tmp_path)

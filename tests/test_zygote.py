@@ -35,6 +35,7 @@ def test_state_a_job_leaves_behind_never_reaches_the_next(zroot: Path) -> None:
     assert first.via_zygote and out.ok, out.error or out.stderr_tail
     assert out.value is not None
     assert out.value["backends_before"] == 0  # the zygote forked without a JAX backend
+    assert out.value["optional_imports_settled"] is True  # a missing optional module is not retried per job
     assert out.value["wrote_beside_run_dir"] is False  # the run dir's folder is not the job's to write
     pids = POOL.pids()
 

@@ -163,11 +163,18 @@ def _reset_interpret() -> None:
 
 
 def build_input_sets(
-    ref: taskcode.Reference, task: dict[str, Any], val: list[InputConfig], n_sets: int, seed: int
+    ref: taskcode.Reference,
+    task: dict[str, Any],
+    val: list[InputConfig],
+    n_sets: int,
+    seed: int,
+    own_inputs: list[list[np.ndarray]] | None = None,
 ) -> list[list[tuple[list[np.ndarray], str]]]:
     """Per validation config: the task's own inputs (when they exist at these shapes), then fresh draws.
 
-    `seed` comes from the judge's per-run secret: a candidate cannot re-derive the draws."""
+    `seed` comes from the judge's per-run secret: a candidate cannot re-derive the draws. `own_inputs`:
+    the task's own inputs from an earlier evaluation of the same task (`reference_cache`), which saves
+    calling the task's `get_inputs`; they are not secret, the draws are."""
     import jax
 
     mode = task["validation_mode"]
@@ -175,9 +182,10 @@ def build_input_sets(
     n_sets = max(n_sets, 1)
     out: list[list[tuple[list[np.ndarray], str]]] = []
     if mode in ("task", "cpu"):
-        raw = ref.raw_inputs("cpu" if mode == "cpu" else ("tpu" if ref.accepts_scale else None))
-        for ci, (dyn, _static) in enumerate(raw):
-            own = [taskcode.to_numpy(a) for a in dyn]
+        if own_inputs is None:
+            raw = ref.raw_inputs("cpu" if mode == "cpu" else ("tpu" if ref.accepts_scale else None))
+            own_inputs = [[taskcode.to_numpy(a) for a in dyn] for dyn, _static in raw]
+        for ci, own in enumerate(own_inputs):
             sets = [(own, "task")]
             for s in range(1, n_sets):
                 rng = np.random.default_rng([seed, ci, s])

@@ -41,6 +41,7 @@ from maxkernel.tools.candidate import (
     PROGRAMS_FILE,
     STAGE_AWAIT_INPUTS,
     output_name,
+    pick_interpret_compile,
     tpu_program_file,
 )
 from maxkernel.tools.checks import check_pallas_does_work
@@ -48,6 +49,7 @@ from maxkernel.tools.evaluation import compare, summarise, with_reference
 from maxkernel.tools.judge import EXPECTED_FILE, INPUTS_FILE, STAGE_INPUTS_READY
 from maxkernel.tools.program_tree import same_program, skeleton
 from maxkernel.tools.readback import MAX_JSON_BYTES, ReadBackError, load_arrays, read_capped, remove_tree
+from maxkernel.tools.reference_cache import REFERENCE_ESTIMATES, TASK_INPUTS, TASK_INPUTS_FILE
 from maxkernel.tools.results import (
     CANDIDATE_STAGES,
     STAGE_INFO,
@@ -230,21 +232,30 @@ def evaluate(
         source=source,
         options=options,
         timeout_s=options.timeout_s or default_timeout(task, options),
-        cached_reference_estimate=(
-            store.get_reference_estimate(task.fingerprint, gen)
-            if store is not None and options.estimate
-            else None
-        ),
+        cached_reference_estimate=_cached_reference_estimate(task, gen, options, store),
         work_dir=str(Path(work_dir or Path.cwd() / ".maxkernel").resolve()),
         keep_run_dir=keep_run_dir,
     )
     result = runner.run(job) if runner is not None else run_job(job)
-    if store is not None and result.estimate and result.estimate.reference_estimated_seconds:
-        store.put_reference_estimate(task.fingerprint, gen, result.estimate.reference_estimated_seconds)
+    if result.estimate and result.estimate.reference_estimated_seconds:
+        REFERENCE_ESTIMATES.put(task, gen, result.estimate.reference_estimated_seconds)
+        if store is not None:
+            store.put_reference_estimate(task.fingerprint, gen, result.estimate.reference_estimated_seconds)
     if store is not None and STAGE_INFO[result.error.stage if result.error else "timing"].cached:
         store.put_evaluation(key, task.fingerprint, options.key_fields(), result, time.monotonic() - t0)
         store.log_execution(key, task.task_id)
     return result
+
+
+def _cached_reference_estimate(
+    task: KernelTask, gen: str, options: EvalOptions, store: ResultsStore | None
+) -> float | None:
+    """The compiler's estimate of the reference from an earlier evaluation of the same task: the store's,
+    else this process's (`reference_cache`); None when it must be computed."""
+    if not options.estimate:
+        return None
+    stored = store.get_reference_estimate(task.fingerprint, gen) if store is not None else None
+    return stored if stored is not None else REFERENCE_ESTIMATES.get(task, gen)
 
 
 def larger_config(task: KernelTask, options: EvalOptions) -> tuple[InputConfig | None, str]:
@@ -301,7 +312,12 @@ def _run(
     larger, larger_note = larger_config(task, options)
     file_mb = _output_cap(task, options, larger)
     task_json = task.model_dump(mode="json")
+    interpret_compile = [pick_interpret_compile(c, options.input_sets) for c in task.validation_configs]
+    interpret_compile.append(pick_interpret_compile(larger, 1) if larger is not None else "optimised")
     larger_json = larger.model_dump(mode="json") if larger is not None else None
+    task_inputs = TASK_INPUTS.get(task)  # the task's own sets from an earlier evaluation: not secret
+    if task_inputs is not None:
+        (judge_dir / TASK_INPUTS_FILE).write_bytes(task_inputs)
     judge = SandboxedChild(
         "maxkernel.tools.judge:judge_job",
         {
@@ -310,6 +326,11 @@ def _run(
             "seed": options.seed,
             "larger": larger_json,
             "larger_budget_bytes": (options.memory_mb << 20) // LARGER_MEMORY_FRACTION,
+            "task_inputs": TASK_INPUTS_FILE if task_inputs is not None else None,
+            "tpu": options.tpu,
+            "reference_estimate_generation": (
+                first_generation(options.tpu) if options.estimate and cached_ref_estimate is None else None
+            ),
         },
         judge_dir,
         SandboxLimits(
@@ -332,6 +353,7 @@ def _run(
             "input_sets": [options.input_sets] * len(task.validation_configs),
             "larger_config": larger_json,
             "estimate_generation": (first_generation(options.tpu)) if options.estimate else None,
+            "interpret_compile": interpret_compile,
         },
         cand_dir,
         SandboxLimits(
@@ -348,8 +370,12 @@ def _run(
     judge.start()
     cand.start()
     try:
-        return _orchestrate(task, options, judge, cand, result, time.monotonic() + timeout + 5,
-                            cached_ref_estimate, device, larger_note)  # fmt: skip
+        result = _orchestrate(task, options, judge, cand, result, time.monotonic() + timeout + 5,
+                              cached_ref_estimate, device, larger_note)  # fmt: skip
+        if result.correctness is not None:  # say which compile of the interpret-mode programs ran
+            ran = len(task.validation_configs) + (result.correctness.larger is not None)
+            result.correctness.interpret_compile = interpret_compile[:ran]
+        return result
     finally:
         cand.kill()
         judge.kill()
@@ -415,21 +441,21 @@ def _orchestrate(
                                   "trees already decide the verdict")  # fmt: skip
             return early
     expected_kernels = checks[0].pallas_calls if checks else None
-    gen = first_generation(options.tpu)
     request = {
         "programs": [base64.b64encode(b).decode() if b is not None else None for b in blobs],
         "tpu": options.tpu,
         "expected_kernels": expected_kernels,
-        "reference_estimate_generation": gen if options.estimate and cached_ref_estimate is None else None,
         "timing": device,
     }
-    judge.send(json.dumps(request).encode() + b"\n", close=False)
     try:
         inputs = read_capped(judge.run_dir / INPUTS_FILE, MAX_ARRAY_FILE_BYTES)
     except ReadBackError as exc:
         return _fail(result, "infrastructure", f"the judge's inputs could not be read: {exc}")
+    # The candidate first: its programs were read above, and the judge may still be busy with its warm-up
+    # (a request larger than the pipe's buffer would block this process until the judge reads it).
     t_run = time.monotonic()
     cand.send(inputs)
+    judge.send(json.dumps(request).encode() + b"\n", close=False)
     cand_out = cand.wait(deadline)
     interpret_s = time.monotonic() - t_run  # measured here, not reported by the candidate
     cand.kill()  # its reaper is gone only when every descendant is: nothing of it outlives this line
@@ -437,7 +463,12 @@ def _orchestrate(
     judge_out = judge.wait(deadline)
     if not judge_out.ok or judge_out.value is None or not judge_out.value.get("ok"):
         return _judge_failure(result, judge_out)
+    if judge_out.value.get("task_inputs") == "computed":  # the judge's bytes, read before the candidate ran
+        TASK_INPUTS.learn(task, inputs, judge_out.value.get("origins"))
     result.stage_seconds["correctness"] = round(interpret_s, 4)
+    cand_seconds = (cand_out.value or {}).get("seconds") if cand_out.ok else None
+    if isinstance(cand_seconds, dict):  # the candidate's own report, for the breakdown only
+        _record_seconds(result, {"interpret_compile": cand_seconds.get("interpret_compile")})
     _interpret_cost_signal(result, interpret_s, judge_out.value.get("seconds"))
     return _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
                     cached_ref_estimate, larger_note)  # fmt: skip
@@ -675,6 +706,8 @@ def _correctness(
     origins = judge.get("origins") or [["task"] + ["random"] * (options.input_sets - 1)] * len(val)
     correctness = CorrectnessResult(ok=True, scale=task.validation_note, larger_check=larger_note)
     correctness.shapes_used = [c.describe() for c in val]
+    if judge.get("task_inputs") in ("computed", "cached"):
+        correctness.task_inputs = judge["task_inputs"]
     larger_cfg, larger_note = _judged_larger(task, judge, larger_note)
     correctness.larger_check = larger_note
     result.correctness = correctness

@@ -163,6 +163,16 @@ class CorrectnessResult(BaseModel):
         "", description="the check at a second, larger shape: 'ran at <shapes>', or 'skipped: <why>'"
     )
     larger: SetCheck | None = Field(None, description="its one input set, when it ran (counts towards ok)")
+    task_inputs: Literal["computed", "cached", ""] = Field(
+        "", description="the task's own input sets: computed by its input generator in this evaluation's "
+        "judge, or cached by the agent from an earlier evaluation of the same task (not secret; the "
+        "fresh draws always are: see `reference_cache`)",
+    )  # fmt: skip
+    interpret_compile: list[str] = Field(
+        default_factory=list,
+        description="how each validation config's interpret-mode program was compiled (then the larger "
+        "check's, when it ran): a `candidate.INTERPRET_COMPILE_OPTIONS` name",
+    )
     max_abs_err: float | None = None
     max_rel_err: float | None = None
 

@@ -337,6 +337,9 @@ def serve(root: str, ctrl_fd: int, preload: list[str], read_paths: list[str] | N
     read_paths = list(read_paths or [])
     for name in preload:
         importlib.import_module(name)
+    from maxkernel.tools.worker import settle_optional_imports
+
+    settle_optional_imports()  # once here, not once per interpret-mode lowering in every job
     libc = _libc()
     _prctl(libc, PR_SET_DUMPABLE, 0)
     ctrl = socket.socket(fileno=ctrl_fd)
@@ -386,6 +389,7 @@ def probe_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from maxkernel.tools import candidate
+    from maxkernel.tools.worker import OPTIONAL_IMPORTS
 
     facts: dict[str, Any] = {
         "uid": os.getuid(),
@@ -395,6 +399,8 @@ def probe_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
         "jnp_add_patched": getattr(jnp.add, "_left_behind", False),
         "siblings": sorted(os.listdir(Path(ctx.run_dir).parent)),
         "backends_before": len(__import__("jax._src.xla_bridge", fromlist=["_backends"])._backends),
+        # Tried once in the zygote (imported, or recorded as missing): no job re-runs a failing import.
+        "optional_imports_settled": all(n in sys.modules for n in OPTIONAL_IMPORTS),
     }
     if payload.get("read"):  # a read-only path the job was given: readable, and not writable
         target = Path(str(payload["read"]))
