@@ -171,6 +171,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
             # coupled (tokens = (image / patch)^2) may not run there either; the judge skips the check
             # then. Where the reference does run, this is the candidate's failure (see below).
             _reset_interpret()
+            larger_exe = None  # nothing of a half-traced larger program runs
             larger_trace_error = f"tracing: {type(exc).__name__}: {_first_lines(str(exc))}"
     seconds["trace"] = time.perf_counter() - t0
 
