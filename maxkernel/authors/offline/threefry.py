@@ -68,7 +68,7 @@ def threefry2x32(k0: Any, k1: Any, x0: Any, x1: Any) -> tuple[Any, Any]:
             x0 = x0 + x1
             x1 = _rotl(x1, r) ^ x0
         x0 = x0 + ks[(group + 1) % 3]
-        x1 = x1 + ks[(group + 2) % 3] + np.uint32(group + 1)
+        x1 = x1 + (ks[(group + 2) % 3] + np.uint32(group + 1))  # scalar sum first: one vector add
     return x0, x1
 
 
