@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 
 def get_inputs(dtype=jnp.float32, scale="tpu"):
-    m, n = (1000, 3000) if scale == "tpu" else (37, 200)
-    x = jax.random.bits(jax.random.key(3), (m, n), jnp.uint32)
+    shape = SHAPES[0] if scale == "tpu" else SHAPES[1]
+    x = jax.random.bits(jax.random.key(3), shape, jnp.uint32)
     return [x], [2027]
 
 
@@ -110,8 +110,13 @@ def test_only_what_is_reproduced_exactly_is_rewritten() -> None:
         assert not rewritable(key, {"shape": (4, 4), "bit_width": 32})
 
 
-def test_in_kernel_bits_are_exact_at_unaligned_shapes(tmp_path: Path) -> None:
-    task = _task(tmp_path, "xor_bits", XOR_BITS, 0.0)
+@pytest.mark.parametrize(
+    "shapes", [((1000, 3000), (37, 200)), ((4, 100, 300), (3, 10, 130))], ids=["2d", "3d"]
+)
+def test_in_kernel_bits_are_exact_at_unaligned_shapes(
+    tmp_path: Path, shapes: tuple[tuple[int, ...], tuple[int, ...]]
+) -> None:
+    task = _task(tmp_path, "xor_bits", f"SHAPES = {shapes!r}\n" + XOR_BITS, 0.0)
     src = _synthesize(task, tmp_path, ["v5e"])
     assert "random.bits" not in src and "pallas_call" in src, src
     result = evaluate(task, src, EvalOptions(tpu=["v5e"], timeout_s=300), work_dir=tmp_path)

@@ -9,8 +9,8 @@ goes through HBM.
 
 The trace rewrite (`trace._apply`) replaces such a `random_bits` with the equations `threefry_bits` below
 traces into: the key words are two scalars sliced off `key_data` (layout glue outside the kernel), the
-flat index is a sum of iotas times row strides (the strides are shape numbers, which the trace resolver
-derives from the inputs), and the 20 rounds of threefry2x32 are uint32 add / xor / shift / or maps.
+flat index is built from iotas and the dims' extents (shape numbers, which the trace resolver derives
+from the inputs), and the 20 rounds of threefry2x32 are uint32 add / xor / shift / or maps.
 All of it is elementwise, so the partitioner lets it into whichever kernel uses the bits.
 
 Only what this rewrite reproduces bit for bit is rewritten: threefry keys, partitionable counters,
@@ -73,14 +73,14 @@ def threefry2x32(k0: Any, k1: Any, x0: Any, x1: Any) -> tuple[Any, Any]:
 
 
 def flat_index(shape: tuple[int, ...]) -> Any:
-    """Row-major flat index of every element of `shape`, as uint32 (the counter's low word)."""
-    flat = None
-    stride = 1
-    for d in range(len(shape) - 1, -1, -1):
-        pos = lax.broadcasted_iota(jnp.uint32, shape, d)
-        term = pos if stride == 1 else pos * np.uint32(stride)
-        flat = term if flat is None else term + flat
-        stride *= shape[d]
+    """Row-major flat index of every element of `shape`, as uint32 (the counter's low word).
+
+    Horner form, `(i0 * d1 + i1) * d2 + i2`: every literal it multiplies by is one dim's extent, which
+    the trace resolver derives from the inputs' shapes in every configuration (a product of extents,
+    a row stride, is a number it would have to find as a product)."""
+    flat = lax.broadcasted_iota(jnp.uint32, shape, 0)
+    for d in range(1, len(shape)):
+        flat = flat * np.uint32(shape[d]) + lax.broadcasted_iota(jnp.uint32, shape, d)
     return flat
 
 
