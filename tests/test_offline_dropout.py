@@ -50,7 +50,7 @@ def get_inputs(dtype=jnp.bfloat16, scale="tpu"):
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5).astype(dtype)
     b = jax.random.normal(kb, (n,), jnp.float32).astype(dtype)
-    return [x, w, b], [0.3, 99]
+    return [x, w, b], [0.3, 13]  # a seed equal to a rotation count: the literal resolves to `seed`
 
 
 def computation(x, w, b, rate, seed):
