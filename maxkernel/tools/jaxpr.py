@@ -53,7 +53,9 @@ count as heavy work outside a kernel (the check is an allow-list); `reduce_preci
 RANDOM = RANDOM_KEYS | frozenset({"bitcast_convert_type"})
 """Offline author: random-number plumbing that stays outside kernels as XLA (the harness allows it
 there), with the bit casts that turn random bits into floats; so does any elementwise work that depends
-only on it (turning bits into a dropout mask). `threefry2x32` is not here: the author has no template for
+only on it (turning bits into a dropout mask). Draws the author reproduces exactly (32-bit partitionable
+threefry) never reach this table: `authors.offline.threefry` rewrites them into maps that kernels
+compute on their own blocks, and a same-width bitcast is then a map too. `threefry2x32` is not here: the author has no template for
 raw counter-based generation and reports it unsupported."""
 
 # --------------------------------------------------------------------------------------------------------

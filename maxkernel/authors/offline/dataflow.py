@@ -64,6 +64,15 @@ def reduced_axes(eqn: Any) -> tuple[int, ...]:
     return tuple(int(a) for a in eqn.params["axes"])
 
 
+def _same_width_bitcast(eqn: Any) -> bool:
+    """A bitcast between types of one width (random bits turned into floats) maps element to element; a
+    kernel re-emits it. Bitcasts that change the width change the shape and stay layout glue."""
+    if eqn.primitive.name != "bitcast_convert_type":
+        return False
+    src, dst = eqn.invars[0].aval, eqn.outvars[0].aval
+    return src.dtype.itemsize == dst.dtype.itemsize and tuple(src.shape) == tuple(dst.shape)
+
+
 def is_literal(v: Any) -> bool:
     return isinstance(v, jcore.Literal)
 
@@ -107,7 +116,7 @@ class Graph:
         name = eqn.primitive.name
         if name == "reshape" or name in ("squeeze", "expand_dims"):
             return "absorbed" if is_unit_reshape(eqn, self.traces) else "glue"
-        if name in ELEMENTWISE:
+        if name in ELEMENTWISE or _same_width_bitcast(eqn):
             return "elementwise"
         if name in ABSORBED:
             return "absorbed"

@@ -165,6 +165,9 @@ def elementwise_expr(
     if name in _BINARY_OP:
         return f"{paren(args[0])} {_BINARY_OP[name]} {paren(args[1])}"
     if name in _BINARY_FN:
+        if name.startswith("shift_"):
+            # lax shifts take no weak-typed Python ints: a literal shift count gets the operands' dtype
+            args = [f"{dtype_code(out_dtype)}({a})" if re.fullmatch(r"-?[0-9]+", a) else a for a in args]
         return f"{_BINARY_FN[name]}({args[0]}, {args[1]})"
     if name == "div":
         if is_float(out_dtype):
@@ -213,6 +216,8 @@ def elementwise_expr(
         return f"lax.round({args[0]}, lax.RoundingMethod.{m})"
     if name == "reduce_precision":
         return f"lax.reduce_precision({args[0]}, exponent_bits={p['exponent_bits']}, mantissa_bits={p['mantissa_bits']})"
+    if name == "bitcast_convert_type":
+        return f"lax.bitcast_convert_type({args[0]}, {dtype_code(dtype_name_from(p['new_dtype']))})"
     if name == "convert_element_type":
         target = dtype_name_from(p["new_dtype"])
         if scalar_out:

@@ -367,7 +367,10 @@ class Builder(KernelBuilder):
             mats: set[str] = set()
             in_dtypes: list[str] = []
             for k, v in enumerate(e.invars):
-                if is_literal(v):
+                if is_literal(v) and name.startswith("shift_"):
+                    # lax shifts take no weak-typed Python ints (a count may resolve to a static argument)
+                    args.append(f"{dtype_code(dtype_name(v.aval))}({self.literal_at(p, k)})")
+                elif is_literal(v):
                     args.append(self.literal_at(p, k))
                 else:
                     c, m = self.value(v, space, scope)

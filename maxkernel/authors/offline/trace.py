@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from maxkernel.authors.offline import threefry
 from maxkernel.tools.jaxpr import CALL_PRIMITIVES, walk_eqns
 
 REWRITTEN: set[str] = set()
@@ -258,6 +259,9 @@ def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -
     if name == "gather" and in_facts[0] != "input" and _is_take_along_rows(eqn, ins):
         REWRITTEN.add("take_along_axis")
         return [_take_along_rows_as_masked_sum(eqn, ins)]
+    if name == "random_bits" and threefry.rewritable(ins[0], eqn.params):
+        REWRITTEN.add(name)
+        return [threefry.threefry_bits(ins[0], tuple(eqn.params["shape"]))]
     if name == "dot_general":
         ragged = GROUPS.ragged_dot(eqn, ins)
         if ragged is not None:
