@@ -142,9 +142,10 @@ def candidates(p: ParamSpec) -> list[int]:
     return out or [p.align]
 
 
-def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
+def default_values(kernel: KernelSpec, budget: int, mxu: int = 128) -> dict[str, int]:
     """Start from sizes that suit the MXU and the pipeline, then halve the largest block until the
-    estimate fits the default target (16 MiB), or at least the budget."""
+    estimate fits the default target (16 MiB), or at least the budget. `mxu` is the widest MXU side among
+    the targets (256 on v6e): matmul K and N blocks narrower than it leave part of the array idle."""
     vals: dict[str, int] = {}
     for p in kernel.params:
         base = p.name.split("_", 1)[1] if p.name.startswith("K") and "_BLOCK_" in p.name else p.name
@@ -183,9 +184,18 @@ def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
         if vmem_estimate(kernel, vals) <= target:
             break
     if "matmul" in kernel.family and kernel.params:
-        target = ROW_TILE_TARGET if "reduce" in kernel.family else DEFAULT_TARGET
-        modelled = _modelled_values(kernel, min(budget, target))
-        if modelled is not None and _modelled_cost(kernel, modelled) < _modelled_cost(kernel, vals):
+        target = (
+            budget
+            if kernel.family == "matmul_rowreduce"
+            else ROW_TILE_TARGET
+            if "reduce" in kernel.family
+            else DEFAULT_TARGET
+        )
+        modelled = _modelled_values(kernel, min(budget, target), mxu)
+        if modelled is not None and (
+            _fills_mxu(kernel, modelled, mxu) > _fills_mxu(kernel, vals, mxu)
+            or _modelled_cost(kernel, modelled) < _modelled_cost(kernel, vals)
+        ):
             vals = modelled
     for p in kernel.params:
         p.default = vals[p.name]
@@ -193,9 +203,28 @@ def default_values(kernel: KernelSpec, budget: int) -> dict[str, int]:
 
 
 ROW_TILE_TARGET = 32 * MiB
-"""VMEM a matmul default whose epilogue reduces its rows may use, whether it keeps whole output rows (N
-full) or walks N online: a 16 MiB cap forces small row blocks and K blocks there, so the weight matrix is
-re-read once per row block and the lhs once per N block; still half the 64 MiB budget."""
+"""VMEM a matmul default that walks N online for its row reductions may use: a 16 MiB cap forces small row
+blocks and K blocks there, so the lhs is re-read once per N block; still half the 64 MiB budget. A matmul
+that keeps whole output rows (N full, `matmul_rowreduce`) may use the whole budget: it re-reads the whole
+weight matrix once per row block, and its K block must also fill the MXU (a 4096 x 8192 f32 linear +
+softmax: 128-row blocks read 4 GiB of weights; 256-row blocks with 256-deep K blocks half that, and fill
+v6e's 256-deep MXU, which a 128-deep K block runs at half rate)."""
+
+MXU_PARAMS = ("BLOCK_K", "BLOCK_N")
+"""Matmul block constants that set an MXU operand's depth (K) or width (N): narrower than the MXU (256 on
+v6e and 7x, 128 before) and the block model pads them to it (the systolic array runs at the fraction used)."""
+
+
+def _mxu_param(p: ParamSpec) -> bool:
+    return p.name.endswith(MXU_PARAMS)
+
+
+def _fills_mxu(kernel: KernelSpec, values: dict[str, int], mxu: int) -> bool:
+    """True when every matmul K/N block is a multiple of the MXU side or the whole (short) dim."""
+    return all(
+        values[p.name] % mxu == 0 or values[p.name] >= p.extent for p in kernel.params if _mxu_param(p)
+    )
+
 
 MODEL_HBM_BYTES_PER_S = get_spec("v5e").device_hbm_bytes_per_s
 """Bandwidth that weighs HBM bytes against grid steps when choosing default blocks (the slowest target
@@ -209,18 +238,19 @@ def _modelled_cost(kernel: KernelSpec, values: dict[str, int]) -> float:
     )
 
 
-def _modelled_values(kernel: KernelSpec, target: int) -> dict[str, int] | None:
-    """Matmul kernels: the aligned config within `target` with the least modelled cost (ties: less VMEM).
-    Halving the largest block shrinks M as readily as K, and for a kernel that keeps whole output rows
-    (N full) a small M re-reads the whole weight matrix once per row block."""
+def _modelled_values(kernel: KernelSpec, target: int, mxu: int = 128) -> dict[str, int] | None:
+    """Matmul kernels: the aligned config within `target` with the least modelled cost (ties: less VMEM),
+    preferring configs whose K/N blocks fill the MXU (`_fills_mxu`). Halving the largest block shrinks M as
+    readily as K, and for a kernel that keeps whole output rows (N full) a small M re-reads the whole
+    weight matrix once per row block."""
     names = [p.name for p in kernel.params]
-    best: tuple[tuple[float, int], dict[str, int]] | None = None
+    best: tuple[tuple[bool, float, int], dict[str, int]] | None = None
     for values in itertools.product(*(candidates(p) for p in kernel.params)):
         vals = dict(zip(names, values, strict=True))
         vmem = vmem_estimate(kernel, vals)
         if vmem > target:
             continue
-        key = (_modelled_cost(kernel, vals), vmem)
+        key = (not _fills_mxu(kernel, vals, mxu), _modelled_cost(kernel, vals), vmem)
         if best is None or key < best[0]:
             best = (key, vals)
     return None if best is None else best[1]
@@ -280,9 +310,10 @@ def _smaller(p: ParamSpec, v: int) -> int | None:
 
 def default_config(program: ProgramSpec, tpu: list[str]) -> TileConfig:
     budget = vmem_budget(tpu)
+    mxu = max(get_spec(t).mxu_shape[0] for t in tpu)
     values: dict[str, int] = {}
     for k in program.kernels:
-        for name, v in default_values(k, budget).items():
+        for name, v in default_values(k, budget, mxu).items():
             values[key_of(name)] = v
     return TileConfig.of(values)
 
