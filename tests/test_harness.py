@@ -222,7 +222,14 @@ def test_a_reference_with_coupled_sizes_skips_the_larger_check(data_dir: Path, s
 def test_failing_to_trace_where_the_reference_runs_is_a_rejection(
     matmul_task: KernelTask, tmp_path: Path
 ) -> None:
-    source = (Path(__file__).parent / "data" / "hostile" / "larger_shape_raises.py").read_text()
+    # good_matmul, refusing to trace between the validation size (128 rows) and the task's own (1024)
+    good = (CANDIDATES / "good_matmul.py").read_text()
+    source = good.replace(
+        "    n = w.shape[1]\n",
+        "    n = w.shape[1]\n    if 128 < m < 1024:\n        raise ValueError('not at this size')\n",
+        1,
+    )
+    assert source != good
     r = run(matmul_task, "", tmp_path, source=source)
     assert not r.accepted and r.error is not None and r.error.stage == "correctness", r.error
     assert "at the larger check shape" in r.error.message and "not at this size" in r.error.message

@@ -10,13 +10,11 @@ compile for v5e and v6e at the task's own shapes), with N aligned and not."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from test_offline_online_lse import _pallas_calls
 
 from maxkernel.authors.base import AuthorContext
 from maxkernel.authors.offline import OfflineAuthor
@@ -53,22 +51,6 @@ CASES = {
     "unaligned_n": '(1000, 1536, 5000) if scale == "tpu" else (40, 136, 300)',
 }
 
-PALLAS_CALLS = """
-import json, sys
-import jax
-import jax.numpy as jnp
-from maxkernel.tools.estimate import estimate_pallas
-
-ns = {}
-exec(compile(open(sys.argv[1]).read(), "kernel", "exec"), ns)
-specs = [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d)) for s, d in json.loads(sys.argv[2])]
-est = estimate_pallas(jax.make_jaxpr(ns["computation"])(*specs), "v5e")
-print(json.dumps([
-    {"grid": list(c.grid), "outputs": [list(o.array_shape) for o in c.operands if o.role == "output"]}
-    for c in est.pallas_calls
-]))
-"""
-
 
 def _task(root: Path, name: str) -> Path:
     d = root / name
@@ -76,21 +58,6 @@ def _task(root: Path, name: str) -> Path:
     (d / "reference.py").write_text(textwrap.dedent(REFERENCE.format(shapes=CASES[name])).lstrip())
     (d / "kernel_task.yaml").write_text(f"task_id: {name}\ndescription: {name}\natol: 1e-6\nrtol: 1e-3\n")
     return d
-
-
-def _pallas_calls(src: str, specs: list[tuple[tuple[int, ...], str]], work: Path) -> list[dict]:
-    """The kernel's pallas_calls at `specs` as the block model sees them, read in a child process:
-    generated code is not imported here."""
-    path = work / "kernel_under_test.py"
-    path.write_text(src)
-    proc = subprocess.run(
-        [sys.executable, "-c", PALLAS_CALLS, str(path), json.dumps(specs)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("name", list(CASES))
