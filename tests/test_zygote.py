@@ -160,3 +160,31 @@ def test_a_killed_job_has_stopped_writing_when_kill_returns(zroot: Path) -> None
     remove_tree(child.run_dir)
     time.sleep(1.0)
     assert not child.run_dir.exists()
+
+
+def test_a_zygotes_log_has_no_name_and_says_why_it_did_not_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log file in /tmp outlives an agent killed before close() (they piled up in CI's /tmp), so the
+    zygote's stderr goes to a file with no name; it is still the clue when the zygote dies at start-up."""
+    import sys
+    import tempfile
+
+    from maxkernel.tools.zygote import Zygote, ZygoteError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = tmp_path / "root"
+    # Stands in for the zygote: says hello on the control socket (its fd is argv[5] after `-c`), then
+    # waits for the socket's end.
+    fake = ("import json, os, socket, sys; s = socket.socket(fileno=int(sys.argv[5])); "
+            "s.send(json.dumps({'pid': os.getpid(), 'backends': 0}).encode()); s.recv(10)")  # fmt: skip
+    zygote = Zygote([sys.executable, "-c", fake], dict(os.environ), root, ())
+    try:
+        assert zygote.alive()
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        zygote.close()
+    dies = [sys.executable, "-c", "import sys; sys.stderr.write('no libtpu here'); sys.exit(3)"]
+    with pytest.raises(ZygoteError, match="did not start: no libtpu here"):
+        Zygote(dies, dict(os.environ), root, ())
+    assert list(tmp_path.iterdir()) == []

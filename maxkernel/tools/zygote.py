@@ -479,22 +479,20 @@ class Zygote:
         t0 = time.monotonic()
         cmd = [*command, sys.executable, "-m", "maxkernel.tools.zygote", str(root), str(theirs.fileno()),
                ",".join(preload), json.dumps(sorted(read_paths or []))]  # fmt: skip
-        # The zygote's own log lives outside its root: the root is the callers' (run dirs, cleaned by them).
-        fd, log_path = tempfile.mkstemp(prefix="maxkernel-zygote-", suffix=".log")
-        os.close(fd)
-        self.stderr_path = Path(log_path)
-        with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
-                pass_fds=(theirs.fileno(),), start_new_session=True,
-            )  # fmt: skip
+        # The zygote's own log lives outside its root (the root is the callers' run dirs, cleaned by them)
+        # in a file with no name: nothing is left behind in /tmp when the agent is killed without a close().
+        self._log = tempfile.TemporaryFile(prefix="maxkernel-zygote-")
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
+            pass_fds=(theirs.fileno(),), start_new_session=True,
+        )  # fmt: skip
         theirs.close()
         ready, _, _ = select.select([ours], [], [], START_TIMEOUT_S)
         msg = ours.recv(MAX_MESSAGE) if ready else b""
         if not msg:
+            tail = self.log_tail()
             self.close()
-            tail = self.stderr_path.read_text(errors="replace")[-800:] if self.stderr_path.exists() else ""
-            raise ZygoteError(f"the zygote did not start: {tail.strip() or 'no output'}")
+            raise ZygoteError(f"the zygote did not start: {tail or 'no output'}")
         hello = json.loads(msg)
         if hello.get("backends"):
             self.close()
@@ -576,7 +574,15 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        self.stderr_path.unlink(missing_ok=True)
+        self._log.close()
+
+    def log_tail(self, limit: int = 800) -> str:
+        """The end of the zygote's own stderr (start-up errors), while it is open."""
+        if self._log.closed:
+            return ""
+        self._log.seek(0, os.SEEK_END)
+        self._log.seek(max(0, self._log.tell() - limit))
+        return self._log.read().decode(errors="replace").strip()
 
 
 class ZygotePool:
