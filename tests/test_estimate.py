@@ -509,3 +509,13 @@ def test_vpu_work_is_counted_in_whole_vregs() -> None:
     odd = jax.ShapeDtypeStruct((4096, 200), jnp.float32)  # 200 lanes fill two vregs' worth: 256
     padded = estimate_pallas(jax.make_jaxpr(functools.partial(_times_two, block=(512, 200)))(odd), "v5e")
     assert padded.est_vpu_elementwise_ops == 4096 * 256
+
+
+def test_a_gather_outside_kernels_is_charged_for_what_it_picks() -> None:
+    """Gathering 64 rows of a 65536-row table reads 64 rows, not the table: indices + picked rows + output."""
+    table = jax.ShapeDtypeStruct((65536, 256), jnp.float32)
+    idx = jax.ShapeDtypeStruct((64,), jnp.int32)
+    est = estimate_pallas(jax.make_jaxpr(lambda t, i: t[i])(table, idx), "v5e")
+    picked = 64 * 256 * 4
+    assert est.est_xla_bytes <= 2 * picked + 64 * 8 * 4 + 1024, est.est_xla_bytes
+    assert est.est_xla_bytes >= 2 * picked

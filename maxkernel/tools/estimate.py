@@ -111,7 +111,8 @@ ASSUMPTIONS: dict[str, str] = {
     "charged per branch for the fraction of steps taking it; other conds: the dearest branch every step",
     "reference": "XLA reference = the compiler's optimal_seconds; when that is bytes alone, re-priced with each "
     "top-level op's operands and result once (as kernels are); plus extra passes of HIGH/HIGHEST f32 dots",
-    "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled",
+    "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled; a "
+    "gather or dynamic_slice reads only what it picks (at most its output's bytes of its operand)",
     "control_flow": "cond = most expensive branch; scan = body x length; while = body x trip count when it "
     "has counter form (fori_loop; in kernels the mean over grid steps of a grid-dependent bound), else once "
     "(flagged)",
@@ -1220,6 +1221,10 @@ class _ProgramWalk:
         if all(not getattr(a, "shape", ()) for a in avals):
             return  # scalar bookkeeping
         nbytes = float(sum(_nbytes(a) for a in avals if hasattr(a, "dtype")))
+        if eqn.primitive.name in ("gather", "dynamic_slice"):
+            # it reads the slices it picks, not its whole operand (a page table picks 8192 of 10240 pages)
+            operand, out = _nbytes(eqn.invars[0].aval), sum(_nbytes(v.aval) for v in eqn.outvars)
+            nbytes -= max(0, operand - out)
         t = nbytes / self.spec.device_hbm_bytes_per_s
         if eqn.primitive.name == "dot_general":
             t = max(t, _dot_work(eqn, self.spec).mxu_seconds)

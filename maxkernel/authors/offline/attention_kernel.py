@@ -187,6 +187,10 @@ class AttentionBuilder(Builder):
         self.mask_select: tuple[Any, Any] | None = None  # (masked value, its unmasked input), see block_mask
         pred = self.block_mask(info.logits if info.softmax else info.probs, "-inf" if info.softmax else "0")
         scheduled = pred is not None and self.plan_schedule(pred)
+        # a mask that reads an operand but is ANDed with a static one (ragged: same segment & causal): the grid
+        # walks the static part's live pairs and the whole mask, applied on every step, does the rest
+        partial = pred is not None and not scheduled and self.plan_static_conjunct(pred)
+        scheduled = scheduled or partial
         if pred is not None and not scheduled:
             self.plan_length_clamp(pred)
         step = f"pl.program_id({getattr(self, 'step_axis', 0)})"
@@ -247,7 +251,7 @@ class AttentionBuilder(Builder):
         pdt = dtype_name(pv.invars[info.probs_side].aval)
         v_var = pv.invars[1 - info.probs_side]
         outer = main
-        if pred is not None and not scheduled:
+        if pred is not None and (not scheduled or partial):
             pcode, _ = self.value(pred, self.score, main)
             main.add(f"live = jnp.any({pcode})  # key blocks the mask removes entirely are skipped")
             main.add("")
@@ -293,7 +297,7 @@ class AttentionBuilder(Builder):
                 main.add(f"    {pcode} = jnp.where(kv_pos < n_kv, {pcode}, 0)")
                 main.add(f"acc_ref[...] += {self.pv_product(pcode, pdt, v_var, vspace, main)}")
 
-        if scheduled and self.mask_select is not None:
+        if scheduled and not partial and self.mask_select is not None:
             # blocks wholly inside the mask skip its VPU work (iotas, compares, select): most live blocks of a
             # causal or banded mask; only blocks the mask cuts through run the masked version
             masked = f"(step_flags_ref[{step}] & 4) != 0"
@@ -522,6 +526,24 @@ class AttentionBuilder(Builder):
             "the grid figures above are the dense logical grid"
         )
         return True
+
+    def plan_static_conjunct(self, pred: Any) -> bool:
+        """Schedule on the static half of `static & dynamic` (a causal mask ANDed with a same-segment mask
+        read from segment ids): a pair the static half kills is dead whatever the operand says, so the
+        grid skips it (no fetch, no compute, no step); the live pairs still apply the whole mask."""
+        g = self.g
+        p = g.producer.get(self.strip_layout(pred))
+        if p is None or p not in set(self.region.eqns()) or g.eqns[p].primitive.name != "and":
+            return False
+        for w in g.eqns[p].invars:
+            if not is_literal(w) and self.plan_schedule(w):
+                self.notes.append(
+                    "the mask's static half decides which (q block, key block) pairs are stepped over; the part "
+                    "read from an operand is applied on every live pair (and skips the compute of blocks it "
+                    "removes entirely, pl.when)"
+                )
+                return True
+        return False
 
     def strip_layout(self, var: Any) -> Any:
         """The value under converts, broadcasts and reshapes computed in this region (same data per row)."""

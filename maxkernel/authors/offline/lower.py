@@ -188,6 +188,12 @@ class Lowering:
         if name == "reshape":
             if p.get("dimensions") is not None:
                 raise Unsupported("a reshape with a dimension permutation")
+            if is_literal(e.invars[0]):  # a scalar constant given a shape (jnp.repeat's zeros(1))
+                sizes = [
+                    self.resolve_int(list(d), local)
+                    for d in zip(*self.traces.shapes(e.outvars[0]), strict=True)
+                ]
+                return f"{x}.reshape({_tup(sizes) if sizes else '()'})"
             return f"{x}.reshape({self._reshape_sizes(e, local)})"
         if name == "broadcast_in_dim":
             out_shapes = self.traces.shapes(e.outvars[0])

@@ -82,7 +82,12 @@ def _eval(
         if f is not None:
             facts[v] = f
     casts = _CastMotion(jaxpr)
+    outer = _OuterBroadcasts()
     for eqn in jaxpr.eqns:
+        split = outer.apply(eqn, read, fact_of)
+        if split is not None:
+            env[eqn.outvars[0]] = split
+            continue
         known = _value_fact(eqn, [fact_of(v) for v in eqn.invars])
         if known is not None:
             facts[eqn.outvars[0]] = known
@@ -104,6 +109,37 @@ def _eval(
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+class _OuterBroadcasts:
+    """A 1-D integer vector broadcast along two different axes (`seg[:, None] == seg[None, :]`, the
+    same-segment mask of ragged attention) would tie the two axes together in the partition's axis classes,
+    though one is the query axis and the other the key axis. The second way of broadcasting it reads a
+    copy of the vector instead (a full-range slice: layout glue, a few KiB), so each axis gets its own
+    operand and a kernel reads one block of it per query block and one per key block."""
+
+    def __init__(self) -> None:
+        self.first: dict[Any, tuple[int, ...]] = {}
+
+    def apply(self, eqn: Any, read: Callable[[Any], Any], fact_of: Callable[[Any], str | None]) -> Any | None:
+        if eqn.primitive.name != "broadcast_in_dim" or isinstance(eqn.invars[0], jcore.Literal):
+            return None
+        if fact_of(eqn.invars[0]) is not None:
+            return None  # an iota (positions) is re-emitted in the kernel per block: no operand to tie
+        src = eqn.invars[0]
+        if len(src.aval.shape) != 1 or not np.issubdtype(np.dtype(src.aval.dtype), np.integer):
+            return None
+        dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
+        if len(eqn.outvars[0].aval.shape) < 2:
+            return None
+        seen = self.first.setdefault(src, dims)
+        if seen == dims:
+            return None
+        from jax import lax
+
+        x = read(src)
+        copy = lax.slice(x, (0,), (x.shape[0],))
+        return lax.broadcast_in_dim(copy, eqn.params["shape"], dims)
 
 
 LAYOUT_OPS = frozenset({"slice", "concatenate", "reshape", "transpose", "squeeze", "expand_dims", "rev"})
@@ -278,43 +314,110 @@ CUMULATIVE = {"cumsum": "sum", "cummax": "max", "cummin": "min"}
 """Cumulative ops rewritten as a masked reduction over a square of the scanned axis (see below)."""
 
 CUMULATIVE_MAX_LEN = 4096
-"""Longest scanned axis for that rewrite: each output element reads the whole axis (n² work), which is
-cheap next to the rest of a kernel for chunk-sized axes and group counts, and wasteful beyond."""
+"""Most chunks in the two-level rewrite (the chunk totals are scanned as one masked reduction)."""
+
+CUMULATIVE_CHUNK = 128
+"""Longest axis scanned as one masked reduction: each output element reads the whole axis (n² work), cheap
+for chunk-sized axes and group counts; a longer axis is scanned in chunks of this many elements."""
 
 
 def _cumulative_as_masked_reduce(x: Any, name: str, axis: int, reverse: bool) -> Any:
     """`cumsum(x, axis)[.., i, ..] = sum_j x[.., j, ..] * (j <= i)`: a broadcast, an iota mask and a
     reduction, which the kernel families already fuse into the kernel that produces or consumes `x` (a
-    prefix sum has no TPU vector primitive; a masked reduction over a VMEM-resident axis does)."""
+    prefix sum has no TPU vector primitive; a masked reduction over a VMEM-resident axis does).
+
+    A 1-D scan longer than CUMULATIVE_CHUNK (segment ids / offsets: `jnp.repeat` over 8192 tokens), or any
+    scan longer than CUMULATIVE_MAX_LEN, runs in two levels (`_cumulative_in_chunks`): n x c + (n/c)^2 work
+    instead of n^2. The switch is a fixed length, not a function of the shapes' ratio, so a task whose
+    configurations all lie on one side of it has the same operations in each (the author requires that); a
+    multi-dim scan (a chunked SSD's within-chunk cumsum) keeps the one-level form up to the old limit."""
+    n = x.shape[axis]
+    if n > (CUMULATIVE_CHUNK if x.ndim == 1 else CUMULATIVE_MAX_LEN):
+        return _cumulative_in_chunks(x, name, axis, reverse)
+    return _masked_prefix(x, name, axis, reverse, strict=False)
+
+
+def _identity_of(x: Any, name: str) -> Any:
+    """The value a cumulative `name` ignores (0 for a sum, the dtype's lowest for a max, highest for a min)."""
+    import jax.numpy as jnp
+
+    if name == "cumsum":
+        return np.zeros((), x.dtype)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return np.asarray(-np.inf if name == "cummax" else np.inf, x.dtype)
+    info = jnp.iinfo(x.dtype)
+    return np.asarray(info.min if name == "cummax" else info.max, x.dtype)
+
+
+def _masked_prefix(x: Any, name: str, axis: int, reverse: bool, *, strict: bool) -> Any:
+    """The masked-reduction prefix along `axis` (inclusive, or exclusive when `strict`)."""
     import jax.numpy as jnp
     from jax import lax
 
     n = x.shape[axis]
-    if n > CUMULATIVE_MAX_LEN:
-        raise Unsupported(
-            f"a cumulative {CUMULATIVE[name]} along an axis of {n} elements (at most {CUMULATIVE_MAX_LEN})"
-        )
     rank = x.ndim
     i = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     j = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-    mask = (j >= i) if reverse else (j <= i)  # [i, j]: does x[j] count towards out[i]
+    if strict:
+        mask = (j > i) if reverse else (j < i)
+    else:
+        mask = (j >= i) if reverse else (j <= i)  # [i, j]: does x[j] count towards out[i]
     shape = (*x.shape[:axis], n, n, *x.shape[axis + 1 :])
     # lax, not jnp.where: the flattened jaxpr must not gain calls (jnp.where is a jitted function)
     mask = lax.broadcast_in_dim(mask, shape, (axis, axis + 1))
     xj = lax.broadcast_in_dim(
         x, shape, tuple(d if d < axis else d + 1 for d in range(rank))
     )  # [.., i, j, ..]
+    ident = _identity_of(x, name)
+    masked = lax.select(mask, xj, lax.full(shape, ident, x.dtype))
     if name == "cumsum":
-        fill = jnp.zeros(shape, x.dtype)
-        return lax.reduce(lax.select(mask, xj, fill), np.zeros((), x.dtype), lax.add, (axis + 1,))
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        value = -np.inf if name == "cummax" else np.inf
-    else:
-        info = jnp.iinfo(x.dtype)
-        value = info.min if name == "cummax" else info.max
-    fill = jnp.full(shape, value, x.dtype)
-    masked = lax.select(mask, xj, fill)
+        return lax.reduce(masked, ident, lax.add, (axis + 1,))
     return lax.reduce_max(masked, (axis + 1,)) if name == "cummax" else lax.reduce_min(masked, (axis + 1,))
+
+
+def _cumulative_in_chunks(x: Any, name: str, axis: int, reverse: bool) -> Any:
+    """A long cumulative op as two short ones: the axis (padded with the identity to a whole number of
+    chunks of c ~ sqrt(n)) is split into [n/c, c]; each chunk is scanned on its own (a masked reduction over
+    c), and the chunk totals are scanned exclusively (over n/c) and combined into every element of the
+    later (earlier, when reversed) chunks."""
+    from jax import lax
+
+    n = x.shape[axis]
+    c = CUMULATIVE_CHUNK
+    chunks = -(-n // c)
+    if chunks > CUMULATIVE_MAX_LEN:
+        raise Unsupported(
+            f"a cumulative {CUMULATIVE[name]} along an axis of {n} elements "
+            f"(at most {CUMULATIVE_MAX_LEN * c} in chunks of {c})"
+        )
+    ident = _identity_of(x, name)
+    # always a pad and a slice (of nothing when c divides n): the same operations at every n
+    cfg = [(0, 0, 0)] * x.ndim
+    cfg[axis] = (0, chunks * c - n, 0)
+    x = lax.pad(x, ident, cfg)
+    split = (*x.shape[:axis], chunks, c, *x.shape[axis + 1 :])
+    xs = lax.reshape(x, split)
+    inner = _masked_prefix(xs, name, axis + 1, reverse, strict=False)  # [.., chunks, c, ..]
+    if name == "cumsum":
+        totals = lax.reduce(xs, ident, lax.add, (axis + 1,))
+    elif name == "cummax":
+        totals = lax.reduce_max(xs, (axis + 1,))
+    else:
+        totals = lax.reduce_min(xs, (axis + 1,))
+    # the chunk totals are scanned from a copy (a full-range slice: layout glue): read straight from `xs`,
+    # the scanned copy's chunk axis and the chunk axis it is combined into would be one axis to the
+    # partitioner, and the mask between them would vanish
+    totals = lax.slice(totals, (0,) * totals.ndim, totals.shape)
+    before = _masked_prefix(totals, name, axis, reverse, strict=True)  # [.., chunks, ..]
+    before = lax.broadcast_in_dim(before, split, tuple(d if d <= axis else d + 1 for d in range(totals.ndim)))
+    if name == "cumsum":
+        out = inner + before
+    elif name == "cummax":
+        out = lax.max(inner, before)
+    else:
+        out = lax.min(inner, before)
+    out = lax.reshape(out, x.shape)
+    return lax.slice_in_dim(out, 0, n, axis=axis)
 
 
 SCATTER_MAX_ELEMS = 1 << 24
@@ -1173,6 +1276,10 @@ def _candidates(integer: bool, atoms: list[Atom]) -> Any:
                 f"{a.code} * {b.code} * {c.code}",
                 tuple(x * y * z for x, y, z in zip(a.values, b.values, c.values, strict=True)),
             )
+        # padding up to a whole number of chunks (the two-level cumulative rewrite): last, so it never
+        # shadows a form above
+        for a in dims:
+            yield f"-{a.code} % {CUMULATIVE_CHUNK}", tuple(-int(x) % CUMULATIVE_CHUNK for x in a.values)
         return
     unary: list[tuple[str, Callable[[float], float]]] = [
         ("float({a})", lambda x: x),
