@@ -133,3 +133,20 @@ def test_block_model_sees_only_causal_live_pairs(work: Path) -> None:
     closed = jax.make_jaxpr(lambda q, k, v, n: mod.computation(q, k, v, n, d**-0.5))(x, x, x, lens)  # type: ignore[attr-defined]
     (call,) = [c for c in estimate_pallas(closed, "v5e").pallas_calls if "attention" in c.name]
     assert call.est_grid_steps == h * live, (call.grid, live)
+
+
+def test_a_scan_on_both_sides_of_the_chunk_length_is_one_program() -> None:
+    """The task's own length (2048) picks the two-level form and the validation length (64) replays it:
+    one structure, so the author does not refuse a task whose CPU-scale scan is short (each trace deciding
+    for itself gave two programs); both traces still compute the prefix sum."""
+
+    def computation(x: jax.Array) -> jax.Array:
+        return jnp.cumsum(x) * 2
+
+    configs = [trace.Config(dynamic=[((n,), "int32")], static=[]) for n in (2048, 64)]
+    traces = trace.trace_reference(computation, configs, ["x"])
+    assert trace.structure(traces.primary) == trace.structure(traces.others[0])
+    for closed, n in ((traces.primary, 2048), (traces.others[0], 64)):
+        x = jax.random.randint(jax.random.key(n), (n,), -50, 50).astype(jnp.int32)
+        (got,) = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, x)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.cumsum(x) * 2))

@@ -328,11 +328,13 @@ def _cumulative_as_masked_reduce(x: Any, name: str, axis: int, reverse: bool) ->
 
     A 1-D scan longer than CUMULATIVE_CHUNK (segment ids / offsets: `jnp.repeat` over 8192 tokens), or any
     scan longer than CUMULATIVE_MAX_LEN, runs in two levels (`_cumulative_in_chunks`): n x c + (n/c)^2 work
-    instead of n^2. The switch is a fixed length, not a function of the shapes' ratio, so a task whose
-    configurations all lie on one side of it has the same operations in each (the author requires that); a
-    multi-dim scan (a chunked SSD's within-chunk cumsum) keeps the one-level form up to the old limit."""
+    instead of n^2. The task's own shapes decide, and the validation shapes replay the choice
+    (`SIZE_DECISIONS`), so a scan of 64 at validation and 2048 on the TPU is one program; a multi-dim scan
+    (a chunked SSD's within-chunk cumsum) keeps the one-level form up to the old limit."""
     n = x.shape[axis]
-    if n > (CUMULATIVE_CHUNK if x.ndim == 1 else CUMULATIVE_MAX_LEN):
+    if SIZE_DECISIONS.decide(
+        "chunked_scan", lambda: n > (CUMULATIVE_CHUNK if x.ndim == 1 else CUMULATIVE_MAX_LEN)
+    ):
         return _cumulative_in_chunks(x, name, axis, reverse)
     return _masked_prefix(x, name, axis, reverse, strict=False)
 
@@ -889,33 +891,49 @@ def direct_conv_ok(
 
 
 @dataclass
-class _DirectConv:
-    """Set by `trace_reference(direct_conv=True)`: convolutions `direct_conv_ok` accepts stay one primitive
-    (the conv family's kernel) instead of becoming patches + a matmul. The first (TPU-scale) trace decides
-    for each convolution in order, and the other configurations replay those decisions, so every trace has
-    the same structure."""
+class _SizeDecisions:
+    """Rewrites whose form depends on sizes (keep a convolution whole for the conv family? scan a long axis
+    in chunks?) are decided once, by the first trace (the task's own shapes), and the other configurations
+    (validation shapes) replay those decisions in order, so every trace has the same structure: a choice
+    made per trace would give a task whose sizes fall on both sides of a threshold two different programs,
+    which the author refuses."""
 
-    enabled: bool = False
-    decisions: list[bool] = field(default_factory=list)
+    decisions: list[tuple[str, Any]] = field(default_factory=list)
     replay: bool = False
     position: int = 0
+    direct_conv: bool = False
+    """Set by `trace_reference(direct_conv=True)`: convolutions `direct_conv_ok` accepts stay one primitive
+    (the conv family's kernel) instead of becoming patches + a matmul."""
+
+    def reset(self, *, direct_conv: bool) -> None:
+        self.decisions, self.replay, self.position, self.direct_conv = [], False, 0, direct_conv
+
+    def start_trace(self, *, replay: bool) -> None:
+        self.replay, self.position = replay, 0
+
+    def decide(self, kind: str, choose: Callable[[], Any]) -> Any:
+        if self.replay:
+            if self.position < len(self.decisions) and self.decisions[self.position][0] == kind:
+                self.position += 1
+                return self.decisions[self.position - 1][1]
+            return choose()  # one the first trace did not make: the structures differ anyway (refused)
+        value = choose()
+        self.decisions.append((kind, value))
+        return value
 
 
-DIRECT_CONV = _DirectConv()
+SIZE_DECISIONS = _SizeDecisions()
 
 
 def _direct_conv_decision(eqn: Any, ins: list[Any]) -> bool:
-    d = DIRECT_CONV
-    if not d.enabled:
+    if not SIZE_DECISIONS.direct_conv:
         return False
-    if d.replay:
-        if d.position >= len(d.decisions):
-            return False  # a convolution the primary trace did not have: the structures differ anyway
-        d.position += 1
-        return d.decisions[d.position - 1]
-    ok = direct_conv_ok(eqn.params, tuple(ins[0].shape), np.dtype(ins[0].dtype).itemsize, tuple(ins[1].shape))
-    d.decisions.append(ok)
-    return ok
+    return SIZE_DECISIONS.decide(
+        "direct_conv",
+        lambda: direct_conv_ok(
+            eqn.params, tuple(ins[0].shape), np.dtype(ins[0].dtype).itemsize, tuple(ins[1].shape)
+        ),
+    )
 
 
 def _conv_as_patches(x: Any, w: Any, params: dict[str, Any]) -> Any:
@@ -1118,17 +1136,20 @@ def trace_reference(
     REWRITTEN.clear()
     PERMUTATIONS.clear()
     GROUPS.clear()
-    DIRECT_CONV.enabled, DIRECT_CONV.decisions, DIRECT_CONV.replay = direct_conv, [], False
+    SIZE_DECISIONS.reset(direct_conv=direct_conv)
     closed = []
-    for cfg in configs:
-        specs = [jax.ShapeDtypeStruct(s, np.dtype(_np_dtype(d))) for s, d in cfg.dynamic]
-        statics = list(cfg.static)
+    try:
+        for cfg in configs:
+            specs = [jax.ShapeDtypeStruct(s, np.dtype(_np_dtype(d))) for s, d in cfg.dynamic]
+            statics = list(cfg.static)
 
-        def fn(*dyn: Any, _statics: list[Any] = statics) -> Any:
-            return computation(*dyn, *_statics)
+            def fn(*dyn: Any, _statics: list[Any] = statics) -> Any:
+                return computation(*dyn, *_statics)
 
-        DIRECT_CONV.replay, DIRECT_CONV.position = bool(closed), 0
-        closed.append(flatten(fn, specs))
+            SIZE_DECISIONS.start_trace(replay=bool(closed))
+            closed.append(flatten(fn, specs))
+    finally:
+        SIZE_DECISIONS.reset(direct_conv=False)  # a rewrite used outside a trace decides for itself
     first = structure(closed[0])
     keep = [closed[0]]
     for c in closed[1:]:
