@@ -1,0 +1,167 @@
+"""The block model and scalar prefetch (issue 12): with the task's own small integer inputs, index maps and
+`pl.when` guards that read scalar prefetch are replayed step by step, so fetches a clamped index map skips
+(the block index repeats: the pipeline issues no copy) and compute a guard skips are not charged; without
+the values the model keeps its labelled upper bound. Small shapes, no execution of the kernels needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from maxkernel.authors.base import TileConfig
+from maxkernel.authors.offline.lower import lower_program
+from maxkernel.authors.offline.render import render
+from maxkernel.authors.offline.trace import Config, trace_reference
+from maxkernel.authors.offline.tuning import default_config
+from maxkernel.tools import taskcode
+from maxkernel.tools.estimate import estimate_pallas
+
+SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "suite"
+BLOCK = (8, 128)
+
+
+def _double_valid_rows(x, lengths):
+    """x * 2 over the first sum(lengths) rows (in whole row blocks), zeros after: the row-block index map
+    is clamped to the last block holding valid rows, and the compute is guarded by `pl.when`."""
+    n_blocks = x.shape[0] // BLOCK[0]
+    n_valid = jnp.sum(lengths).astype(jnp.int32).reshape(1)  # an XLA op between input and prefetch
+
+    def last_block(n_ref):
+        return jnp.maximum(lax.div(n_ref[0] + BLOCK[0] - 1, BLOCK[0]) - 1, 0)
+
+    def x_index_map(i, n_ref):
+        return (jnp.minimum(i, last_block(n_ref)), 0)
+
+    def out_index_map(i, n_ref):
+        return (i, 0)
+
+    def kernel(n_ref, x_ref, o_ref):
+        i = pl.program_id(0)
+
+        @pl.when(i <= last_block(n_ref))
+        def _work():
+            o_ref[...] = jnp.exp(x_ref[...]) * 2.0
+
+        @pl.when(i > last_block(n_ref))
+        def _zero():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(n_blocks,),
+            in_specs=[pl.BlockSpec(BLOCK, x_index_map)],
+            out_specs=pl.BlockSpec(BLOCK, out_index_map),
+        ),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    )(n_valid, x)
+
+
+@pytest.mark.parametrize(("lengths", "n_rows"), [([20, 4, 0], 64), ([3], 40), ([40, 80], 120)])
+def test_clamped_prefetch_index_map_and_guard_are_credited(lengths, n_rows) -> None:
+    specs = (
+        jax.ShapeDtypeStruct((n_rows, 128), jnp.float32),
+        jax.ShapeDtypeStruct((len(lengths),), jnp.int32),
+    )
+    closed = jax.make_jaxpr(_double_valid_rows)(*specs)
+    n_blocks = n_rows // BLOCK[0]
+    needed = min(n_blocks, max(1, -(-sum(lengths) // BLOCK[0])))  # row blocks holding valid rows
+
+    blind = estimate_pallas(closed, "v5e").pallas_calls[0]
+    seen = estimate_pallas(closed, "v5e", {1: np.array(lengths, np.int32)}).pallas_calls[0]
+
+    # Without the values: every step counted as a fetch, the dearer branch every step; both flagged.
+    assert blind.operands[0].est_transfers == n_blocks and not blind.operands[0].index_map_exact
+    assert any("upper bound" in n for n in blind.notes)
+    # With them: exactly the blocks the clamped map asks for, and the exp only on the guarded steps.
+    assert seen.operands[0].est_transfers == needed
+    assert any("task's own prefetch values" in n for n in seen.notes)
+    per_step_exp = BLOCK[0] * BLOCK[1]
+    assert seen.est_transcendentals == pytest.approx(needed * per_step_exp)
+    assert blind.est_transcendentals == pytest.approx(n_blocks * per_step_exp)
+    assert seen.operands[1].est_transfers == n_blocks  # every output block is still written
+
+
+def _grouped(lhs, rhs, group_sizes):
+    return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+
+def _group_spans(sizes: list[int], m: int, bm: int) -> list[tuple[int, int]]:
+    """(first, last) group each row block must visit: every group holding at least one of its rows (an
+    empty group between two of them costs a visit too: the kernel walks the span)."""
+    ends = np.cumsum(sizes)
+    starts = ends - np.array(sizes)
+    spans = []
+    for b in range(-(-m // bm)):
+        lo, hi = b * bm, (b + 1) * bm
+        first = min(int(np.sum(ends <= lo)), len(sizes) - 1)
+        last = min(max(int(np.sum(starts < hi)) - 1, first), len(sizes) - 1)
+        spans.append((first, last))
+    return spans
+
+
+def _rhs_fetches(spans: list[tuple[int, int]], n_n: int, n_groups: int, n_k: int) -> int:
+    """Copies of rhs blocks a TPU pipeline issues: grid (M, N, group step, K), a new copy only where the
+    (group, K, N) block index differs from the previous step's (steps past a block's last group repeat it)."""
+    seq = []
+    for first, last in spans:
+        for j in range(n_n):
+            for step in range(n_groups):
+                for kk in range(n_k):
+                    active = first + step <= last
+                    seq.append((min(first + step, last), kk if active else n_k - 1, j))
+    return 1 + sum(a != b for a, b in zip(seq, seq[1:], strict=False))
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "sizes", "bm"),
+    [(512, 256, 256, [100, 0, 300, 112], 128), (400, 136, 200, [50, 7, 37, 306], 64)],
+)
+def test_grouped_matmul_is_priced_from_its_group_sizes(m, k, n, sizes, bm) -> None:
+    """The generated grouped matmul at small shapes: with the group sizes, the model charges the MXU for
+    the (row block, group) pairs the kernel really visits and fetches rhs[g] only for them."""
+    g = len(sizes)
+    specs = [((m, k), "bfloat16"), ((g, k, n), "bfloat16"), ((g,), "int32")]
+    program = lower_program(
+        trace_reference(_grouped, [Config(dynamic=specs, static=[])], ["lhs", "rhs", "group_sizes"]), "t"
+    )
+    vals = default_config(program, ["v5e", "v6e"]).as_dict()
+    vals.update({key: bm for key in vals if key.endswith("block_m")})
+    src = render(program, TileConfig.of(vals), ["v5e", "v6e"])
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    closed = jax.make_jaxpr(ns["computation"])(*(jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in specs))
+
+    blind = estimate_pallas(closed, "v5e").pallas_calls[0]
+    seen = estimate_pallas(closed, "v5e", {2: np.array(sizes, np.int32)}).pallas_calls[0]
+    n_k = blind.grid[-1]
+    n_n = blind.grid[1]
+    spans = _group_spans(sizes, m, bm)
+    pairs = sum(last - first + 1 for first, last in spans)
+    _, bk = blind.operands[0].block_shape
+    bn = blind.operands[1].block_shape[-1]
+    step_flops = 2.0 * bm * bk * bn  # one guarded MXU step: [bm, bk] x [bk, bn]
+    assert seen.est_mxu_flops == pytest.approx(pairs * n_k * n_n * step_flops)
+    assert seen.operands[1].est_transfers == _rhs_fetches(spans, n_n, g, n_k)
+    assert seen.operands[0].est_transfers <= pairs * n_k * n_n < blind.operands[0].est_transfers
+    assert blind.est_mxu_flops == pytest.approx(blind.est_grid_steps * step_flops)  # every step, unpriced
+    assert seen.estimated_seconds < blind.estimated_seconds
+
+
+def test_small_integer_inputs_are_read_without_building_the_big_ones() -> None:
+    """The suite's grouped matmul at its own (TPU) scale: 256 MiB of operands that jit's dead-code
+    elimination never computes; the group sizes come back and sum to the row count."""
+    ref = taskcode.Reference.of_task({"path": str(SUITE / "op_grouped_matmul"), "format": "maxkernel",
+                                      "reference_path": str(SUITE / "op_grouped_matmul" / "reference.py")})  # fmt: skip
+    (values,) = taskcode.small_int_inputs(ref, "tpu")
+    assert set(values) == {2}
+    sizes = np.array(values[2])
+    assert sizes.shape == (8,) and sizes.min() >= 0 and sizes.sum() == 16384
