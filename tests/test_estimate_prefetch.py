@@ -21,7 +21,7 @@ from maxkernel.authors.offline.render import render
 from maxkernel.authors.offline.trace import Config, trace_reference
 from maxkernel.authors.offline.tuning import default_config
 from maxkernel.tools import taskcode
-from maxkernel.tools.estimate import estimate_pallas
+from maxkernel.tools.estimate import estimate_pallas, topology_device
 
 SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "suite"
 BLOCK = (8, 128)
@@ -94,40 +94,35 @@ def _grouped(lhs, rhs, group_sizes):
     return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
 
 
-def _group_spans(sizes: list[int], m: int, bm: int) -> list[tuple[int, int]]:
-    """(first, last) group each row block must visit: every group holding at least one of its rows (an
-    empty group between two of them costs a visit too: the kernel walks the span)."""
-    ends = np.cumsum(sizes)
-    starts = ends - np.array(sizes)
-    spans = []
-    for b in range(-(-m // bm)):
-        lo, hi = b * bm, (b + 1) * bm
-        first = min(int(np.sum(ends <= lo)), len(sizes) - 1)
-        last = min(max(int(np.sum(starts < hi)) - 1, first), len(sizes) - 1)
-        spans.append((first, last))
-    return spans
+def _visits(sizes: list[int], m: int, bm: int) -> list[tuple[int, int, bool]]:
+    """(group, row block, computes) of each live visit of the grouped matmul: every (group, row block) pair
+    the group has rows in, in group order, then each row block past the last group's rows (zeros only)."""
+    n_m = -(-m // bm)
+    out, start = [], 0
+    for g, size in enumerate(sizes):
+        if size:
+            out += [(g, b, True) for b in range(start // bm, (start + size - 1) // bm + 1)]
+        start += size
+    out += [(len(sizes) - 1, b, False) for b in range(-(-start // bm), n_m)]
+    return out
 
 
-def _rhs_fetches(spans: list[tuple[int, int]], n_n: int, n_groups: int, n_k: int) -> int:
-    """Copies of rhs blocks a TPU pipeline issues: grid (M, N, group step, K), a new copy only where the
-    (group, K, N) block index differs from the previous step's (steps past a block's last group repeat it)."""
-    seq = []
-    for first, last in spans:
-        for j in range(n_n):
-            for step in range(n_groups):
-                for kk in range(n_k):
-                    active = first + step <= last
-                    seq.append((min(first + step, last), kk if active else n_k - 1, j))
+def _fetches(seq: list[tuple[int, ...]]) -> int:
+    """Copies a TPU pipeline issues for a block-index sequence: one where the index differs from the last."""
     return 1 + sum(a != b for a, b in zip(seq, seq[1:], strict=False))
 
 
 @pytest.mark.parametrize(
-    ("m", "k", "n", "sizes", "bm"),
-    [(512, 256, 256, [100, 0, 300, 112], 128), (400, 136, 200, [50, 7, 37, 306], 64)],
+    ("m", "k", "n", "sizes", "bm", "bn"),
+    [
+        (512, 256, 256, [100, 0, 300, 112], 128, 256),
+        (400, 136, 300, [0, 50, 7, 37, 200, 0], 64, 128),  # empty first/last groups; rows past the last
+    ],
 )
-def test_grouped_matmul_is_priced_from_its_group_sizes(m, k, n, sizes, bm) -> None:
-    """The generated grouped matmul at small shapes: with the group sizes, the model charges the MXU for
-    the (row block, group) pairs the kernel really visits and fetches rhs[g] only for them."""
+def test_grouped_matmul_is_priced_from_its_group_sizes(m, k, n, sizes, bm, bn) -> None:
+    """The generated grouped matmul at small shapes: its grid walks (N block, visit, K block) with at most
+    M/bm + groups - 1 visits; with the group sizes the model charges the MXU only for the visits that
+    compute and counts exactly the copies the repeated block indices leave out."""
     g = len(sizes)
     specs = [((m, k), "bfloat16"), ((g, k, n), "bfloat16"), ((g,), "int32")]
     program = lower_program(
@@ -135,6 +130,8 @@ def test_grouped_matmul_is_priced_from_its_group_sizes(m, k, n, sizes, bm) -> No
     )
     vals = default_config(program, ["v5e", "v6e"]).as_dict()
     vals.update({key: bm for key in vals if key.endswith("block_m")})
+    vals.update({key: bn for key in vals if key.endswith("block_n")})
+    vals.update({key: 128 for key in vals if key.endswith("block_k")})
     src = render(program, TileConfig.of(vals), ["v5e", "v6e"])
     ns: dict = {}
     exec(compile(src, "generated", "exec"), ns)
@@ -142,18 +139,64 @@ def test_grouped_matmul_is_priced_from_its_group_sizes(m, k, n, sizes, bm) -> No
 
     blind = estimate_pallas(closed, "v5e").pallas_calls[0]
     seen = estimate_pallas(closed, "v5e", {2: np.array(sizes, np.int32)}).pallas_calls[0]
-    n_k = blind.grid[-1]
-    n_n = blind.grid[1]
-    spans = _group_spans(sizes, m, bm)
-    pairs = sum(last - first + 1 for first, last in spans)
-    _, bk = blind.operands[0].block_shape
-    bn = blind.operands[1].block_shape[-1]
-    step_flops = 2.0 * bm * bk * bn  # one guarded MXU step: [bm, bk] x [bk, bn]
-    assert seen.est_mxu_flops == pytest.approx(pairs * n_k * n_n * step_flops)
-    assert seen.operands[1].est_transfers == _rhs_fetches(spans, n_n, g, n_k)
-    assert seen.operands[0].est_transfers <= pairs * n_k * n_n < blind.operands[0].est_transfers
-    assert blind.est_mxu_flops == pytest.approx(blind.est_grid_steps * step_flops)  # every step, unpriced
+    n_n, n_t, n_k = blind.grid
+    n_m = -(-m // bm)
+    assert n_t == n_m + g - 1  # the visit axis, not row blocks x groups
+    visits = _visits(sizes, m, bm)
+    dead = [visits[-1]] * (n_t - len(visits))  # repeat the last live visit
+    lhs_seq, rhs_seq = [], []
+    for j in range(n_n):
+        for t, (group, block, _) in enumerate(visits + dead):
+            for kk in range(n_k):
+                k_eff = kk if t < len(visits) else n_k - 1
+                lhs_seq.append((block, k_eff))
+                rhs_seq.append((group, k_eff, j))
+    assert seen.operands[0].est_transfers == _fetches(lhs_seq)
+    assert seen.operands[1].est_transfers == _fetches(rhs_seq)
+    assert blind.operands[1].est_transfers == blind.est_grid_steps  # labelled upper bound without sizes
+    step_flops = 2.0 * bm * 128 * bn  # one guarded MXU step: [bm, bk] x [bk, bn]
+    computing = sum(1 for *_, works in visits if works)
+    assert seen.est_mxu_flops == pytest.approx(computing * n_k * n_n * step_flops)
+    assert blind.est_mxu_flops == pytest.approx(blind.est_grid_steps * step_flops)
     assert seen.estimated_seconds < blind.estimated_seconds
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "sizes", "bm", "bn"),
+    [
+        (256, 256, 256, [64, 0, 100, 92], 64, 128),  # aligned; an empty group; groups straddling blocks
+        (300, 200, 300, [0, 45, 0, 100, 64, 0], 32, 128),  # odd; empty first/last; 91 rows in no group
+        (96, 128, 128, [0, 0, 0], 32, 128),  # no rows in any group: all zeros
+    ],
+)
+def test_grouped_matmul_visits_are_correct_and_compile(m, k, n, sizes, bm, bn) -> None:
+    """Several N and K blocks, row blocks shared by up to three groups, rows in no group: interpret mode
+    against lax.ragged_dot, then an ahead-of-time Mosaic compile for v5e and v6e."""
+    g = len(sizes)
+    specs = [((m, k), "float32"), ((g, k, n), "float32"), ((g,), "int32")]
+    program = lower_program(
+        trace_reference(_grouped, [Config(dynamic=specs, static=[])], ["lhs", "rhs", "group_sizes"]), "t"
+    )
+    vals = default_config(program, ["v5e", "v6e"]).as_dict()
+    vals.update({key: bm for key in vals if key.endswith("block_m")})
+    vals.update({key: bn for key in vals if key.endswith("block_n")})
+    vals.update({key: 128 for key in vals if key.endswith("block_k")})
+    src = render(program, TileConfig.of(vals), ["v5e", "v6e"])
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    kernel = ns["computation"]
+    rng = np.random.default_rng(3)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    rhs = (rng.standard_normal((g, k, n)) * k**-0.5).astype(np.float32)
+    group_sizes = np.array(sizes, np.int32)
+    with pltpu.force_tpu_interpret_mode():
+        got = np.asarray(kernel(lhs, rhs, group_sizes))
+    want = np.asarray(_grouped(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)))
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=1e-2)
+    for gen in ("v5e", "v6e"):
+        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
+        avals = [jax.ShapeDtypeStruct(s, jnp.dtype(d), sharding=sharding) for s, d in specs]
+        jax.jit(kernel).trace(*avals).lower().compile()
 
 
 def test_small_integer_inputs_are_read_without_building_the_big_ones() -> None:
