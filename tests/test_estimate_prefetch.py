@@ -117,6 +117,7 @@ def _fetches(seq: list[tuple[int, ...]]) -> int:
     [
         (512, 256, 256, [100, 0, 300, 112], 128, 256),
         (400, 136, 300, [0, 50, 7, 37, 200, 0], 64, 128),  # empty first/last groups; rows past the last
+        (1100, 128, 256, [100, 300, 0, 150, 500], 512, 128),  # 256-row chunks: partial visits skip some
     ],
 )
 def test_grouped_matmul_is_priced_from_its_group_sizes(m, k, n, sizes, bm, bn) -> None:
@@ -154,10 +155,16 @@ def test_grouped_matmul_is_priced_from_its_group_sizes(m, k, n, sizes, bm, bn) -
     assert seen.operands[0].est_transfers == _fetches(lhs_seq)
     assert seen.operands[1].est_transfers == _fetches(rhs_seq)
     assert blind.operands[1].est_transfers == blind.est_grid_steps  # labelled upper bound without sizes
-    step_flops = 2.0 * bm * 128 * bn  # one guarded MXU step: [bm, bk] x [bk, bn]
-    computing = sum(1 for *_, works in visits if works)
-    assert seen.est_mxu_flops == pytest.approx(computing * n_k * n_n * step_flops)
-    assert blind.est_mxu_flops == pytest.approx(blind.est_grid_steps * step_flops)
+    chunk = 256 if bm % 256 == 0 else bm  # the kernel's guarded MXU chunk of rows
+    chunk_flops = 2.0 * chunk * 128 * bn  # one guarded chunk: [chunk, bk] x [bk, bn]
+    ends = np.cumsum(sizes)
+    computing = 0  # (visit, chunk) pairs whose rows meet the visit's group
+    for group, block, works in visits:
+        for c in range(bm // chunk):
+            lo = block * bm + c * chunk
+            computing += works and ends[group] - sizes[group] < lo + chunk and ends[group] > lo
+    assert seen.est_mxu_flops == pytest.approx(computing * n_k * n_n * chunk_flops)
+    assert blind.est_mxu_flops == pytest.approx(blind.est_grid_steps * bm // chunk * chunk_flops)
     assert seen.estimated_seconds < blind.estimated_seconds
 
 
@@ -167,6 +174,7 @@ def test_grouped_matmul_is_priced_from_its_group_sizes(m, k, n, sizes, bm, bn) -
         (256, 256, 256, [64, 0, 100, 92], 64, 128),  # aligned; an empty group; groups straddling blocks
         (300, 200, 300, [0, 45, 0, 100, 64, 0], 32, 128),  # odd; empty first/last; 91 rows in no group
         (96, 128, 128, [0, 0, 0], 32, 128),  # no rows in any group: all zeros
+        (1100, 128, 128, [100, 300, 0, 150, 500], 512, 128),  # 256-row MXU chunks, each under its own guard
     ],
 )
 def test_grouped_matmul_visits_are_correct_and_compile(m, k, n, sizes, bm, bn) -> None:

@@ -135,11 +135,19 @@ def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups, n
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(live & (row1 > row0))
-    def _accumulate():
-        rows = block * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-        lhs_blk = jnp.where((rows >= row0) & (rows < row1), lhs_ref[...], 0)  # other groups' rows -> 0
-        acc_ref[...] += jnp.dot(lhs_blk, rhs_ref[...], preferred_element_type=jnp.float32{prec})
+    # The MXU work goes in row chunks, each under its own guard: a visit of a row block the group only
+    # partly covers multiplies only the chunks holding its rows.
+    row_chunk = 256  # a multiple of every sublane tile
+    chunk = bm if bm % row_chunk else row_chunk
+    for c in range(bm // chunk):
+        lo = block * bm + c * chunk  # first row of the chunk
+
+        @pl.when(live & (row0 < lo + chunk) & (row1 > lo))
+        def _accumulate(c=c, lo=lo):
+            rows = lo + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+            part = pl.ds(c * chunk, chunk)
+            lhs_blk = jnp.where((rows >= row0) & (rows < row1), lhs_ref[part, :], 0)  # other groups' rows -> 0
+            acc_ref[part, :] += jnp.dot(lhs_blk, rhs_ref[...], preferred_element_type=jnp.float32{prec})
 
     @pl.when(live & last_visit & (k_index == n_k - 1))
     def _store():
