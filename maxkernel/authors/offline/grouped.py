@@ -73,63 +73,53 @@ class GroupedMatmulBuilder(KernelBuilder):
         ln, rn, sn = names
         lsub = SUBLANE.get(lhs.aval.dtype.itemsize, 8)
         prec = precision_arg(e)
-        code = f'''def {s}_visit_count(sizes_ref, *, bm, n_groups, n_m):
-    """Visits of the grid's visit axis that do work: one per (group, row block) pair the group has rows
-    in, then one per row block past the last group's rows (those rows stay zero)."""
+        code = f'''def {s}_visit(t_index, sizes_ref, *, bm, n_groups, n_m):
+    """(group, row block, first row, end row, live, first visit of the block, last visit of the block) of
+    visit `t_index`, in one pass over the group sizes (scalar work, once per grid step and index map).
 
-    def count(j, carry):
-        start, seen = carry
+    Visits walk the groups in order and, within a group, the row blocks it has rows in, so a row block
+    split between groups is visited once per group back to back (its output tile stays in VMEM between
+    them); then one visit per row block past the last group's rows (no rows: zeros). Visits past the last
+    live one repeat it (live False): their block indices do not change, so the pipeline copies nothing."""
+
+    def find(j, carry):
+        start, before, group, block, row0, row1, last_group, last_block = carry
         size = sizes_ref[j]
         end = start + size
         # rows are non-negative: truncating division is floor division without the sign fix-up
-        n_vis = jnp.where(size > 0, lax.div(end - 1, jnp.int32(bm)) - lax.div(start, jnp.int32(bm)) + 1, 0)
-        return end, seen + n_vis
-
-    total, seen = lax.fori_loop(0, n_groups, count, (0, 0))
-    covered = lax.div(total + bm - 1, jnp.int32(bm))
-    return seen, covered, seen + jnp.maximum(n_m - covered, 0)
-
-
-def {s}_visit(t_index, sizes_ref, *, bm, n_groups, n_m):
-    """(group, row block, first row, end row, live) of visit `t_index`. Visits walk the groups in order and,
-    within a group, the row blocks it has rows in, so a row block split between groups is visited once per
-    group back to back (its output tile stays in VMEM between them). Visits past the last live one repeat
-    it (live False): their block indices do not change, so the pipeline copies nothing for them."""
-    seen, covered, n_visits = {s}_visit_count(sizes_ref, bm=bm, n_groups=n_groups, n_m=n_m)
-    live = t_index < n_visits
-    t = jnp.minimum(t_index, n_visits - 1)
-
-    def find(j, carry):
-        start, before, group, block, row0, row1 = carry
-        size = sizes_ref[j]
-        end = start + size
         first = lax.div(start, jnp.int32(bm))
         n_vis = jnp.where(size > 0, lax.div(end - 1, jnp.int32(bm)) - first + 1, 0)
-        hit = (t >= before) & (t < before + n_vis)
+        hit = (t_index >= before) & (t_index < before + n_vis)
         group = jnp.where(hit, j, group)
-        block = jnp.where(hit, first + t - before, block)
+        block = jnp.where(hit, first + t_index - before, block)
         row0 = jnp.where(hit, start, row0)
         row1 = jnp.where(hit, end, row1)
-        return end, before + n_vis, group, block, row0, row1
+        last_group = jnp.where(size > 0, j, last_group)
+        last_block = jnp.where(size > 0, lax.div(end - 1, jnp.int32(bm)), last_block)
+        return end, before + n_vis, group, block, row0, row1, last_group, last_block
 
-    _, _, group, block, row0, row1 = lax.fori_loop(0, n_groups, find, (0, 0, n_groups - 1, 0, 0, 0))
-    tail = t >= seen  # a row block no group has rows in: multiply nothing, write zeros
-    block = jnp.where(tail, covered + t - seen, block)
+    init = (0, 0, n_groups - 1, 0, 0, 0, n_groups - 1, 0)
+    total, seen, group, block, row0, row1, last_group, last_block = lax.fori_loop(0, n_groups, find, init)
+    covered = lax.div(total + bm - 1, jnp.int32(bm))  # row blocks holding some group's rows
+    n_tail = jnp.maximum(n_m - covered, 0)
+    live = t_index < seen + n_tail
+    tail = t_index >= seen  # a row block no group has rows in (or a dead visit): no rows to multiply
+    group = jnp.where(live, jnp.where(tail, n_groups - 1, group), jnp.where(n_tail > 0, n_groups - 1, last_group))
+    block = jnp.where(live, jnp.where(tail, covered + t_index - seen, block), jnp.where(n_tail > 0, n_m - 1, last_block))
     row0 = jnp.where(tail, 0, row0)
     row1 = jnp.where(tail, 0, row1)
-    return group, jnp.clip(block, 0, n_m - 1), row0, row1, live
+    first_visit = tail | (row0 <= block * bm)  # no earlier group has rows in the block
+    last_visit = tail | (row1 >= (block + 1) * bm) | (row1 >= total)  # no later group has rows in it
+    return group, jnp.clip(block, 0, n_m - 1), row0, row1, live, first_visit, last_visit
 
 
 def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups, n_m, n_k):
     """Rows of lhs belong to consecutive groups (sizes in SMEM); group g multiplies rhs[g]."""
     t_index = pl.program_id(1)
     k_index = pl.program_id(2)
-    visit = functools.partial({s}_visit, sizes_ref=sizes_ref, bm=bm, n_groups=n_groups, n_m=n_m)
-    _, block, row0, row1, live = visit(t_index)
-    _, prev_block, _, _, _ = visit(jnp.maximum(t_index - 1, 0))
-    _, next_block, _, _, next_live = visit(t_index + 1)
-    first_visit = (t_index == 0) | (prev_block != block)  # the row block's first group
-    last_visit = (t_index == pl.num_programs(1) - 1) | (next_block != block) | jnp.logical_not(next_live)
+    _, block, row0, row1, live, first_visit, last_visit = {s}_visit(
+        t_index, sizes_ref, bm=bm, n_groups=n_groups, n_m=n_m
+    )
 
     @pl.when(live & first_visit & (k_index == 0))
     def _init():
@@ -169,15 +159,15 @@ def {s}({ln}, {rn}, {sn}):
     visit = functools.partial({s}_visit, bm=bm, n_groups=n_groups, n_m=n_m_p // bm)
 
     def lhs_index_map(n_index, t_index, k_index, sizes_ref):
-        _, block, _, _, live = visit(t_index, sizes_ref)
+        _, block, _, _, live, _, _ = visit(t_index, sizes_ref)
         return (block, jnp.where(live, k_index, n_k_p // bk - 1))
 
     def rhs_index_map(n_index, t_index, k_index, sizes_ref):
-        group, _, _, _, live = visit(t_index, sizes_ref)
+        group, _, _, _, live, _, _ = visit(t_index, sizes_ref)
         return (group, jnp.where(live, k_index, n_k_p // bk - 1), n_index)
 
     def out_index_map(n_index, t_index, k_index, sizes_ref):
-        _, block, _, _, _ = visit(t_index, sizes_ref)
+        _, block, _, _, _, _, _ = visit(t_index, sizes_ref)
         return (block, n_index)
 
     out_shape = jax.ShapeDtypeStruct((n_m_p, n_n_p), {dtype_code(odt)})
