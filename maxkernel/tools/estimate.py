@@ -117,6 +117,9 @@ ASSUMPTIONS: dict[str, str] = {
     "scalar_prefetch": "index maps reading scalar prefetch are replayed with the task's own values when its "
     "small integer inputs determine them (no copy where the block index repeats); else every step is "
     "counted as a re-fetch (upper bound, flagged)",
+    "scalar_work": "scalar-unit work (index maps, SMEM reads, scalar loops such as a walk over group sizes) "
+    "is not charged beyond the per-step overhead - an underestimate for kernels that loop over many groups "
+    "per step",
     "reference": "XLA reference = the compiler's optimal_seconds; when that is bytes alone, re-priced with each "
     "top-level op's operands and result once (as kernels are); plus extra passes of HIGH/HIGHEST f32 dots",
     "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled",
