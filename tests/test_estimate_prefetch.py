@@ -216,3 +216,17 @@ def test_small_integer_inputs_are_read_without_building_the_big_ones() -> None:
     assert set(values) == {2}
     sizes = np.array(values[2])
     assert sizes.shape == (8,) and sizes.min() >= 0 and sizes.sum() == 16384
+
+
+def test_index_values_round_trip_for_scalars_and_vectors() -> None:
+    """A scalar length and a vector of group sizes survive the JSON trip of a task's input configuration."""
+    from maxkernel.tools.results import ArraySpec, InputConfig
+
+    cfg = InputConfig(
+        dynamic=[ArraySpec(shape=(), dtype="int32"), ArraySpec(shape=(3,), dtype="int32")],
+        atol=1e-3,
+        rtol=1e-3,
+        index_values={0: np.asarray(np.int32(7)).tolist(), 1: np.array([1, 0, 5], np.int32).tolist()},
+    )
+    back = InputConfig.model_validate_json(cfg.model_dump_json())
+    assert back.index_values == {0: 7, 1: [1, 0, 5]}

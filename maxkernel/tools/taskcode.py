@@ -243,7 +243,7 @@ SMALL_INT_ELEMENTS = 4096
 """Integer inputs up to this size (group sizes, sequence lengths) are read by value for the block model."""
 
 
-def small_int_inputs(ref: Reference, scale: str | None) -> list[dict[int, list[Any]]]:
+def small_int_inputs(ref: Reference, scale: str | None) -> list[dict[int, Any]]:
     """Per configuration, the values of the small integer dynamic inputs at `scale` (position -> nested list).
 
     Computed under `jax.jit`, so the large arrays the generator also makes are dead code that XLA never
