@@ -318,7 +318,8 @@ def _estimate_candidate(candidate: Any, cfg: InputConfig, gen: str) -> dict[str,
     from maxkernel.tools.estimate import estimate_pallas
 
     try:
-        est = estimate_pallas(jax.make_jaxpr(bind_static(candidate, cfg.static))(*_specs(cfg)), gen)
+        closed = jax.make_jaxpr(bind_static(candidate, cfg.static))(*_specs(cfg))
+        est = estimate_pallas(closed, gen, cfg.index_values)
         return {
             "estimated_seconds": est.estimated_seconds,
             "bound": est.bound,

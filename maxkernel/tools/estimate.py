@@ -83,6 +83,10 @@ ignores precision (4096^3 f32 on v5e: 1061.6 us at DEFAULT, HIGH and HIGHEST ali
 `estimate_xla` adds the extra passes of HIGH/HIGHEST dots itself: both sides of a speedup then pay for the
 same precision, at the same rate per pass."""
 
+MAX_KNOWN_ELEMENTS: int = 1 << 16
+"""Integer arrays up to this size are tracked by value through the XLA ops between kernels (so a kernel's
+scalar prefetch, e.g. group sizes or their cumulative offsets, is known when the inputs are)."""
+
 MAX_EXACT_STEPS: int = 1 << 22
 """Grids up to this many steps are replayed exactly; larger grids replay this many steps and extrapolate
 the re-fetch count linearly (flagged in the result's notes)."""
@@ -107,8 +111,15 @@ ASSUMPTIONS: dict[str, str] = {
     "outputs written back when their index changes and after the last step; 2 buffers per block",
     "megacore": "on devices with several TensorCores (v5p) only 'parallel' grid dimensions are split across "
     "them (busiest core's share); no parallel dimension = one core at its share of the device peak",
-    "masked_compute": "a kernel-body cond (pl.when) whose predicate depends only on the grid position is "
-    "charged per branch for the fraction of steps taking it; other conds: the dearest branch every step",
+    "masked_compute": "a kernel-body cond (pl.when) whose predicate depends only on the grid position (and "
+    "on scalar prefetch whose contents the task's own inputs give) is charged per branch for the fraction of "
+    "steps taking it; other conds: the dearest branch every step",
+    "scalar_prefetch": "index maps reading scalar prefetch are replayed with the task's own values when its "
+    "small integer inputs determine them (no copy where the block index repeats); else every step is "
+    "counted as a re-fetch (upper bound, flagged)",
+    "scalar_work": "scalar-unit work (index maps, SMEM reads, scalar loops such as a walk over group sizes) "
+    "is not charged beyond the per-step overhead - an underestimate for kernels that loop over many groups "
+    "per step",
     "reference": "XLA reference = the compiler's optimal_seconds; when that is bytes alone, re-priced with each "
     "top-level op's operands and result once (as kernels are); plus extra passes of HIGH/HIGHEST f32 dots",
     "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled; a "
@@ -888,9 +899,61 @@ def _np_prim(eqn: jex_core.JaxprEqn, x: list[Any]) -> list[Any]:
     elif name in ("pjit", "jit", "closed_call"):
         sub, sub_consts = as_jaxpr(eqn.params.get("jaxpr") or eqn.params["call_jaxpr"])
         return _np_eval(sub, sub_consts, x)
+    elif name == "get":  # a scalar read of a scalar-prefetch ref whose contents are known
+        out = _np_get(eqn, x)
+    elif name == "scan":
+        return _np_scan(eqn, x)
+    elif name == "while":
+        return _np_while(eqn, x)
     else:
         raise KeyError(name)
     return [out]
+
+
+def _np_get(eqn: jex_core.JaxprEqn, x: list[Any]) -> np.ndarray:
+    """`ref[i, j]` with integer (per-step) indices into a known array; KeyError for slices or an unknown
+    ref (a VMEM block, whose contents the model never has)."""
+    ref = np.asarray(x[0])
+    if ref.dtype.kind not in "biu":
+        raise KeyError("get")
+    try:
+        (indexer,) = jax.tree_util.tree_unflatten(eqn.params["tree"], list(x[1:]))
+        idx = tuple(np.asarray(i, np.int64) for i in indexer.indices)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise KeyError("get") from exc
+    if len(idx) != ref.ndim or any(i.dtype.kind not in "iu" for i in idx):
+        raise KeyError("get")
+    return ref[tuple(np.clip(i, 0, n - 1) for i, n in zip(idx, ref.shape, strict=True))]
+
+
+def _np_scan(eqn: jex_core.JaxprEqn, x: list[Any]) -> list[Any]:
+    """A `fori_loop` lowered to `scan` (consts and carries only, no xs/ys), run `length` times."""
+    p = eqn.params
+    n_consts, n_carry = int(p["num_consts"]), int(p["num_carry"])
+    body, consts = as_jaxpr(p["jaxpr"])
+    if len(x) != n_consts + n_carry or len(body.outvars) != n_carry or int(p["length"]) > 1 << 16:
+        raise KeyError("scan")
+    carry = list(x[n_consts:])
+    for _ in range(int(p["length"])):
+        carry = _np_eval(body, consts, list(x[:n_consts]) + carry)
+    return carry
+
+
+def _np_while(eqn: jex_core.JaxprEqn, x: list[Any]) -> list[Any]:
+    """A `while` on per-step values: every step iterates until its own condition is false."""
+    p = eqn.params
+    n_cc, n_bc = int(p["cond_nconsts"]), int(p["body_nconsts"])
+    cond, cond_consts = as_jaxpr(p["cond_jaxpr"])
+    body, body_consts = as_jaxpr(p["body_jaxpr"])
+    cc, bc, carry = list(x[:n_cc]), list(x[n_cc : n_cc + n_bc]), list(x[n_cc + n_bc :])
+    for _ in range(1 << 16):
+        (live,) = _np_eval(cond, cond_consts, cc + carry)
+        live = np.asarray(live, bool)
+        if not live.any():
+            return carry
+        new = _np_eval(body, body_consts, bc + carry)
+        carry = [np.where(live, n, c) for n, c in zip(new, carry, strict=True)]
+    raise KeyError("while")
 
 
 @dataclass
@@ -903,7 +966,12 @@ class _StepFacts:
     """Top-level counter-form while loops: the mean trip count over grid steps."""
 
 
-def _step_facts(jaxpr: jex_core.Jaxpr, grid: tuple[int, ...], cap: int = 1 << 20) -> _StepFacts:
+def _step_facts(
+    jaxpr: jex_core.Jaxpr,
+    grid: tuple[int, ...],
+    cap: int = 1 << 20,
+    prefetch: Sequence[np.ndarray] | None = None,
+) -> _StepFacts:
     """For each top-level `cond` of a kernel body whose branch index depends only on the grid position
     (program_id, num_programs and integer arithmetic - what `pl.when` guards such as causal or window
     masks compile to): the fraction of grid steps that take each branch; for each top-level `while` in
@@ -913,14 +981,16 @@ def _step_facts(jaxpr: jex_core.Jaxpr, grid: tuple[int, ...], cap: int = 1 << 20
     This is what lets the block model credit skipped compute (a key block a mask rules out runs the empty
     branch of its `pl.when`) and charge an in-kernel loop per trip. Grids beyond `cap` steps, or
     predicates and bounds that read data (refs, scalar prefetch), are left out: their conds are charged
-    the most expensive branch and their loops once (flagged).
+    the most expensive branch and their loops once (flagged) -- unless `prefetch` gives the contents of
+    the scalar-prefetch refs (the body's leading refs, e.g. a grouped matmul's group sizes), in which case
+    predicates that read them are replayed exactly too.
     """
     facts = _StepFacts()
     steps = math.prod(grid) if grid else 1
     if steps > cap or not any(e.primitive.name in ("cond", "while") for e in jaxpr.eqns):
         return facts
     idx = np.unravel_index(np.arange(steps, dtype=np.int64), grid) if grid else ()
-    known: dict[Any, Any] = {}
+    known: dict[Any, Any] = dict(zip(jaxpr.invars, prefetch or (), strict=False))
 
     def value(v: Any) -> Any:
         if isinstance(v, jex_core.Literal):
@@ -952,12 +1022,17 @@ def _step_facts(jaxpr: jex_core.Jaxpr, grid: tuple[int, ...], cap: int = 1 << 20
     return facts
 
 
-def _block_indices(closed: Any, grid_idx: Sequence[np.ndarray], n: int) -> np.ndarray:
-    """Block index tuple per step, shape (n, n_dims), evaluated vectorised over all steps."""
+def _block_indices(
+    closed: Any, grid_idx: Sequence[np.ndarray], n: int, prefetch: Sequence[np.ndarray] = ()
+) -> np.ndarray:
+    """Block index tuple per step, shape (n, n_dims), evaluated vectorised over all steps (with the
+    scalar-prefetch contents, when the map reads them: numpy only, KeyError if it cannot)."""
     jaxpr, consts = as_jaxpr(closed)
     try:
-        outs = _np_eval(jaxpr, consts, list(grid_idx))
+        outs = _np_eval(jaxpr, consts, list(grid_idx) + list(prefetch))
     except KeyError:
+        if prefetch:
+            raise
         fun = jax.vmap(lambda *g: jax.core.eval_jaxpr(jaxpr, consts, *g))
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             outs = [np.asarray(o) for o in jax.jit(fun)(*(np.asarray(g, np.int32) for g in grid_idx))]
@@ -987,11 +1062,14 @@ def _grid_only(closed: Any, n_grid: int) -> Any:
     return jex_core.ClosedJaxpr(trimmed, list(consts))
 
 
-def _count_transfers(closed: Any, grid: tuple[int, ...], cap: int) -> tuple[float, bool]:
+def _count_transfers(
+    closed: Any, grid: tuple[int, ...], cap: int, prefetch: Sequence[np.ndarray] = ()
+) -> tuple[float, bool]:
     """1 + number of block-index changes between consecutive steps (last grid axis fastest).
 
     Returns (transfers, sampled). Long grids are replayed in chunks; beyond `cap` steps the change rate
-    of the replayed prefix is extrapolated.
+    of the replayed prefix is extrapolated. `prefetch`: the contents of the scalar-prefetch refs the index
+    map reads after the grid indices (none: the map must not read them).
     """
     total = math.prod(grid) if grid else 1
     replay = min(total, cap)
@@ -1002,7 +1080,9 @@ def _count_transfers(closed: Any, grid: tuple[int, ...], cap: int) -> tuple[floa
         stop = min(replay, start + chunk)
         flat = np.arange(start, stop, dtype=np.int64)
         idx = np.unravel_index(flat, grid) if grid else ()
-        blocks = _block_indices(closed, [np.asarray(i, np.int64) for i in idx], stop - start)
+        blocks = _block_indices(
+            closed, [np.asarray(i, np.int64) for i in idx], stop - start, [np.asarray(p) for p in prefetch]
+        )
         if prev is not None:
             blocks_full = np.concatenate([prev[None, :], blocks], axis=0)
         else:
@@ -1022,7 +1102,15 @@ def _memory_space(aval: Any) -> str:
     return s.split(".")[-1]
 
 
-def _estimate_call(eqn: jex_core.JaxprEqn, spec: TpuSpec, multiplicity: float) -> PallasCallEstimate:
+def _estimate_call(
+    eqn: jex_core.JaxprEqn,
+    spec: TpuSpec,
+    multiplicity: float,
+    prefetch: Sequence[np.ndarray] | None = None,
+) -> PallasCallEstimate:
+    """One pallas_call through the block model. `prefetch`: the contents of its scalar-prefetch operands
+    when the program's inputs determine them (the task's own group sizes, lengths); with them, index maps
+    and `pl.when` guards that read those refs are replayed step by step like grid-only ones."""
     params = eqn.params
     gm = params["grid_mapping"]
     grid = tuple(int(g) for g in gm.grid)
@@ -1048,10 +1136,28 @@ def _estimate_call(eqn: jex_core.JaxprEqn, spec: TpuSpec, multiplicity: float) -
         if space in ("any", "hbm", "semaphore", "semaphore_mem"):
             transfers = 0.0  # not pipelined: the kernel moves it by hand (counted via dma_start)
         elif n_index_ops and _reads_prefetch(bm.index_map_jaxpr, len(grid)):
-            transfers, exact = float(steps), False
-            notes.add(
-                "scalar-prefetch index maps depend on data: every step counted as a re-fetch (upper bound)"
-            )
+            replayed = None
+            if prefetch is not None:
+                try:
+                    replayed = _count_transfers(bm.index_map_jaxpr, grid, MAX_EXACT_STEPS, prefetch)
+                except (KeyError, TypeError, ValueError, IndexError):
+                    replayed = None
+            if replayed is None:
+                transfers, exact = float(steps), False
+                notes.add(
+                    "scalar-prefetch index maps depend on data the model does not have: every step counted "
+                    "as a re-fetch (upper bound)"
+                )
+            else:
+                transfers, sampled = replayed
+                notes.add(
+                    "scalar-prefetch index maps replayed with the task's own prefetch values (an unchanged "
+                    "block index issues no copy)"
+                )
+                if sampled:
+                    notes.add(
+                        f"grid of {steps} steps: re-fetches extrapolated from the first {MAX_EXACT_STEPS}"
+                    )
         else:
             # Index maps that ignore the scalar-prefetch refs are replayed exactly like any other.
             transfers, sampled = _count_transfers(
@@ -1088,7 +1194,7 @@ def _estimate_call(eqn: jex_core.JaxprEqn, spec: TpuSpec, multiplicity: float) -
             vmem += _nbytes(aval)
 
     body, _ = as_jaxpr(params["jaxpr"])
-    work = _body_work(body, spec, _step_facts(body, grid))
+    work = _body_work(body, spec, _step_facts(body, grid, prefetch=prefetch if n_index_ops else None))
     notes |= work.notes
     manual_dma = work.dma_bytes * steps
     if manual_dma:
@@ -1190,11 +1296,27 @@ class _ProgramWalk:
     xla_ops: int = 0
     notes: set[str] = field(default_factory=set)
 
+    known: dict[Any, np.ndarray] = field(default_factory=dict)
+    """Values the program's given inputs determine (small integer arrays: group sizes, lengths, offsets),
+    propagated through cheap XLA ops so pallas_calls see their scalar-prefetch contents."""
+
     def walk(self, jaxpr: jex_core.Jaxpr, mult: float) -> None:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             if name == "pallas_call":
-                self.calls.append(_estimate_call(eqn, self.spec, mult))
+                n_prefetch = int(getattr(eqn.params["grid_mapping"], "num_index_operands", 0) or 0)
+                pre = [self._value(v) for v in eqn.invars[:n_prefetch]]
+                prefetch = pre if n_prefetch and all(p is not None for p in pre) else None
+                self.calls.append(_estimate_call(eqn, self.spec, mult, prefetch))
+            elif name in ("pjit", "jit", "closed_call") and sub_jaxprs(eqn):
+                (sub,) = sub_jaxprs(eqn)
+                for v, x in zip(sub.invars, eqn.invars, strict=True):
+                    if (val := self._value(x)) is not None:
+                        self.known[v] = val
+                self.walk(sub, mult)
+                for v, x in zip(eqn.outvars, sub.outvars, strict=True):
+                    if (val := self._value(x)) is not None:
+                        self.known[v] = val
             elif name == "scan":
                 self.walk(as_jaxpr(eqn.params["jaxpr"])[0], mult * float(eqn.params["length"]))
             elif name == "while":
@@ -1210,9 +1332,40 @@ class _ProgramWalk:
                 for sub in sub_jaxprs(eqn):
                     self.walk(sub, mult)
             elif name in FREE_IN_XLA:
-                continue
+                self._propagate(eqn)
             else:
+                self._propagate(eqn)
                 self._xla_op(eqn, mult)
+
+    def _value(self, v: Any) -> np.ndarray | None:
+        if isinstance(v, jex_core.Literal):
+            return np.asarray(v.val)
+        return self.known.get(v)
+
+    def _propagate(self, eqn: jex_core.JaxprEqn) -> None:
+        """Evaluate an XLA op whose inputs are all known and whose results are small integer arrays."""
+        if not self.known:
+            return
+        vals = [self._value(v) for v in eqn.invars]
+        if any(x is None for x in vals):
+            return
+        outs = [v.aval for v in eqn.outvars]
+        if any(
+            np.dtype(getattr(a, "dtype", np.float32)).kind not in "biu" or _size(a) > MAX_KNOWN_ELEMENTS
+            for a in outs
+        ):
+            return
+        try:
+            got = _np_prim(eqn, vals)
+        except KeyError:
+            try:
+                with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                    res = eqn.primitive.bind(*vals, **eqn.params)
+                got = list(res) if eqn.primitive.multiple_results else [res]
+            except Exception:  # noqa: BLE001 - an op the model cannot replay leaves its result unknown
+                return
+        for v, x in zip(eqn.outvars, got, strict=True):
+            self.known[v] = np.asarray(x)
 
     def _xla_op(self, eqn: jex_core.JaxprEqn, mult: float) -> None:
         avals = [v.aval for v in eqn.invars if not isinstance(v, jex_core.Literal)] + [
@@ -1233,15 +1386,26 @@ class _ProgramWalk:
         self.xla_seconds += t * mult
 
 
-def estimate_pallas(closed_jaxpr: Any, gen: str) -> PallasEstimate:
+def estimate_pallas(
+    closed_jaxpr: Any, gen: str, input_values: dict[int, Any] | None = None
+) -> PallasEstimate:
     """Block-model TPU time of a program's pallas_calls (and a bytes/bandwidth charge for the rest).
 
     Takes a jaxpr rather than a function so it needs no execution, no TPU and no compile: the agents call
-    it on every candidate, at production shapes, in milliseconds.
+    it on every candidate, at production shapes, in milliseconds. `input_values` (position -> array): the
+    contents of the program's small integer inputs, if known (the task's own group sizes); what they
+    determine reaches the pallas_calls' scalar prefetch, whose index maps and guards are then replayed
+    exactly instead of priced as an upper bound.
     """
     spec = get_spec(gen)
     jaxpr, _ = as_jaxpr(closed_jaxpr)
     walk = _ProgramWalk(spec)
+    for pos, val in (input_values or {}).items():
+        if 0 <= int(pos) < len(jaxpr.invars) and val is not None:
+            v = jaxpr.invars[int(pos)]
+            arr = np.asarray(val)
+            if tuple(arr.shape) == tuple(v.aval.shape) and arr.dtype.kind in "biu":
+                walk.known[v] = arr.astype(np.dtype(v.aval.dtype))
     walk.walk(jaxpr, 1.0)
     calls = walk.calls
     pallas_s = sum(c.estimated_seconds * c.multiplicity for c in calls)

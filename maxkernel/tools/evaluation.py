@@ -38,6 +38,10 @@ def describe_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         own = taskcode.abstract_inputs(ref, "tpu" if ref.accepts_scale else None)
         tolerances = payload["tolerances"]
         own_configs = [_config(ref, d, s, tolerances, i) for i, (d, s) in enumerate(own)]
+        for cfg, values in zip(
+            own_configs, taskcode.small_int_inputs(ref, "tpu" if ref.accepts_scale else None), strict=False
+        ):
+            cfg.index_values = values
         scale = payload.get("scale") or "auto"
         mode, factor, note = _validation_mode(scale, ref)
         if mode == "cpu":
@@ -313,7 +317,9 @@ def estimate_summary(
     summary = EstimateSummary(generation=gen, method="")
     notes = []
     try:
-        cand = estimate_pallas(jax.make_jaxpr(bind_static(candidate, cfg.static))(*specs), gen)
+        cand = estimate_pallas(
+            jax.make_jaxpr(bind_static(candidate, cfg.static))(*specs), gen, cfg.index_values
+        )
         summary.estimated_seconds = cand.estimated_seconds
         summary.bound = cand.bound
         summary.method = cand.method

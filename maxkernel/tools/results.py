@@ -105,6 +105,11 @@ class InputConfig(BaseModel):
     outputs: list[ArraySpec] = Field(default_factory=list, description="flattened output leaves")
     atol: float
     rtol: float
+    index_values: dict[int, Any] = Field(
+        default_factory=dict,
+        description="contents of the task's own small integer inputs (group sizes, lengths), by position: "
+        "the block model replays index maps and guards that read them as scalar prefetch",
+    )
 
     def input_bytes(self) -> int:
         return sum(a.nbytes() for a in self.dynamic)

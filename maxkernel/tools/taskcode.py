@@ -239,6 +239,38 @@ def abstract_inputs(ref: Reference, scale: str | None) -> list[tuple[list[ArrayS
     return [([spec_of(a) for a in dyn], list(st)) for dyn, st in zip(shapes, statics, strict=True)]
 
 
+SMALL_INT_ELEMENTS = 4096
+"""Integer inputs up to this size (group sizes, sequence lengths) are read by value for the block model."""
+
+
+def small_int_inputs(ref: Reference, scale: str | None) -> list[dict[int, Any]]:
+    """Per configuration, the values of the small integer dynamic inputs at `scale` (position -> nested list).
+
+    Computed under `jax.jit`, so the large arrays the generator also makes are dead code that XLA never
+    computes: reading a grouped matmul's group sizes at production scale costs a compile, not gigabytes.
+    A generator that cannot be jitted gives nothing (the block model then prices an upper bound)."""
+    import jax
+    import jax.numpy as jnp
+
+    def small_only() -> list[list[Any]]:
+        return [
+            [
+                a
+                if jnp.issubdtype(a.dtype, jnp.integer) and int(np.prod(a.shape)) <= SMALL_INT_ELEMENTS
+                else None
+                for a in dyn
+            ]
+            for dyn, _ in ref.raw_inputs(scale)
+        ]
+
+    try:
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            configs = jax.jit(small_only)()
+    except Exception:  # noqa: BLE001 - values are an optional refinement of the estimate
+        return []
+    return [{i: np.asarray(a).tolist() for i, a in enumerate(dyn) if a is not None} for dyn in configs]
+
+
 def output_specs(ref: Reference, dynamic: list[ArraySpec], static: list[Any]) -> list[ArraySpec]:
     import jax
 

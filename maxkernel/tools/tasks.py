@@ -99,6 +99,11 @@ def safe_task_id(raw: str) -> str:
     return cleaned or "task"
 
 
+DESCRIBE_VERSION = 2
+"""Bumped when describe_job's output gains a field (2: the own configs' small integer input values), so a
+cached description from before is not taken for a complete one."""
+
+
 def _fingerprint(files: list[Path], scale: str) -> str:
     h = hashlib.sha256(scale.encode())
     for f in files:
@@ -152,7 +157,7 @@ def load_task(
         "memory_budget": memory_budget if memory_budget is not None else memory_budget_bytes(),
     }
     # The description depends only on the task's files and the scale: cache it next to the run dirs.
-    cache = work_dir / "describe" / f"{fingerprint}.json"
+    cache = work_dir / "describe" / f"{fingerprint}.v{DESCRIBE_VERSION}.json"
     value: dict[str, Any] | None = None
     if cache.exists():
         try:

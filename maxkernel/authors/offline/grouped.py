@@ -1,11 +1,13 @@
 """Grouped matmul (`lax.ragged_dot`): rows of lhs fall into consecutive groups whose sizes arrive at run
 time; group g multiplies rhs[g]. One kernel, written from a template rather than re-emitted from the jaxpr.
 
-The group sizes go to SMEM by scalar prefetch. The grid walks (row block, column block, group, K block)
-with group and K sequential; each step finds its group's first and last row from the sizes, skips the
-step when the group has no row in the block (`pl.when`), and otherwise masks the rows of other groups to
-zero before the MXU multiply-add into an f32 accumulator. Every output tile is written once, at the last
-group and K block. Rows past the last group stay zero, as `ragged_dot` defines.
+The group sizes go to SMEM by scalar prefetch. The grid walks (column block, visit, K block) with visits
+and K sequential; a visit is one (group, row block) pair that holds rows of the group, so the grid has
+M/bm + groups - 1 visits at most instead of M/bm x groups steps. Each visit masks the rows of other groups
+to zero before the MXU multiply-add into an f32 accumulator; a row block shared by two groups is visited
+by both back to back, so its output tile stays in VMEM and is written once. Visits past the last live one
+repeat its block indices (no copy) and skip compute (`pl.when`). Rows past the last group stay zero, as
+`ragged_dot` defines.
 """
 
 from __future__ import annotations
@@ -71,56 +73,73 @@ class GroupedMatmulBuilder(KernelBuilder):
         ln, rn, sn = names
         lsub = SUBLANE.get(lhs.aval.dtype.itemsize, 8)
         prec = precision_arg(e)
-        code = f'''def {s}_group_span(m_index, sizes_ref, *, bm, n_groups):
-    """First and last group with rows in row block `m_index` (groups are consecutive runs of rows)."""
-    row0 = m_index * bm
+        code = f'''def {s}_visit(t_index, sizes_ref, *, bm, n_groups, n_m):
+    """(group, row block, first row, end row, live, first visit of the block, last visit of the block) of
+    visit `t_index`, in one pass over the group sizes (scalar work, once per grid step and index map).
 
-    def count(j, carry):
-        end, before, started = carry
-        end = end + sizes_ref[j]
-        before = before + jnp.where(end <= row0, 1, 0)  # group j ends before the block
-        started = started + jnp.where(end - sizes_ref[j] < row0 + bm, 1, 0)  # group j starts before its end
-        return end, before, started
+    Visits walk the groups in order and, within a group, the row blocks it has rows in, so a row block
+    split between groups is visited once per group back to back (its output tile stays in VMEM between
+    them); then one visit per row block past the last group's rows (no rows: zeros). Visits past the last
+    live one repeat it (live False): their block indices do not change, so the pipeline copies nothing."""
 
-    _, before, started = lax.fori_loop(0, n_groups, count, (0, 0, 0))
-    first = jnp.minimum(before, n_groups - 1)
-    last = jnp.minimum(jnp.maximum(started - 1, first), n_groups - 1)
-    return first, last
+    def find(j, carry):
+        start, before, group, block, row0, row1, last_group, last_block = carry
+        size = sizes_ref[j]
+        end = start + size
+        # rows are non-negative: truncating division is floor division without the sign fix-up
+        first = lax.div(start, jnp.int32(bm))
+        n_vis = jnp.where(size > 0, lax.div(end - 1, jnp.int32(bm)) - first + 1, 0)
+        hit = (t_index >= before) & (t_index < before + n_vis)
+        group = jnp.where(hit, j, group)
+        block = jnp.where(hit, first + t_index - before, block)
+        row0 = jnp.where(hit, start, row0)
+        row1 = jnp.where(hit, end, row1)
+        last_group = jnp.where(size > 0, j, last_group)
+        last_block = jnp.where(size > 0, lax.div(end - 1, jnp.int32(bm)), last_block)
+        return end, before + n_vis, group, block, row0, row1, last_group, last_block
+
+    init = (0, 0, n_groups - 1, 0, 0, 0, n_groups - 1, 0)
+    total, seen, group, block, row0, row1, last_group, last_block = lax.fori_loop(0, n_groups, find, init)
+    covered = lax.div(total + bm - 1, jnp.int32(bm))  # row blocks holding some group's rows
+    n_tail = jnp.maximum(n_m - covered, 0)
+    live = t_index < seen + n_tail
+    tail = t_index >= seen  # a row block no group has rows in (or a dead visit): no rows to multiply
+    group = jnp.where(live, jnp.where(tail, n_groups - 1, group), jnp.where(n_tail > 0, n_groups - 1, last_group))
+    block = jnp.where(live, jnp.where(tail, covered + t_index - seen, block), jnp.where(n_tail > 0, n_m - 1, last_block))
+    row0 = jnp.where(tail, 0, row0)
+    row1 = jnp.where(tail, 0, row1)
+    first_visit = tail | (row0 <= block * bm)  # no earlier group has rows in the block
+    last_visit = tail | (row1 >= (block + 1) * bm) | (row1 >= total)  # no later group has rows in it
+    return group, jnp.clip(block, 0, n_m - 1), row0, row1, live, first_visit, last_visit
 
 
-def {s}_step(m_index, g_index, k_index, sizes_ref, *, bm, n_groups, n_k):
-    """(group, K block, active) of a grid step: group step `g_index` of a row block visits its
-    (first + g_index)-th group; steps past its last group repeat the last (group, K block) pair, so their
-    block indices do not change and the pipeline copies nothing for them."""
-    first, last = {s}_group_span(m_index, sizes_ref, bm=bm, n_groups=n_groups)
-    active = first + g_index <= last
-    group = jnp.minimum(first + g_index, last)
-    return group, jnp.where(active, k_index, n_k - 1), active
-
-
-def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups, n_k):
+def {s}_kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, acc_ref, *, bm, n_groups, n_m, n_k):
     """Rows of lhs belong to consecutive groups (sizes in SMEM); group g multiplies rhs[g]."""
-    m_index = pl.program_id(0)
-    g_index = pl.program_id(2)
-    k_index = pl.program_id(3)
+    t_index = pl.program_id(1)
+    k_index = pl.program_id(2)
+    _, block, row0, row1, live, first_visit, last_visit = {s}_visit(
+        t_index, sizes_ref, bm=bm, n_groups=n_groups, n_m=n_m
+    )
 
-    @pl.when((g_index == 0) & (k_index == 0))
+    @pl.when(live & first_visit & (k_index == 0))
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    group, _, active = {s}_step(m_index, g_index, k_index, sizes_ref, bm=bm, n_groups=n_groups, n_k=n_k)
-    # first row of this group: the sizes of the groups before it
-    start = lax.fori_loop(0, n_groups, lambda j, acc: acc + jnp.where(j < group, sizes_ref[j], 0), 0)
-    end = start + sizes_ref[group]
-    row0 = m_index * bm
+    # The MXU work goes in row chunks, each under its own guard: a visit of a row block the group only
+    # partly covers multiplies only the chunks holding its rows.
+    row_chunk = 256  # a multiple of every sublane tile
+    chunk = bm if bm % row_chunk else row_chunk
+    for c in range(bm // chunk):
+        lo = block * bm + c * chunk  # first row of the chunk
 
-    @pl.when(active & (start < row0 + bm) & (end > row0))  # the group has rows in this block
-    def _accumulate():
-        rows = row0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-        lhs_blk = jnp.where((rows >= start) & (rows < end), lhs_ref[...], 0)  # other groups' rows -> 0
-        acc_ref[...] += jnp.dot(lhs_blk, rhs_ref[...], preferred_element_type=jnp.float32{prec})
+        @pl.when(live & (row0 < lo + chunk) & (row1 > lo))
+        def _accumulate(c=c, lo=lo):
+            rows = lo + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+            part = pl.ds(c * chunk, chunk)
+            lhs_blk = jnp.where((rows >= row0) & (rows < row1), lhs_ref[part, :], 0)  # other groups' rows -> 0
+            acc_ref[part, :] += jnp.dot(lhs_blk, rhs_ref[...], preferred_element_type=jnp.float32{prec})
 
-    @pl.when((g_index == pl.num_programs(2) - 1) & (k_index == pl.num_programs(3) - 1))
+    @pl.when(live & last_visit & (k_index == n_k - 1))
     def _store():
         out_ref[...] = acc_ref[...].astype(out_ref.dtype)
 
@@ -135,18 +154,21 @@ def {s}({ln}, {rn}, {sn}):
     n_m_p, n_n_p, n_k_p = _round_up(n_m, bm), _round_up(n_n, bn), _round_up(n_k, bk)
     {ln} = _pad_to({ln}, (n_m_p, n_k_p))
     {rn} = _pad_to({rn}, (n_groups, n_k_p, n_n_p))
-    step = functools.partial({s}_step, bm=bm, n_groups=n_groups, n_k=n_k_p // bk)
+    # at most one visit per row block plus one per group boundary inside a block
+    n_visits = n_m_p // bm + n_groups - 1
+    visit = functools.partial({s}_visit, bm=bm, n_groups=n_groups, n_m=n_m_p // bm)
 
-    def lhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
-        _, k_block, _ = step(m_index, g_index, k_index, sizes_ref)
-        return (m_index, k_block)
+    def lhs_index_map(n_index, t_index, k_index, sizes_ref):
+        _, block, _, _, live, _, _ = visit(t_index, sizes_ref)
+        return (block, jnp.where(live, k_index, n_k_p // bk - 1))
 
-    def rhs_index_map(m_index, n_index, g_index, k_index, sizes_ref):
-        group, k_block, _ = step(m_index, g_index, k_index, sizes_ref)
-        return (group, k_block, n_index)
+    def rhs_index_map(n_index, t_index, k_index, sizes_ref):
+        group, _, _, _, live, _, _ = visit(t_index, sizes_ref)
+        return (group, jnp.where(live, k_index, n_k_p // bk - 1), n_index)
 
-    def out_index_map(m_index, n_index, g_index, k_index, sizes_ref):
-        return (m_index, n_index)
+    def out_index_map(n_index, t_index, k_index, sizes_ref):
+        _, block, _, _, _, _, _ = visit(t_index, sizes_ref)
+        return (block, n_index)
 
     out_shape = jax.ShapeDtypeStruct((n_m_p, n_n_p), {dtype_code(odt)})
     cost = pl.CostEstimate(
@@ -155,10 +177,10 @@ def {s}({ln}, {rn}, {sn}):
         bytes_accessed=_nbytes({ln}, {rn}, out_shape),
     )
     out = pl.pallas_call(
-        functools.partial({s}_kernel, bm=bm, n_groups=n_groups, n_k=n_k_p // bk),
+        functools.partial({s}_kernel, bm=bm, n_groups=n_groups, n_m=n_m_p // bm, n_k=n_k_p // bk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(n_m_p // bm, n_n_p // bn, n_groups, n_k_p // bk),
+            grid=(n_n_p // bn, n_visits, n_k_p // bk),
             in_specs=[
                 pl.BlockSpec((bm, bk), lhs_index_map),
                 pl.BlockSpec((None, bk, bn), rhs_index_map),
@@ -168,7 +190,7 @@ def {s}({ln}, {rn}, {sn}):
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes={c}VMEM_LIMIT_BYTES,
         ),
         cost_estimate=cost,
@@ -209,7 +231,7 @@ def {s}({ln}, {rn}, {sn}):
                 dims=[pm, pk],
                 itemsize=isz_l,
                 kind="input",
-                axes=[0, 3],
+                axes=[1, 2],
                 hbm_bytes=nbytes(lhs),
             ),
             BufferSpec(
@@ -217,7 +239,7 @@ def {s}({ln}, {rn}, {sn}):
                 dims=[pk, pn],
                 itemsize=isz_r,
                 kind="input",
-                axes=[1, 2, 3],
+                axes=[0, 1, 2],
                 hbm_bytes=nbytes(rhs),
             ),
             BufferSpec(
@@ -225,7 +247,7 @@ def {s}({ln}, {rn}, {sn}):
                 dims=[pm, pn],
                 itemsize=out.aval.dtype.itemsize,
                 kind="output",
-                axes=[0, 1],
+                axes=[1, 0],
                 hbm_bytes=nbytes(out),
             ),
             BufferSpec(what="acc_ref", dims=[pm, pn], itemsize=4, copies=1, kind="scratch"),
@@ -237,23 +259,25 @@ def {s}({ln}, {rn}, {sn}):
             code=code,
             params=params,
             grid=[
-                GridAxis(name="m_index", extent=m, param=params[0].name),
                 GridAxis(name="n_index", extent=n, param=params[1].name),
-                GridAxis(name="g_index", extent=g, param=None, semantics="arbitrary"),
+                # visits: M/bm row blocks plus at most one per group boundary inside a block (the groups - 1
+                # extra visits are left out of the tuner's coarse count)
+                GridAxis(name="t_index", extent=m, param=params[0].name, semantics="arbitrary"),
                 GridAxis(name="k_index", extent=k, param=params[2].name, semantics="arbitrary"),
             ],
             buffers=buffers,
             flops=2.0 * m * n * k,
             structure=(
-                "grid (M/bm, N/bn, groups, K/bk) with groups and K sequential; group sizes are scalar-prefetched "
-                "to SMEM, each row block visits only the groups it holds rows of (later group steps repeat the last "
-                "block index: no copy, no compute), other groups' rows are masked "
-                "to zero before the MXU, and the f32 accumulator is written once per output tile"
+                "grid (N/bn, visits, K/bk) with visits and K sequential; group sizes are scalar-prefetched to SMEM "
+                "and the visit axis walks only the (group, row block) pairs that hold rows -- M/bm + groups - 1 "
+                "visits at most, not M/bm x groups steps; a row block shared by two groups is visited by both back "
+                "to back, its output tile and f32 accumulator staying in VMEM, so each output tile is written once; "
+                "other groups' rows are masked to zero before the MXU"
             ),
             notes=[
-                "group step j of a row block visits its (first group + j); steps past its last group repeat the last "
-                "(group, K block) pair, so they copy nothing and skip the MXU: rhs[g] is read only by the row "
-                "blocks that hold rows of g (plus empty groups between them)"
+                "visit t finds its (group, row block) from the group sizes; visits past the last live one repeat "
+                "its block indices (no copy) and `pl.when` skips their compute; rhs[g] is read once per row block "
+                "holding rows of g, every lhs row block about once per N block"
             ],
         )
         return spec, f"{s}({', '.join(names)})"
