@@ -234,3 +234,38 @@ def test_failing_to_trace_where_the_reference_runs_is_a_rejection(
     assert not r.accepted and r.error is not None and r.error.stage == "correctness", r.error
     assert "at the larger check shape" in r.error.message and "not at this size" in r.error.message
     assert r.correctness.sets and all(s.ok for s in r.correctness.sets)
+
+
+def test_a_broken_toolchain_is_an_infrastructure_failure_never_a_stored_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A venv missing a module the TPU export needs (flatbuffers) made every candidate 'not a valid export'
+    and that verdict was stored, so the kernel stayed rejected after the install was fixed. The judge's own
+    ImportError is the machine's fault; a malformed artifact is still the candidate's."""
+    from jax import export
+
+    from maxkernel.tools import judge
+    from maxkernel.tools.harness import _judge_failure
+    from maxkernel.tools.results import STAGE_INFO, EvalResult, InputConfig
+    from maxkernel.tools.sandbox import SandboxOutcome
+
+    own = [
+        InputConfig.model_validate(
+            {"dynamic": [{"shape": [8], "dtype": "float32"}], "atol": 1e-3, "rtol": 1e-3}
+        )
+    ]
+    checks, _ = judge._inspect_and_compile([b"not an export"], own, [], None)
+    assert checks[0]["ok"] is False and "not a valid export" in checks[0]["reason"]
+
+    def missing(_blob: object) -> None:
+        raise ModuleNotFoundError("No module named 'flatbuffers'")
+
+    monkeypatch.setattr(export, "deserialize", missing)
+    with pytest.raises(judge.ToolchainBroken, match="flatbuffers"):
+        judge._inspect_and_compile([b"not an export"], own, [], None)
+
+    told = SandboxOutcome(ok=True, value={"ok": False, "stage": "toolchain", "message": "no flatbuffers"})
+    result = _judge_failure(EvalResult(task_id="t", source_hash="h"), told)
+    assert result.error is not None and result.error.stage == "infrastructure"
+    assert "no flatbuffers" in result.error.message
+    assert not STAGE_INFO["infrastructure"].cached

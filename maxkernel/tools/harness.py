@@ -492,6 +492,8 @@ def _judge_failure(result: EvalResult, outcome: SandboxOutcome) -> EvalResult:
     if outcome.infrastructure:
         return _fail(result, "infrastructure", f"the judge could not run: {outcome.error}")
     value = outcome.value or {}
+    if outcome.ok and value.get("stage") == "toolchain":  # this machine's fault: never stored as a verdict
+        return _fail(result, "infrastructure", f"the judge could not compile: {value.get('message')}")
     if outcome.ok and value.get("stage") == "task":
         return _fail(result, "task", str(value.get("message")))
     if outcome.violations:

@@ -125,8 +125,11 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     programs: list[bytes | None] = [
         base64.b64decode(p) if isinstance(p, str) else None for p in request.get("programs", [])
     ]
-    tpu_checks, compiles = _inspect_and_compile(programs, own, list(request.get("tpu", [])),
-                                                request.get("expected_kernels"))  # fmt: skip
+    try:
+        tpu_checks, compiles = _inspect_and_compile(programs, own, list(request.get("tpu", [])),
+                                                    request.get("expected_kernels"))  # fmt: skip
+    except ToolchainBroken as exc:
+        return {"ok": False, "stage": "toolchain", "message": str(exc)}
     seconds["compile"] = time.perf_counter() - t0
     base["tpu_checks"] = tpu_checks
     base["tpu_compile"] = compiles
@@ -248,6 +251,7 @@ def _inspect_and_compile(
             exported.append(exp)
             checks.append(check_tpu_program(exp.mlir_module(), expected_kernels).model_dump())
         except Exception as exc:  # noqa: BLE001 - a malformed artifact is the candidate's failure
+            _raise_if_toolchain(exc)
             exported.append(None)
             checks.append(
                 TpuProgramCheck(ok=False, reason=f"the TPU program is not a valid export: {exc}").model_dump()
@@ -257,11 +261,8 @@ def _inspect_and_compile(
         t0 = time.perf_counter()
         try:
             device = topologies.get_topology_desc(get_spec(gen).topology, "tpu").devices[0]
-        except Exception as exc:  # noqa: BLE001
-            compiles[gen] = CompileOutcome(
-                ok=False, error=f"no TPU compiler available (libtpu): {type(exc).__name__}: {exc}"
-            ).model_dump()
-            continue
+        except Exception as exc:  # noqa: BLE001 - no candidate code is involved: this machine cannot compile
+            raise ToolchainBroken(f"no TPU compiler available (libtpu): {type(exc).__name__}: {exc}") from exc
         sharding = SingleDeviceSharding(device)
         outcome = CompileOutcome(ok=True)
         for cfg, exp in zip(own, exported, strict=False):
@@ -272,11 +273,24 @@ def _inspect_and_compile(
             try:
                 jax.jit(exp.call).trace(*specs).lower().compile()
             except Exception as exc:  # noqa: BLE001 - the compiler's message, verbatim, is the verdict
+                _raise_if_toolchain(exc)
                 outcome = CompileOutcome(ok=False, error=f"{type(exc).__name__}: {exc}")
                 break
         outcome.seconds = round(time.perf_counter() - t0, 3)
         compiles[gen] = outcome.model_dump()
     return checks, compiles
+
+
+class ToolchainBroken(Exception):
+    """This machine's JAX / libtpu cannot inspect or compile any program (a module missing from the install,
+    no TPU compiler): a fact about the environment, which the harness returns as an `infrastructure`
+    failure and never stores as the candidate's verdict."""
+
+
+def _raise_if_toolchain(exc: BaseException) -> None:
+    """Only the judge's own imports fail this way: the programs it reads are data, never imported code."""
+    if isinstance(exc, ImportError):
+        raise ToolchainBroken(f"the TPU toolchain is incomplete: {type(exc).__name__}: {exc}") from exc
 
 
 def _reference_estimate(ref: taskcode.Reference, cfg: InputConfig, gen: str) -> float | None:
