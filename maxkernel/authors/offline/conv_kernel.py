@@ -478,6 +478,11 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             title=(
                 f"{nsp}-D depthwise convolution as {taps} shifted VPU multiply-adds over halo'd row blocks in VMEM"
                 if depthwise
+                else (
+                    f"{nsp}-D convolution as {taps // ksz[-1]} matmuls of {ksz[-1]} shifted windows side by side "
+                    f"({ksz[-1]} x {c_in} deep) over halo'd row blocks in VMEM (no im2col in HBM)"
+                )
+                if merged
                 else f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)"
             ),
             code=code,
@@ -524,6 +529,14 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             notes=[
                 "no im2col array in HBM: the taps read shifted windows of a halo'd block in VMEM",
                 "the block model sizes the input block as `rows` rows; the k-1 halo rows are not counted",
+                *(
+                    [
+                        f"C_in={c_in} does not fill a {MXU_DEPTH}-deep MXU: the {ksz[-1]} taps along "
+                        f"{sp[-1].upper()} are concatenated along the channels in VMEM and contracted at once"
+                    ]
+                    if merged
+                    else []
+                ),
             ],
         )
         return spec, f"{s}({', '.join([xn, wn, *ep_names])})"
