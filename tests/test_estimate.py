@@ -274,6 +274,40 @@ def test_reference_pays_for_the_precision_it_asks_for() -> None:
     )
 
 
+def test_reference_pays_for_the_precision_of_its_convolutions() -> None:
+    """Convolutions too: the compiler's optimal_seconds is the same for a 3x3 f32 conv at DEFAULT and
+    HIGHEST (its per-fusion cycle counts are not), so the extra five passes of HIGHEST are added, counted
+    from the conv's own flops (output elements x window x input channels per group)."""
+
+    def conv(precision, groups=1):
+        return lambda x, w: jax.lax.conv_general_dilated(
+            x,
+            w,
+            (1, 1),
+            "SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=groups,
+            precision=precision,
+        )
+
+    shapes = [((8, 32, 32, 128), jnp.float32), ((3, 3, 128, 256), jnp.float32)]
+    default = estimate_xla(conv(None), shapes, "v5e")
+    highest = estimate_xla(conv(jax.lax.Precision.HIGHEST), shapes, "v5e")
+    assert default.est_compiler_seconds == pytest.approx(highest.est_compiler_seconds)  # blind to precision
+    assert default.est_precision_surcharge_seconds == 0.0
+    one_pass = 2 * (8 * 32 * 32 * 256) * (3 * 3 * 128) / get_spec("v5e").device_peak_flops
+    assert 4 * one_pass <= highest.est_precision_surcharge_seconds <= 5 * one_pass
+    bf16 = [((8, 32, 32, 128), jnp.bfloat16), ((3, 3, 128, 256), jnp.bfloat16)]
+    assert estimate_xla(conv(jax.lax.Precision.HIGHEST), bf16, "v5e").est_precision_surcharge_seconds == 0.0
+    # grouped (depthwise): each output reads one input channel, so far fewer flops to surcharge
+    dw = [((8, 32, 32, 128), jnp.float32), ((3, 3, 1, 128), jnp.float32)]
+    grouped = estimate_xla(conv(jax.lax.Precision.HIGHEST, groups=128), dw, "v5e")
+    assert (
+        grouped.est_precision_surcharge_seconds
+        <= 5 * 2 * (8 * 32 * 32 * 128) * 9 / get_spec("v5e").device_peak_flops
+    )
+
+
 def _causal_scores(q, k, *, bq: int, clamp: bool, guard: bool):
     """s[i] = sum over visible kv blocks j <= i of q_i @ k_j^T: the skeleton of causal attention."""
     n_q, n_k = q.shape[0] // bq, k.shape[0] // bq

@@ -121,7 +121,8 @@ ASSUMPTIONS: dict[str, str] = {
     "is not charged beyond the per-step overhead - an underestimate for kernels that loop over many groups "
     "per step",
     "reference": "XLA reference = the compiler's optimal_seconds; when that is bytes alone, re-priced with each "
-    "top-level op's operands and result once (as kernels are); plus extra passes of HIGH/HIGHEST f32 dots",
+    "top-level op's operands and result once (as kernels are); plus extra passes of HIGH/HIGHEST f32 dots "
+    "and convs",
     "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled; a "
     "gather or dynamic_slice reads only what it picks (at most its output's bytes of its operand)",
     "control_flow": "cond = most expensive branch; scan = body x length; while = body x trip count when it "
@@ -164,7 +165,7 @@ class XlaEstimate(BaseModel):
     )
     est_precision_surcharge_seconds: float = Field(
         default=0.0,
-        description="Extra bf16 MXU passes of HIGH/HIGHEST f32 dots, which the compiler's model does not "
+        description="Extra bf16 MXU passes of HIGH/HIGHEST f32 dots and convolutions, which the compiler's model does not "
         "charge (lower bound: only time beyond the dot's own minimum HBM traffic is added).",
     )
     est_loop_extra_seconds: float = Field(
@@ -389,7 +390,7 @@ def _estimate_xla(
         notes.append(f"precision surcharge not computed: {type(exc).__name__}: {exc}")
     if surcharge:
         notes.append(
-            f"{surcharge * 1e6:.2f} us added for the extra MXU passes of HIGH/HIGHEST f32 dots (the compiler's "
+            f"{surcharge * 1e6:.2f} us added for the extra MXU passes of HIGH/HIGHEST f32 dots/convs (the compiler's "
             "model prices every f32 dot as one pass)"
         )
     optimal = raw.get("optimal_seconds")
@@ -609,8 +610,18 @@ def _xla_passes(eqn: jex_core.JaxprEqn) -> int:
     return XLA_F32_PASSES["DEFAULT"]
 
 
+def _conv_flops(eqn: jex_core.JaxprEqn) -> float:
+    """Multiply-add flops of one convolution: each output element contracts the kernel's window over its
+    group's input channels (the rhs's size divided by its output-feature dim), unpadded (a lower bound)."""
+    rhs = eqn.invars[1].aval
+    out_feature_dim = int(eqn.params["dimension_numbers"].rhs_spec[0])
+    per_output = math.prod(int(s) for s in rhs.shape) // max(1, int(rhs.shape[out_feature_dim]))
+    return 2.0 * _size(eqn.outvars[0].aval) * per_output
+
+
 def _precision_surcharge(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float) -> float:
-    """Seconds the extra passes of HIGH/HIGHEST f32 dots add beyond the compiler's one-pass price.
+    """Seconds the extra passes of HIGH/HIGHEST f32 dots and convolutions add beyond the compiler's one-pass
+    price.
 
     Per dot: max(0, passes x t_mxu - max(t_mxu, t_min_bytes)), i.e. only MXU time beyond what the dot's
     own minimum HBM traffic already costs - a lower bound, so the reference is never over-charged.
@@ -622,6 +633,15 @@ def _precision_surcharge(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float) -> f
             passes = _xla_passes(eqn)
             if passes > 1:
                 one_pass = _dot_work(eqn, spec, passes=1).mxu_seconds
+                nbytes = sum(_nbytes(v.aval) for v in [*eqn.invars[:2], *eqn.outvars])
+                floor = max(one_pass, nbytes / spec.device_hbm_bytes_per_s)
+                total += max(0.0, passes * one_pass - floor) * mult
+        elif name == "conv_general_dilated":
+            # the compiler's optimal_seconds is precision-blind for convolutions too (a 3x3 f32 conv on v5e:
+            # the same seconds at DEFAULT/HIGH/HIGHEST), while its per-fusion estimated_cycles grow ~2.7x/~5.4x
+            passes = _xla_passes(eqn)
+            if passes > 1:
+                one_pass = _conv_flops(eqn) / spec.device_peak_flops
                 nbytes = sum(_nbytes(v.aval) for v in [*eqn.invars[:2], *eqn.outvars])
                 floor = max(one_pass, nbytes / spec.device_hbm_bytes_per_s)
                 total += max(0.0, passes * one_pass - floor) * mult

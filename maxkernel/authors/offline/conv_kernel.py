@@ -12,6 +12,12 @@ and reads `taps` copies of the input.
 
 The output width is padded to the sublane tile so the flattening is a free relayout; the extra columns
 read zero padding and are cropped. Strided, dilated and grouped convolutions keep the im2col path.
+
+When the input channels do not fill the MXU's depth (`MXU_DEPTH`: 256 on v6e and 7x, 128 before), the
+last spatial dim's taps are placed side by side along the channels in VMEM (`jnp.concatenate` of their
+windows, an im2col of `n_kw` taps that never leaves VMEM) and contracted in one matmul of depth
+`n_kw * C_in` against the weights reshaped to match: a 64-channel 3x3 conv pads each 64-deep tap matmul to
+256 on v6e (4x the MXU passes), three taps side by side pad 192 to 256.
 """
 
 from __future__ import annotations
@@ -28,6 +34,16 @@ from maxkernel.authors.offline.trace import direct_conv_ok, is_depthwise
 if TYPE_CHECKING:
     from maxkernel.authors.offline.lower import Lowering
     from maxkernel.authors.offline.partition import Region
+
+
+MXU_DEPTH = 256
+"""The deepest MXU contraction among the target generations (v6e, 7x); a tap matmul whose depth (C_in) is
+not a multiple of it runs part of the systolic array idle on those chips."""
+
+
+def merges_taps(c_in: int, depthwise: bool) -> bool:
+    """Contract the last dim's taps side by side (depth n_kw * C_in) instead of one C_in-deep matmul each."""
+    return not depthwise and c_in % MXU_DEPTH != 0
 
 
 class ConvBuilder(KernelBuilder):
@@ -103,27 +119,39 @@ class ConvBuilder(KernelBuilder):
         flat = " * ".join(["1" if per_plane else "rows"] + [f"n_o{a}" for a in sp[1:-1]] + [f"n_o{sp[-1]}_p"])
         tap_idx = ", ".join(f"k{a}" for a in sp)
         last = sp[-1]
-        last = sp[-1]
         # nested fori_loops over the outer tap offsets (no index arithmetic in the kernel), innermost the
         # unrolled k{last} taps
         lines = []
         for k, a in enumerate(outer):
             lines.append(f"{'    ' * k}def taps_{a}(k{a}, acc):")
         depth_in = len(outer)
-        lines.append(f"{'    ' * depth_in}for k{last} in range(n_k{last}):")
-        lines.append(
-            f"{'    ' * (depth_in + 1)}window = x_ref[{win}]  # the tap's shifted window of the halo'd block"
-        )
-        if depthwise:  # one filter per channel: a VPU multiply-add per tap, no contraction for the MXU
+        c_in_x = int(x.aval.shape[lhs_spec[1]])
+        merged = merges_taps(c_in_x, depthwise)
+        outer_idx = ", ".join(f"k{a}" for a in outer)
+        if merged:
             lines.append(
-                f"{'    ' * (depth_in + 1)}acc += window.reshape({flat}, window.shape[-1]).astype(jnp.float32) "
-                f"* w_ref[{tap_idx}].astype(jnp.float32)  # (pixels, bo) * (1, bo)"
+                f"{'    ' * depth_in}window = jnp.concatenate([x_ref[{win}] for k{last} in range(n_k{last})], "
+                f"axis=-1)  # the k{last} taps' shifted windows side by side: one (n_k{last} * C_in)-deep contraction"
+            )
+            lines.append(
+                f"{'    ' * depth_in}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), "
+                f"w_ref[{outer_idx}], preferred_element_type=jnp.float32{prec_code})"
             )
         else:
+            lines.append(f"{'    ' * depth_in}for k{last} in range(n_k{last}):")
             lines.append(
-                f"{'    ' * (depth_in + 1)}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), "
-                f"w_ref[{tap_idx}], preferred_element_type=jnp.float32{prec_code})"
+                f"{'    ' * (depth_in + 1)}window = x_ref[{win}]  # the tap's shifted window of the halo'd block"
             )
+            if depthwise:  # one filter per channel: a VPU multiply-add per tap, no contraction for the MXU
+                lines.append(
+                    f"{'    ' * (depth_in + 1)}acc += window.reshape({flat}, window.shape[-1]).astype(jnp.float32) "
+                    f"* w_ref[{tap_idx}].astype(jnp.float32)  # (pixels, bo) * (1, bo)"
+                )
+            else:
+                lines.append(
+                    f"{'    ' * (depth_in + 1)}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), "
+                    f"w_ref[{tap_idx}], preferred_element_type=jnp.float32{prec_code})"
+                )
         lines.append(f"{'    ' * depth_in}return acc")
         for k in range(len(outer) - 1, 0, -1):
             lines.append("")
@@ -228,6 +256,12 @@ class ConvBuilder(KernelBuilder):
             '("parallel", "parallel", "arbitrary")' if reduced else '("parallel", "parallel", "parallel")'
         )
         ep_doc = ", then the fused epilogue before the one store" if ep.lines else ""
+        w_merge = (
+            f"\n    wt = wt.reshape(*wt.shape[:-3], n_k{last} * n_c, n_out_p)  # the k{last} taps' rows stacked: "
+            f"matches their windows side by side"
+            if merged
+            else ""
+        )
         # a spatial reduction accumulates over row steps: the row axis goes last ("arbitrary" dims must follow
         # the parallel ones), the batch and channel-block axes stay parallel for megacore
         grid_code = (
@@ -247,7 +281,7 @@ class ConvBuilder(KernelBuilder):
 
 
 def {s}_w_index_map({grid_args}):
-    return ({", ".join(["0"] * (nsp + 1))}, o_index)
+    return ({", ".join(["0"] * (nsp if merged else nsp + 1))}, o_index)
 
 
 def {s}_out_index_map({grid_args}):
@@ -288,7 +322,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 for i, a in enumerate(sp)
             )
         }, {"(0, n_out_p - n_out)" if depthwise else "(0, 0)"}])
-    wt = _pad_to(wt, (*wt.shape[:-1], n_out_p))
+    wt = _pad_to(wt, (*wt.shape[:-1], n_out_p)){w_merge}
 {ep_prep}    out_dims = (n_b, {
             ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
         }, n_out_p)
@@ -411,6 +445,24 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 )
                 for out, r in zip(outs, ep.results, strict=True)
             ),
+            *(
+                [
+                    BufferSpec(
+                        what=f"the {sp[-1].upper()} taps' windows side by side (im2col of one tap row, in VMEM)",
+                        dims=[
+                            pr,
+                            *mid,
+                            DimRef(kind="full", extent=w_last),
+                            DimRef(kind="full", extent=ksz[-1] * c_in),
+                        ],
+                        itemsize=x.aval.dtype.itemsize,
+                        copies=1,
+                        kind="temporary",
+                    )
+                ]
+                if merged
+                else []
+            ),
             BufferSpec(
                 what="f32 accumulator",
                 dims=[pr, *mid, DimRef(kind="full", extent=w_last), po],
@@ -426,6 +478,11 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             title=(
                 f"{nsp}-D depthwise convolution as {taps} shifted VPU multiply-adds over halo'd row blocks in VMEM"
                 if depthwise
+                else (
+                    f"{nsp}-D convolution as {taps // ksz[-1]} matmuls of {ksz[-1]} shifted windows side by side "
+                    f"({ksz[-1]} x {c_in} deep) over halo'd row blocks in VMEM (no im2col in HBM)"
+                )
+                if merged
                 else f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)"
             ),
             code=code,
@@ -472,6 +529,14 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             notes=[
                 "no im2col array in HBM: the taps read shifted windows of a halo'd block in VMEM",
                 "the block model sizes the input block as `rows` rows; the k-1 halo rows are not counted",
+                *(
+                    [
+                        f"C_in={c_in} does not fill a {MXU_DEPTH}-deep MXU: the {ksz[-1]} taps along "
+                        f"{sp[-1].upper()} are concatenated along the channels in VMEM and contracted at once"
+                    ]
+                    if merged
+                    else []
+                ),
             ],
         )
         return spec, f"{s}({', '.join([xn, wn, *ep_names])})"

@@ -1340,6 +1340,16 @@ def _candidates(integer: bool, atoms: list[Atom]) -> Any:
             tuple(1.0 / v if v else math.inf for v in abcd),
         )
         yield f"float({a.code} * {b.code} * {c.code} * {d.code})", abcd
+    # the output area of a VALID window over two dims ((H - k) * (W - k): the pixel count a global average
+    # pool divides by after a VALID k+1-tap convolution), and its inverse; last, as the least simple form
+    for a, b in itertools.combinations_with_replacement(dims, 2):
+        for k in range(1, 8):
+            area = tuple((x - k) * (y - k) for x, y in zip(a.values, b.values, strict=True))
+            yield f"float(({a.code} - {k}) * ({b.code} - {k}))", area
+            yield (
+                f"1.0 / (({a.code} - {k}) * ({b.code} - {k}))",
+                tuple(1.0 / v if v else math.inf for v in area),
+            )
 
 
 def _close(a: float, b: float) -> bool:

@@ -183,7 +183,7 @@ def default_values(kernel: KernelSpec, budget: int, mxu: int = 128) -> dict[str,
             vals[p.name] = _smaller(p, vals[p.name])  # type: ignore[assignment]
         if vmem_estimate(kernel, vals) <= target:
             break
-    if "matmul" in kernel.family and kernel.params:
+    if ("matmul" in kernel.family or kernel.family == "conv") and kernel.params:
         target = (
             budget
             if kernel.family == "matmul_rowreduce"
@@ -210,9 +210,11 @@ weight matrix once per row block, and its K block must also fill the MXU (a 4096
 softmax: 128-row blocks read 4 GiB of weights; 256-row blocks with 256-deep K blocks half that, and fill
 v6e's 256-deep MXU, which a 128-deep K block runs at half rate)."""
 
-MXU_PARAMS = ("BLOCK_K", "BLOCK_N")
+MXU_PARAMS = ("BLOCK_K", "BLOCK_N", "BLOCK_O")
 """Matmul block constants that set an MXU operand's depth (K) or width (N): narrower than the MXU (256 on
-v6e and 7x, 128 before) and the block model pads them to it (the systolic array runs at the fraction used)."""
+v6e and 7x, 128 before) and the block model pads them to it (the systolic array runs at the fraction used).
+A direct convolution's output-channel block (`BLOCK_O`) is the N of every tap's matmul: a 256-channel conv
+in 128-channel blocks ran v6e's MXU at half rate (its VMEM went to whole-image row blocks instead)."""
 
 
 def _mxu_param(p: ParamSpec) -> bool:

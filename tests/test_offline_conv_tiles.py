@@ -1,0 +1,146 @@
+"""Default tiles of the direct conv kernel: the output-channel block is the N of every tap's MXU matmul, so
+it fills the widest target MXU (256 on v6e) when the conv has that many channels; the row block shrinks
+instead (to a divisor of the rows, so nothing is padded). Correct in TPU interpret mode at that block on an
+aligned and an odd shape, and compiles for v5e and v6e ahead of time."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+import maxkernel.tools.tpu_specs  # noqa: F401 - lets compile-only libtpu load next to other processes
+from maxkernel.authors.offline.lower import lower_program
+from maxkernel.authors.offline.render import render, undefined_names
+from maxkernel.authors.offline.spec import block_for
+from maxkernel.authors.offline.trace import Config, trace_reference
+from maxkernel.authors.offline.tuning import default_config
+from maxkernel.tools.estimate import estimate_pallas, topology_device
+
+TPU = ["v5e", "v6e"]
+
+
+def conv_relu_f32(x, w):
+    y = lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=lax.Precision.HIGHEST
+    )
+    return jax.nn.relu(y)
+
+
+# the task-size shape first (it sets the extents the tiles are chosen for), then small aligned / odd ones
+SHAPES = [
+    ((8, 56, 56, 256), (3, 3, 256, 256)),
+    ((1, 8, 8, 256), (3, 3, 256, 256)),
+    ((1, 7, 9, 5), (3, 3, 5, 256)),
+]
+
+
+def _program():
+    configs = [Config(dynamic=[(x, "float32"), (w, "float32")], static=[]) for x, w in SHAPES]
+    return lower_program(trace_reference(conv_relu_f32, configs, ["x", "w"], direct_conv=True), "t")
+
+
+def test_channel_block_fills_the_widest_mxu_and_stays_correct() -> None:
+    program = _program()
+    assert [k.family for k in program.kernels] == ["conv"]
+    config = default_config(program, TPU).as_dict()
+    block_o = next(v for k, v in config.items() if k.endswith("block_o"))
+    block_rows = next(v for k, v in config.items() if k.endswith("block_rows"))
+    assert block_o == 256  # not 128: v6e's 256-wide MXU would run at half rate
+    assert 56 % block_for(56, block_rows, 1) == 0  # the run-time row block divides the rows: no padding
+    src = render(program, default_config(program, TPU), TPU)
+    assert undefined_names(src) == []
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    kernel = ns["computation"]
+    # the block model on v6e: no N padding of the tap matmuls
+    (call,) = estimate_pallas(
+        jax.make_jaxpr(kernel)(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES[0])), "v6e"
+    ).pallas_calls
+    assert call.est_mxu_padded_flops == call.est_mxu_flops
+    rng = np.random.default_rng(3)
+    for xs, ws in SHAPES[1:]:
+        x = jnp.asarray(rng.standard_normal(xs), jnp.float32)
+        w = jnp.asarray(0.2 * rng.standard_normal(ws), jnp.float32)
+        with pltpu.force_tpu_interpret_mode():
+            got = kernel(x, w)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(conv_relu_f32(x, w)), atol=1e-4, rtol=1e-4)
+    for gen in TPU:
+        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
+        avals = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in SHAPES[1]]
+        jax.jit(kernel).trace(*avals).lower().compile()
+
+
+def conv_bias_f32(x, w, b):
+    y = lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=lax.Precision.HIGHEST
+    )
+    return y + b
+
+
+def conv3d_f32(x, w, b):
+    y = lax.conv_general_dilated(
+        x,
+        w,
+        (1, 1, 1),
+        "SAME",
+        dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
+        precision=lax.Precision.HIGHEST,
+    )
+    return jax.nn.relu(y + b)
+
+
+MERGED_CASES = [
+    # (fn, shapes per config: task-size first, then an aligned and an odd one; depth of a merged contraction)
+    (
+        conv_bias_f32,
+        [
+            ((8, 128, 128, 64), (3, 3, 64, 128), (128,)),
+            ((1, 8, 8, 64), (3, 3, 64, 128), (128,)),
+            ((1, 7, 9, 3), (3, 3, 3, 6), (6,)),
+        ],
+        3 * 64,
+    ),
+    (
+        conv3d_f32,
+        [
+            ((2, 16, 32, 32, 32), (3, 3, 3, 32, 64), (64,)),
+            ((1, 4, 8, 8, 32), (3, 3, 3, 32, 64), (64,)),
+            ((1, 3, 5, 7, 5), (3, 3, 3, 5, 3), (3,)),
+        ],
+        3 * 32,
+    ),
+]
+
+
+def test_taps_side_by_side_when_channels_do_not_fill_the_mxu() -> None:
+    """C_in of 64 (2-D) or 32 (3-D): the W taps' windows are concatenated along the channels in VMEM and
+    contracted in one matmul of depth 3 * C_in, so v6e's 256-deep MXU pads 192 (or 96) instead of 64 (or 32)
+    per tap; the block model sees the deeper contraction. C_in of 256 keeps one matmul per tap."""
+    assert "jnp.concatenate" not in _program().kernels[0].code
+    rng = np.random.default_rng(5)
+    for fn, shapes, depth in MERGED_CASES:
+        configs = [Config(dynamic=[(s, "float32") for s in case], static=[]) for case in shapes]
+        program = lower_program(trace_reference(fn, configs, ["x", "w", "b"], direct_conv=True), "t")
+        assert program.kernels[0].family == "conv" and "jnp.concatenate" in program.kernels[0].code
+        src = render(program, default_config(program, TPU), TPU)
+        ns: dict = {}
+        exec(compile(src, "generated", "exec"), ns)
+        kernel = ns["computation"]
+        big = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes[0]]
+        call = estimate_pallas(jax.make_jaxpr(kernel)(*big), "v6e").pallas_calls[0]
+        k_pad = -(-depth // 256) * 256
+        n_out = shapes[0][1][-1]
+        n_pad = -(-n_out // 256) * 256  # the output-channel block pads to the MXU's width too
+        assert call.est_mxu_padded_flops <= call.est_mxu_flops * (k_pad / depth) * (n_pad / n_out) * 1.01
+        for case in shapes[1:]:
+            args = [jnp.asarray(0.3 * rng.standard_normal(s), jnp.float32) for s in case]
+            with pltpu.force_tpu_interpret_mode():
+                got = kernel(*args)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(fn(*args)), atol=1e-4, rtol=1e-4)
+        for gen in TPU:
+            sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
+            avals = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes[1]]
+            jax.jit(kernel).trace(*avals).lower().compile()
