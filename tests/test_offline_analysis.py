@@ -22,6 +22,7 @@ from maxkernel.authors.offline.render import plan_text, render
 from maxkernel.authors.offline.spec import ProgramSpec, block_for
 from maxkernel.authors.offline.trace import Config, Resolver, Unsupported, flatten, trace_reference
 from maxkernel.authors.offline.tuning import (
+    ROW_TILE_TARGET,
     candidates,
     default_config,
     kernel_values,
@@ -322,7 +323,9 @@ def test_tuning_space_is_aligned_and_within_vmem(matmul_program: ProgramSpec) ->
         assert vmem_estimate(k, kernel_values(k, c)) <= budget
     default = default_config(matmul_program, TPU)
     assert default == space[0]
-    assert vmem_estimate(k, kernel_values(k, default)) <= 16 * 2**20  # fits every default scoped limit
+    # defaults may use up to 32 MiB (every kernel sets vmem_limit_bytes, so the 16 MiB default scoped limits
+    # do not bind): fewer grid steps for a compute-bound matmul
+    assert vmem_estimate(k, kernel_values(k, default)) <= ROW_TILE_TARGET
     assert validate(matmul_program, TileConfig.of(block_m=20, block_n=128, block_k=128), TPU)  # misaligned
     assert validate(matmul_program, TileConfig.of(block_m=2048, block_n=4096, block_k=8192), TPU)  # VMEM
 

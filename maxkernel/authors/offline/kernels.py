@@ -165,6 +165,7 @@ class Builder(KernelBuilder):
         self.ax = region.axes
         self.input_set = set(self.inputs)
         self.dims: list[SpaceDim] = []
+        self.param_align: dict[str, int] = {}  # block param -> its alignment, once the layout is known
         self.input_view: dict[Any, list[SpaceDim]] = {}
         self.kernel_kw: dict[str, str] = {}  # kernel kwarg -> wrapper expression
         self.call_kw: dict[str, str] = {}  # wrapper kwarg -> computation() expression
@@ -752,6 +753,7 @@ class Builder(KernelBuilder):
                         doc=self.param_doc(d),
                     )
                 )
+        self.param_align = {p.name: p.align for p in params}
         names_in = [self.local(v) for v in in_vars]
         out_names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
         return Layout(
@@ -1012,11 +1014,13 @@ class Builder(KernelBuilder):
                     extent=self.group_extent(axis_dims[a]),
                     param=axis_dims[a].param if axis_dims[a].role in ("tiled", "seq") else None,
                     semantics="arbitrary" if axis_dims[a].role == "seq" else "parallel",
+                    align=self.align_of(axis_dims[a]),
                 )
                 for a in grid_axes
             ],
             buffers=self.buffers(in_vars, out_view),
             flops=self.flops(),
+            mxu_passes=self.mxu_passes(),
             transcendentals=self.transcendentals,
             notes=self.notes,
             structure=self.structure(),
@@ -1070,6 +1074,10 @@ class Builder(KernelBuilder):
     def flops(self) -> float:
         return 0.0
 
+    def mxu_passes(self) -> int:
+        """bf16 MXU passes each of `flops()` costs (the tuner weighs MXU time against HBM time with it)."""
+        return 1
+
     def buffers(self, in_vars: list[Any], out_view: list[SpaceDim]) -> list[BufferSpec]:
         out: list[BufferSpec] = []
 
@@ -1079,7 +1087,11 @@ class Builder(KernelBuilder):
                 if d.role == "grid" or not self.spans(var, d):
                     refs.append(DimRef(kind="unit"))
                 elif d.role in ("tiled", "seq") and d.param:
-                    refs.append(DimRef(kind="param", param=d.param, extent=self.group_extent(d)))
+                    refs.append(
+                        DimRef(
+                            kind="param", param=d.param, extent=self.group_extent(d), align=self.align_of(d)
+                        )
+                    )
                 else:
                     refs.append(DimRef(kind="full", extent=self.group_extent(d)))
             return refs
@@ -1118,7 +1130,11 @@ class Builder(KernelBuilder):
                 if isinstance(d, str):
                     refs.append(DimRef(kind="full", extent=int(d)) if d.isdigit() else DimRef(kind="unit"))
                 elif d.role in ("tiled", "seq") and d.param:
-                    refs.append(DimRef(kind="param", param=d.param, extent=self.group_extent(d)))
+                    refs.append(
+                        DimRef(
+                            kind="param", param=d.param, extent=self.group_extent(d), align=self.align_of(d)
+                        )
+                    )
                 else:
                     refs.append(DimRef(kind="full", extent=self.group_extent(d)))
             out.append(BufferSpec(what=name, dims=refs, itemsize=4, copies=1, kind="scratch"))
@@ -1128,11 +1144,19 @@ class Builder(KernelBuilder):
     def temporaries(self) -> list[BufferSpec]:
         return []
 
+    def align_of(self, d: SpaceDim) -> int:
+        """The alignment the generated `_block` applies to `d`'s block (1 before the layout is known), so
+        the tuner's VMEM and traffic figures use the blocks the kernel really picks (an unaligned K of 5000
+        at a 2048 target is padded to 3 x 2048, not split into 4 x 1250)."""
+        return self.param_align.get(d.param or "", 1)
+
     def tile_refs(self, space: Space) -> list[DimRef]:
         refs = []
         for d in space.dims:
             if d.role in ("tiled", "seq") and d.param:
-                refs.append(DimRef(kind="param", param=d.param, extent=self.group_extent(d)))
+                refs.append(
+                    DimRef(kind="param", param=d.param, extent=self.group_extent(d), align=self.align_of(d))
+                )
             else:
                 refs.append(DimRef(kind="full", extent=self.group_extent(d)))
         return refs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxkernel.authors.offline.dataflow import is_literal
+from maxkernel.authors.offline.dataflow import is_literal, reduced_axes
 from maxkernel.authors.offline.emit import dtype_code, dtype_name
 from maxkernel.authors.offline.kernels import (
     LowerError,
@@ -17,6 +17,7 @@ from maxkernel.authors.offline.kernels import (
 )
 from maxkernel.authors.offline.spec import BufferSpec
 from maxkernel.authors.offline.stream_reduce import StreamedReductions
+from maxkernel.tools.estimate import F32_MXU_PASSES
 
 
 class MatmulBuilder(StreamedReductions):
@@ -56,15 +57,19 @@ class MatmulBuilder(StreamedReductions):
         dims: list[SpaceDim] = []
         for k, c in enumerate(batch):
             dims.append(SpaceDim(key=f"b{k}" if len(batch) > 1 else "b", classes=[c], role="grid"))
-        self.m = SpaceDim(key="m", classes=mcls, role="tiled", param=f"{self.cprefix}BLOCK_M")
         # N is whole in a tile when the epilogue reduces along it, unless it is too long (region.stream): then
-        # it is walked in blocks as a sequential axis, outside K, with the reductions kept online
+        # it is walked in blocks as a sequential axis, outside K, with the reductions kept online. An epilogue
+        # that reduces along M (a column sum) walks M that way instead, N tiled outside it.
         self.stream = self.region.stream
+        self.stream_rows = self.stream and self._reduces_rows(set(mcls))
+        self.m = SpaceDim(
+            key="m", classes=mcls, role="seq" if self.stream_rows else "tiled", param=f"{self.cprefix}BLOCK_M"
+        )
         n_full = self.region.has_reduction and not self.stream
         self.n = SpaceDim(
             key="n",
             classes=ncls,
-            role="full" if n_full else "seq" if self.stream else "tiled",
+            role="full" if n_full else "seq" if self.stream and not self.stream_rows else "tiled",
             param=None if n_full else f"{self.cprefix}BLOCK_N",
         )
         dims += [self.m, self.n]
@@ -88,7 +93,7 @@ class MatmulBuilder(StreamedReductions):
                 d.axis = axis
                 axis += 1
         if self.stream:
-            self.n.axis = axis
+            self.walked.axis = axis
             axis += 1
         self.k_axis = axis
         for k in self.ks:
@@ -98,6 +103,9 @@ class MatmulBuilder(StreamedReductions):
         if n_full:
             self.family = "matmul_rowreduce"
             self.stem = self.stem.replace("_matmul", "_matmul_rowreduce")
+        elif self.stream_rows:
+            self.family = "matmul_colreduce"
+            self.stem = self.stem.replace("_matmul", "_matmul_colreduce")
         elif self.stream:
             self.family = "matmul_online_reduce"
             self.stem = self.stem.replace("_matmul", "_matmul_online_reduce")
@@ -106,13 +114,29 @@ class MatmulBuilder(StreamedReductions):
             self.family = "gated_matmul" if not reducing else self.family
             self.stem = self.stem.replace("_matmul", "_gated_matmul") if not reducing else self.stem
 
+    def _reduces_rows(self, mcls: set[Any]) -> bool:
+        """Do the epilogue's reductions run along M (the output rows)? Partition lets a matmul region reduce
+        along M or along N, never both."""
+        ax = self.ax
+        for i in self.region.owned:
+            if self.g.kind[i] == "reduce":
+                e = self.g.eqns[i]
+                return bool(mcls) and {ax.cls(e.invars[0], d) for d in reduced_axes(e)} - {None} == mcls
+        return False
+
+    @property
+    def walked(self) -> SpaceDim:
+        """The output dim a streamed epilogue reduces along (a sequential grid axis outside K)."""
+        return self.m if self.stream_rows else self.n
+
     def out_space(self) -> Space:
         return self.epi
 
     def overhang_ok(self, d: SpaceDim) -> bool:
         # rows of the lhs and columns of the rhs past the edge only reach output rows/columns past the edge
-        # (a walked N's reductions mask them with `valid`); K needs real zeros (the accumulator sums along it)
-        return d.role == "tiled" or d is self.n
+        # (a walked M's or N's reductions mask them with `valid`); K needs real zeros (the accumulator sums
+        # along it)
+        return d.role == "tiled" or d is self.n or d is self.m
 
     def scratch(self) -> list[tuple[str, str, list[SpaceDim | str]]]:
         accs: list[tuple[str, str, list[SpaceDim | str]]] = [
@@ -187,7 +211,7 @@ class MatmulBuilder(StreamedReductions):
             epi.special[out] = load_acc
         names = ["out"] if len(self.outputs) == 1 else [f"out{i}" for i in range(len(self.outputs))]
         if self.stream:
-            return main.lines + self.streamed_body(epi, self.epi, self.n, names, "red")
+            return main.lines + self.streamed_body(epi, self.epi, self.walked, names, "red")
         for v, nm in zip(self.outputs, names, strict=True):
             self.store(v, f"{nm}_ref", self.epi, epi)
         return main.lines + epi.lines
@@ -220,7 +244,14 @@ class MatmulBuilder(StreamedReductions):
             "block by a (bk, bn) block on the MXU and adds into an f32 VMEM accumulator; the epilogue runs once "
             "per output tile at the last K step, so it costs no extra HBM traffic"
         )
-        if self.stream:
+        if self.stream_rows:
+            s += (
+                "; the epilogue reduces along M (the output rows), so M is a sequential grid axis inside N and "
+                "outside K: each (bm, bn) tile is folded into f32 (1, bn) accumulators in VMEM at its last K "
+                "step (rows past the end masked) and the finishing ops run at the last M block, so the [M, N] "
+                "product never goes to HBM"
+            )
+        elif self.stream:
             s += (
                 "; the epilogue reduces along an N too long for one tile, so N is a sequential grid axis outside K: "
                 "each (bm, bn) logit tile is folded into f32 (bm, 1) accumulators in VMEM at its last K step "
@@ -234,8 +265,9 @@ class MatmulBuilder(StreamedReductions):
         return s
 
     def param_doc(self, d: SpaceDim) -> str:
-        if d is self.n and self.stream:
-            return "columns (N) per grid step (the sequential axis the epilogue reduces along)"
+        if d is self.walked and self.stream:
+            what = "rows (M)" if d is self.m else "columns (N)"
+            return f"{what} per grid step (the sequential axis the epilogue reduces along)"
         return {"m": "rows of the output tile (M)", "n": "columns of the output tile (N)"}.get(
             d.key, "contraction block (K) per grid step"
         )
@@ -251,6 +283,17 @@ class MatmulBuilder(StreamedReductions):
             total += 2.0 * nelems(e.outvars[0]) * k
         return total
 
+    def mxu_passes(self) -> int:
+        """Six for an f32 dot at HIGHEST (Mosaic's bf16_6x), one otherwise: the same rule the dots' emitted
+        precision follows (bf16 values upcast to f32 run one exact bf16 pass)."""
+        worst = 1
+        for d in self.region.dots:
+            e = self.g.eqns[d]
+            exact = self.bf16_source(e.invars[0]) is not None and self.bf16_source(e.invars[1]) is not None
+            if precision_arg(e) and not exact:
+                worst = max(worst, F32_MXU_PASSES["highest"])
+        return worst
+
     def flops_code(self) -> str:
         per = " * ".join(d.ext for d in [*self.grid_dims(), self.m, self.n] if d.classes) or "1"
         terms = [f"2 * {per} * {k.ext}" for k in self.ks]  # one term per dot
@@ -262,7 +305,7 @@ class MatmulBuilder(StreamedReductions):
         return f"{n} * {per}" if n else "0"
 
     def temporaries(self) -> list[BufferSpec]:
-        return [
+        out = [
             BufferSpec(
                 what=f"epilogue f32 temporaries (~{3 if self.stream else 2} tiles)",
                 dims=self.tile_refs(self.epi),
@@ -271,3 +314,31 @@ class MatmulBuilder(StreamedReductions):
                 kind="temporary",
             )
         ]
+        if self.mxu_passes() > 1:
+            # Mosaic's six-pass f32 dot splits each operand block into bf16 parts in scoped VMEM: measured
+            # (v5e/v6e AOT, libtpu 0.0.42.1) 61.2 MiB scoped for a 1000 x 2048 by 2048 x 512 HIGHEST block
+            # pair whose blocks, accumulator and epilogue tiles come to ~33.5 MiB, i.e. ~2.4x the two operand
+            # blocks on top; counted as three bf16 copies plus one f32 copy (2.5x). Mosaic's own room: it
+            # raises vmem_limit_bytes, the tile budget (half the VMEM) already leaves space for it
+            for k in dict.fromkeys(self.ks):
+                for space in (Space("lhs", [self.m, k]), Space("rhs", [k, self.n])):
+                    dims = self.tile_refs(space)
+                    out.append(
+                        BufferSpec(
+                            what=f"bf16 parts of the f32 {space.key} block (HIGHEST)",
+                            dims=dims,
+                            itemsize=2,
+                            copies=3,
+                            kind="compiler",
+                        )
+                    )
+                    out.append(
+                        BufferSpec(
+                            what=f"f32 remainder of the {space.key} block (HIGHEST)",
+                            dims=dims,
+                            itemsize=4,
+                            copies=1,
+                            kind="compiler",
+                        )
+                    )
+        return out

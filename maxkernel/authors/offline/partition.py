@@ -257,7 +257,8 @@ class Partition:
         self.owner[i] = region.id
         if self.g.kind[i] == "reduce":
             region.has_reduction = True
-            if self.reduced_extent(ax, self.g.eqns[i]) > self._stream_threshold(region):
+            e = self.g.eqns[i]
+            if self.reduced_extent(ax, e) > self._stream_threshold(region) or self._reduces_m(region, ax, e):
                 region.stream = True
 
     @staticmethod
@@ -302,7 +303,9 @@ class Partition:
             x = e.invars[0]
             red = {ax.cls(x, d) for d in reduced_axes(e)} - {None}
             n_classes = self._n_classes(region, ax)
-            if red != n_classes or not n_classes:
+            if (red != n_classes or not n_classes) and not (
+                self._reduces_m(region, ax, e) and self._rows_used_once(region, ax)
+            ):
                 return False
             if e.primitive.name not in ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"):
                 return False
@@ -341,7 +344,9 @@ class Partition:
         every reduction must run along the same axes."""
         e = self.g.eqns[i]
         stream = region.stream
-        if self.g.kind[i] == "reduce" and self.reduced_extent(ax, e) > self._stream_threshold(region):
+        if self.g.kind[i] == "reduce" and (
+            self.reduced_extent(ax, e) > self._stream_threshold(region) or self._reduces_m(region, ax, e)
+        ):
             stream = True
         if not stream:
             return True
@@ -379,6 +384,47 @@ class Partition:
         for d in region.dots:
             cs |= ax.footprint(self.g.eqns[d].outvars[0])
         return cs
+
+    def _m_classes(self, region: Region, ax: Axes) -> set[Node]:
+        """Classes of the lhs free dims of the region's dots (the matmul's M)."""
+        out: set[Node] = set()
+        for d in region.dots:
+            e = self.g.eqns[d]
+            (lc, _), (lb, _) = e.params["dimension_numbers"]
+            lhs = e.invars[0]
+            for k in range(len(lhs.aval.shape)):
+                if k not in lc and k not in lb:
+                    c = ax.cls(lhs, k)
+                    if c is not None:
+                        out.add(c)
+        return out
+
+    def _reduces_m(self, region: Region, ax: Axes, e: Any) -> bool:
+        """A reduction of a matmul's epilogue along its rows (M: a column sum or max, `sum(y, axis=0)`): M is
+        then walked as a sequential grid axis with the reductions kept in VMEM, like a long N."""
+        if (
+            region.kind != "matmul"
+            or not region.dots
+            or e.primitive.name not in ("reduce_sum", "reduce_max", "reduce_min")
+        ):
+            return False
+        red = {ax.cls(e.invars[0], d) for d in reduced_axes(e)} - {None}
+        m_classes = self._m_classes(region, ax)
+        return bool(m_classes) and red == m_classes
+
+    def _rows_used_once(self, region: Region, ax: Axes) -> bool:
+        """Is every value of the region that spans M used once, inside the chain that ends in the M reduction?
+        A norm over M (batch norm: `y - mean(y, axis=0)`) also needs y after its statistics: reducing in the
+        epilogue would then split the norm into three kernels that read y twice, where one row-wise kernel
+        over whole columns reads it once."""
+        m_classes = self._m_classes(region, ax)
+        for j in region.eqns():
+            for v in self.g.eqns[j].outvars:
+                if ax.footprint(v) & m_classes and (
+                    len(self.g.consumers.get(v, [])) != 1 or v in self.g.out_set
+                ):
+                    return False
+        return True
 
     def _n_classes(self, region: Region, ax: Axes) -> set[Node]:
         """Classes of the rhs free dims of the region's dots (the matmul's N)."""

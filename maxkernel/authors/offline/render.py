@@ -101,7 +101,7 @@ def _tiling_lines(kernel: KernelSpec, config: TileConfig, tpu: list[str]) -> lis
         size = b.block_bytes(vals)
         extra = (
             (" x2 (double-buffered)" if b.copies == 2 else "")
-            if b.kind != "temporary"
+            if b.kind not in ("temporary", "compiler")
             else (f" x{b.copies}" if b.copies > 1 else "")
         )
         lines.append(f"    {b.what}: {_mib(size)}{extra}")

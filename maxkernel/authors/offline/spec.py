@@ -19,6 +19,7 @@ class DimRef(BaseModel):
     kind: Literal["param", "full", "unit"]
     param: str | None = None
     extent: int = 1
+    align: int = Field(1, description="the param's alignment: the generated `_block` picks blocks with it")
 
     def size(self, values: dict[str, int]) -> int:
         if self.kind == "unit":
@@ -26,7 +27,7 @@ class DimRef(BaseModel):
         if self.kind == "full":
             return self.extent
         assert self.param is not None
-        return block_for(self.extent, values[self.param], 1)
+        return block_for(self.extent, values[self.param], self.align)
 
 
 def block_for(extent: int, target: int, align: int) -> int:
@@ -50,11 +51,12 @@ class GridAxis(BaseModel):
     extent: int = Field(description="extent of the dim it walks, at the task's own (TPU) shapes")
     param: str | None = Field(None, description="block param; None: one grid step per element (squeezed)")
     semantics: Literal["parallel", "arbitrary"] = "parallel"
+    align: int = Field(1, description="the param's alignment: the generated `_block` picks blocks with it")
 
     def steps(self, values: dict[str, int]) -> int:
         if self.param is None:
             return self.extent
-        b = block_for(self.extent, values[self.param], 1)
+        b = block_for(self.extent, values[self.param], self.align)
         return -(-self.extent // b)
 
 
@@ -65,7 +67,9 @@ class BufferSpec(BaseModel):
     dims: list[DimRef]
     itemsize: int
     copies: int = Field(2, description="2 for pipelined inputs/outputs (double buffering), 1 for scratch")
-    kind: Literal["input", "output", "scratch", "temporary"] = "input"
+    kind: Literal["input", "output", "scratch", "temporary", "compiler"] = Field(
+        "input", description="compiler: room Mosaic takes for itself (vmem_limit_bytes, not the tile budget)"
+    )
     axes: list[int] = Field(default_factory=list, description="grid axes that move this block (operands)")
     hbm_bytes: int = Field(0, description="size of the whole operand in HBM at the task's own shapes")
 
@@ -112,6 +116,7 @@ class KernelSpec(BaseModel):
     grid: list[GridAxis]
     buffers: list[BufferSpec]
     flops: float = 0.0
+    mxu_passes: int = Field(1, description="bf16 MXU passes per matmul flop (6 for f32 dots at HIGHEST)")
     transcendentals: float = 0.0
     notes: list[str] = Field(default_factory=list, description="why the kernel looks the way it does")
     structure: str = Field("", description="the kernel's structure in a sentence or two, for the plan")

@@ -71,7 +71,7 @@ class StreamedReductions(Builder):
         shape[pos] = red.blk
         main.add(
             f"valid = {r_index} * {red.blk} + lax.broadcasted_iota(jnp.int32, ({', '.join(shape)},), {pos}) "
-            "< n_red  # columns past the end of the walked axis take no part"
+            "< n_red  # positions past the end of the walked axis take no part"
         )
         post_vars: set[Any] = set()
         for i in sorted(self.region.eqns()):

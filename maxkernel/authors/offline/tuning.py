@@ -70,12 +70,18 @@ def kernel_values(kernel: KernelSpec, config: TileConfig) -> dict[str, int]:
 
 
 def vmem_estimate(kernel: KernelSpec, values: dict[str, int]) -> int:
-    return sum(b.vmem_bytes(values) for b in kernel.buffers)
+    """VMEM the kernel's blocks, scratch and temporaries take: what a config must fit into the budget."""
+    return sum(b.vmem_bytes(values) for b in kernel.buffers if b.kind != "compiler")
+
+
+def compiler_vmem(kernel: KernelSpec, values: dict[str, int]) -> int:
+    """Scoped VMEM Mosaic takes for itself on top (the bf16 splits of a HIGHEST f32 dot's operands)."""
+    return sum(b.vmem_bytes(values) for b in kernel.buffers if b.kind == "compiler")
 
 
 def vmem_limit(kernel: KernelSpec, values: dict[str, int], tpu: list[str]) -> int:
     need = vmem_estimate(kernel, values)
-    want = max(32 * MiB, int(need * 1.5) + 8 * MiB)
+    want = max(32 * MiB, int(need * 1.5) + 8 * MiB + compiler_vmem(kernel, values))
     return min(_round_mib(want), vmem_ceiling(tpu))
 
 
@@ -125,7 +131,7 @@ def predicted_seconds(program: ProgramSpec, config: TileConfig, tpu: list[str]) 
         for k in program.kernels:
             vals = kernel_values(k, config)
             t_mem = hbm_traffic(k, vals) / spec.device_hbm_bytes_per_s
-            t_mxu = k.flops / spec.device_peak_flops
+            t_mxu = k.flops * k.mxu_passes / spec.device_peak_flops
             t_eup = k.transcendentals / spec.compiler_transcendentals_per_s
             total += max(t_mem, t_mxu, t_eup) + grid_steps(k, vals) * PER_STEP_OVERHEAD_S
     return total
@@ -184,12 +190,14 @@ def default_values(kernel: KernelSpec, budget: int, mxu: int = 128) -> dict[str,
         if vmem_estimate(kernel, vals) <= target:
             break
     if ("matmul" in kernel.family or kernel.family == "conv") and kernel.params:
+        # matmuls may take ROW_TILE_TARGET (their VMEM limit is set explicitly); the conv family keeps the
+        # default target its halo'd row blocks were sized for
         target = (
             budget
             if kernel.family == "matmul_rowreduce"
-            else ROW_TILE_TARGET
-            if "reduce" in kernel.family
             else DEFAULT_TARGET
+            if kernel.family == "conv"
+            else ROW_TILE_TARGET
         )
         modelled = _modelled_values(kernel, min(budget, target), mxu)
         if modelled is not None and (
@@ -203,8 +211,10 @@ def default_values(kernel: KernelSpec, budget: int, mxu: int = 128) -> dict[str,
 
 
 ROW_TILE_TARGET = 32 * MiB
-"""VMEM a matmul default that walks N online for its row reductions may use: a 16 MiB cap forces small row
-blocks and K blocks there, so the lhs is re-read once per N block; still half the 64 MiB budget. A matmul
+"""VMEM a matmul default may use (one that walks N online for its row reductions, or a plain one): a 16 MiB
+cap forces small row blocks and K blocks, so the lhs is re-read once per N block, and a compute-bound
+matmul pays ~0.27 us per grid step for nothing (a 8192 x 4096 x 4096 f32 product in 1024 steps: 276 us of
+8.6 ms on v5e, 13% of its 2.1 ms on v6e); still half the 64 MiB budget. A matmul
 that keeps whole output rows (N full, `matmul_rowreduce`) may use the whole budget: it re-reads the whole
 weight matrix once per row block, and its K block must also fill the MXU (a 4096 x 8192 f32 linear +
 softmax: 128-row blocks read 4 GiB of weights; 256-row blocks with 256-deep K blocks half that, and fill
@@ -228,16 +238,23 @@ def _fills_mxu(kernel: KernelSpec, values: dict[str, int], mxu: int) -> bool:
     )
 
 
-MODEL_HBM_BYTES_PER_S = get_spec("v5e").device_hbm_bytes_per_s
-"""Bandwidth that weighs HBM bytes against grid steps when choosing default blocks (the slowest target
-generation's; only the ratio to the per-step overhead matters)."""
+MODEL_GENERATIONS = ("v5e", "v6e")
+"""Generations whose block-model terms the default blocks are chosen for (their costs are summed)."""
 
 
 def _modelled_cost(kernel: KernelSpec, values: dict[str, int]) -> float:
-    """The two block-model terms block sizes change: HBM traffic (re-fetched blocks) and grid-step overhead."""
-    return (
-        hbm_traffic(kernel, values) / MODEL_HBM_BYTES_PER_S + grid_steps(kernel, values) * PER_STEP_OVERHEAD_S
-    )
+    """The block-model terms block sizes change, as the block model combines them: the larger of HBM time
+    (re-fetched blocks) and MXU time (fixed flops x the precision's passes), plus grid-step overhead. A
+    compute-bound kernel gains nothing from less traffic, only from fewer steps; a memory-bound one weighs
+    both (v5e's ridge is ~270 flops/byte, v6e's ~560, so both are summed)."""
+    traffic = hbm_traffic(kernel, values)
+    steps = grid_steps(kernel, values)
+    total = 0.0
+    for gen in MODEL_GENERATIONS:
+        spec = get_spec(gen)
+        t_mxu = kernel.flops * kernel.mxu_passes / spec.device_peak_flops
+        total += max(traffic / spec.device_hbm_bytes_per_s, t_mxu) + steps * PER_STEP_OVERHEAD_S
+    return total
 
 
 def _modelled_values(kernel: KernelSpec, target: int, mxu: int = 128) -> dict[str, int] | None:
@@ -355,7 +372,9 @@ def tuning_space(
         combos = []
         for values in itertools.product(*(candidates(p) for p in k.params)):
             vals = dict(zip(names, values, strict=True))
-            if vmem_estimate(k, vals) <= budget:
+            if vmem_estimate(k, vals) <= budget and vmem_estimate(k, vals) + compiler_vmem(
+                k, vals
+            ) <= vmem_ceiling(tpu):
                 combos.append(vals)
         combos.sort(key=lambda v: vmem_estimate(k, v))
         if len(combos) > per_kernel:
