@@ -35,8 +35,8 @@ def _value_for(annotation: Any, depth: int) -> Any:
         return args[0]
     if origin is list:
         return [_value_for(args[0], depth)]
-    if origin is dict:
-        return {"k": _value_for(args[1], depth)}
+    if origin is dict:  # a key of the declared type (positions are ints: InputConfig.index_values)
+        return {_value_for(args[0], depth) if args[0] in _SCALARS else "k": _value_for(args[1], depth)}
     if origin is tuple:
         return tuple(_value_for(a, depth) for a in args if a is not Ellipsis)
     if origin is typing.Union or isinstance(annotation, types.UnionType):
