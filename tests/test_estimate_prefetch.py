@@ -112,6 +112,21 @@ def _fetches(seq: list[tuple[int, ...]]) -> int:
     return 1 + sum(a != b for a, b in zip(seq, seq[1:], strict=False))
 
 
+def _generated_grouped(specs: list, bm: int, bn: int) -> dict:
+    """The offline author's grouped matmul for `specs`, rendered with the given M and N blocks (K 128)."""
+    program = lower_program(
+        trace_reference(_grouped, [Config(dynamic=specs, static=[])], ["lhs", "rhs", "group_sizes"]), "t"
+    )
+    vals = default_config(program, ["v5e", "v6e"]).as_dict()
+    vals.update({key: bm for key in vals if key.endswith("block_m")})
+    vals.update({key: bn for key in vals if key.endswith("block_n")})
+    vals.update({key: 128 for key in vals if key.endswith("block_k")})
+    src = render(program, TileConfig.of(vals), ["v5e", "v6e"])
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    return ns
+
+
 @pytest.mark.parametrize(
     ("m", "k", "n", "sizes", "bm", "bn"),
     [
@@ -126,16 +141,7 @@ def test_grouped_matmul_is_priced_from_its_group_sizes(m, k, n, sizes, bm, bn) -
     compute and counts exactly the copies the repeated block indices leave out."""
     g = len(sizes)
     specs = [((m, k), "bfloat16"), ((g, k, n), "bfloat16"), ((g,), "int32")]
-    program = lower_program(
-        trace_reference(_grouped, [Config(dynamic=specs, static=[])], ["lhs", "rhs", "group_sizes"]), "t"
-    )
-    vals = default_config(program, ["v5e", "v6e"]).as_dict()
-    vals.update({key: bm for key in vals if key.endswith("block_m")})
-    vals.update({key: bn for key in vals if key.endswith("block_n")})
-    vals.update({key: 128 for key in vals if key.endswith("block_k")})
-    src = render(program, TileConfig.of(vals), ["v5e", "v6e"])
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
+    ns = _generated_grouped(specs, bm, bn)
     closed = jax.make_jaxpr(ns["computation"])(*(jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in specs))
 
     blind = estimate_pallas(closed, "v5e").pallas_calls[0]
@@ -182,16 +188,7 @@ def test_grouped_matmul_visits_are_correct_and_compile(m, k, n, sizes, bm, bn) -
     against lax.ragged_dot, then an ahead-of-time Mosaic compile for v5e and v6e."""
     g = len(sizes)
     specs = [((m, k), "float32"), ((g, k, n), "float32"), ((g,), "int32")]
-    program = lower_program(
-        trace_reference(_grouped, [Config(dynamic=specs, static=[])], ["lhs", "rhs", "group_sizes"]), "t"
-    )
-    vals = default_config(program, ["v5e", "v6e"]).as_dict()
-    vals.update({key: bm for key in vals if key.endswith("block_m")})
-    vals.update({key: bn for key in vals if key.endswith("block_n")})
-    vals.update({key: 128 for key in vals if key.endswith("block_k")})
-    src = render(program, TileConfig.of(vals), ["v5e", "v6e"])
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
+    ns = _generated_grouped(specs, bm, bn)
     kernel = ns["computation"]
     rng = np.random.default_rng(3)
     lhs = rng.standard_normal((m, k)).astype(np.float32)
