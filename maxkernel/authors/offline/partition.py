@@ -385,19 +385,22 @@ class Partition:
             cs |= ax.footprint(self.g.eqns[d].outvars[0])
         return cs
 
-    def _m_classes(self, region: Region, ax: Axes) -> set[Node]:
-        """Classes of the lhs free dims of the region's dots (the matmul's M)."""
+    def _free_classes(self, region: Region, ax: Axes, side: int) -> set[Node]:
+        """Classes of the free dims of the region's dots' lhs (side 0: the matmul's M) or rhs (side 1: N)."""
         out: set[Node] = set()
         for d in region.dots:
             e = self.g.eqns[d]
-            (lc, _), (lb, _) = e.params["dimension_numbers"]
-            lhs = e.invars[0]
-            for k in range(len(lhs.aval.shape)):
-                if k not in lc and k not in lb:
-                    c = ax.cls(lhs, k)
+            contracting, batch = (dims[side] for dims in e.params["dimension_numbers"])
+            operand = e.invars[side]
+            for k in range(len(operand.aval.shape)):
+                if k not in contracting and k not in batch:
+                    c = ax.cls(operand, k)
                     if c is not None:
                         out.add(c)
         return out
+
+    def _m_classes(self, region: Region, ax: Axes) -> set[Node]:
+        return self._free_classes(region, ax, 0)
 
     def _reduces_m(self, region: Region, ax: Axes, e: Any) -> bool:
         """A reduction of a matmul's epilogue along its rows (M: a column sum or max, `sum(y, axis=0)`): M is
@@ -427,18 +430,7 @@ class Partition:
         return True
 
     def _n_classes(self, region: Region, ax: Axes) -> set[Node]:
-        """Classes of the rhs free dims of the region's dots (the matmul's N)."""
-        out: set[Node] = set()
-        for d in region.dots:
-            e = self.g.eqns[d]
-            (_, rc), (_, rb) = e.params["dimension_numbers"]
-            rhs = e.invars[1]
-            for k in range(len(rhs.aval.shape)):
-                if k not in rc and k not in rb:
-                    c = ax.cls(rhs, k)
-                    if c is not None:
-                        out.add(c)
-        return out
+        return self._free_classes(region, ax, 1)
 
     # --- building -------------------------------------------------------------------------------------
     def run(self) -> None:
