@@ -42,6 +42,8 @@ def test_interpret_compile_is_fast_for_small_sets_and_optimised_for_large_ones()
     assert pick_interpret_compile(small, many) == "optimised"
     assert set(INTERPRET_COMPILE_OPTIONS) >= {"fast-compile", "optimised"}
     assert INTERPRET_COMPILE_OPTIONS["optimised"] == {}  # XLA's own pipeline, unchanged
+    for name in ("fast-compile", "no-fusion-emitters"):  # one codegen part: no thread pool on 2 cores
+        assert INTERPRET_COMPILE_OPTIONS[name]["xla_cpu_parallel_codegen_split_count"] == 1
 
 
 def test_an_optional_import_that_fails_is_tried_once() -> None:

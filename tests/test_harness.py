@@ -54,7 +54,33 @@ def test_good_kernel_is_accepted(matmul_task: KernelTask, session_work: Path) ->
     assert r.correctness.larger_check.startswith("ran at float32[256,512]"), r.correctness.larger_check
     assert r.correctness.larger is not None and r.correctness.larger.ok
     assert r.correctness.larger.max_abs_err is not None and r.correctness.larger.max_abs_err < 1e-3
-    # Small sets: the interpret-mode programs were compiled the fast way, and the result says so.
+    # Small sets: the validation program was compiled the fast way and run in TPU interpret mode; the larger
+    # check's program lowered for the plain interpreter, so it ran there (no -O0: see LARGER_PLAIN). The
+    # result says which.
+    assert r.correctness.interpret_compile == ["fast-compile", "no-fusion-emitters"]
+    assert r.correctness.interpret_modes == ["tpu", "plain"]
+
+
+def test_the_larger_check_falls_back_to_tpu_interpret_mode(
+    matmul_task: KernelTask, session_work: Path
+) -> None:
+    """A program the plain interpreter cannot lower (here: one that refuses it, standing for TPU-only
+    primitives) is checked at the larger shape in TPU interpret mode instead, and the result says so."""
+    source = (
+        (CANDIDATES / "good_matmul.py")
+        .read_text()
+        .replace(
+            "def computation(x, w, b):\n",
+            "def computation(x, w, b):\n"
+            "    from jax._src import config\n\n"
+            "    if config.pallas_tpu_interpret_mode_context_manager.value is True:  # the plain interpreter\n"
+            "        raise NotImplementedError('no plain interpretation here')\n",
+        )
+    )
+    r = run(matmul_task, "", session_work, source=source)
+    assert r.accepted, r.error
+    assert r.correctness.larger is not None and r.correctness.larger.ok
+    assert r.correctness.interpret_modes == ["tpu", "tpu"]
     assert r.correctness.interpret_compile == ["fast-compile", "fast-compile"]
 
 

@@ -114,6 +114,7 @@ def test_correct_only_at_the_validation_size_is_caught_at_the_larger_shape(
     assert "at the larger check shape float32[256,512]" in r.error.message
     assert r.correctness.sets and all(s.ok for s in r.correctness.sets)  # right at the validation shapes
     assert r.correctness.larger is not None and not r.correctness.larger.ok
+    assert r.correctness.interpret_modes == ["tpu", "plain"]  # the plain interpreter catches it as well
 
 
 def test_huge_stderr_is_read_as_a_tail(task: KernelTask, tmp_path: Path) -> None:

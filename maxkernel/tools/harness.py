@@ -40,6 +40,7 @@ from maxkernel.tools.candidate import (
     OUTPUTS_FILE,
     PROGRAMS_FILE,
     STAGE_AWAIT_INPUTS,
+    larger_modes,
     output_name,
     pick_interpret_compile,
     tpu_program_file,
@@ -313,7 +314,7 @@ def _run(
     file_mb = _output_cap(task, options, larger)
     task_json = task.model_dump(mode="json")
     interpret_compile = [pick_interpret_compile(c, options.input_sets) for c in task.validation_configs]
-    interpret_compile.append(pick_interpret_compile(larger, 1) if larger is not None else "optimised")
+    larger_choices = larger_modes(larger) if larger is not None else []
     larger_json = larger.model_dump(mode="json") if larger is not None else None
     task_inputs = TASK_INPUTS.get(task)  # the task's own sets from an earlier evaluation: not secret
     if task_inputs is not None:
@@ -354,6 +355,7 @@ def _run(
             "larger_config": larger_json,
             "estimate_generation": (first_generation(options.tpu)) if options.estimate else None,
             "interpret_compile": interpret_compile,
+            "larger_modes": larger_choices,
         },
         cand_dir,
         SandboxLimits(
@@ -372,9 +374,6 @@ def _run(
     try:
         result = _orchestrate(task, options, judge, cand, result, time.monotonic() + timeout + 5,
                               cached_ref_estimate, device, larger_note)  # fmt: skip
-        if result.correctness is not None:  # say which compile of the interpret-mode programs ran
-            ran = len(task.validation_configs) + (result.correctness.larger is not None)
-            result.correctness.interpret_compile = interpret_compile[:ran]
         return result
     finally:
         cand.kill()
@@ -470,8 +469,26 @@ def _orchestrate(
     if isinstance(cand_seconds, dict):  # the candidate's own report, for the breakdown only
         _record_seconds(result, {"interpret_compile": cand_seconds.get("interpret_compile")})
     _interpret_cost_signal(result, interpret_s, judge_out.value.get("seconds"))
-    return _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
-                    cached_ref_estimate, larger_note)  # fmt: skip
+    result = _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
+                      cached_ref_estimate, larger_note)  # fmt: skip
+    _say_how_interpreted(result, cand.payload, (cand_out.value or {}).get("larger_mode"))
+    return result
+
+
+def _say_how_interpreted(result: EvalResult, payload: dict[str, Any], larger_choice: Any) -> None:
+    """Which interpret mode and compile ran per program: the agent's choices (`payload`, its own data), and
+    for the larger check the one the candidate's process reports it lowered in (an index into the agent's
+    list; anything else records nothing)."""
+    corr = result.correctness
+    if corr is None:
+        return
+    corr.interpret_compile = list(payload.get("interpret_compile") or [])
+    corr.interpret_modes = ["tpu"] * len(corr.interpret_compile)
+    choices = payload.get("larger_modes") or []
+    if corr.larger is not None and type(larger_choice) is int and 0 <= larger_choice < len(choices):
+        mode, compile_mode = choices[larger_choice]
+        corr.interpret_modes.append(mode)
+        corr.interpret_compile.append(compile_mode)
 
 
 def _interpret_cost_signal(result: EvalResult, interpret_s: float, judge_seconds: Any) -> None:

@@ -178,6 +178,12 @@ class CorrectnessResult(BaseModel):
         description="how each validation config's interpret-mode program was compiled (then the larger "
         "check's, when it ran): a `candidate.INTERPRET_COMPILE_OPTIONS` name",
     )
+    interpret_modes: list[str] = Field(
+        default_factory=list,
+        description="how each of those programs was interpreted, in the same order: a "
+        "`candidate.INTERPRET_MODES` name ('tpu' for every validation config; the larger check runs 'plain' "
+        "when its program lowers so)",
+    )
     max_abs_err: float | None = None
     max_rel_err: float | None = None
 
