@@ -93,7 +93,13 @@ class TaskRow(BaseModel):
     correct: bool = False
     uses_pallas: bool = False
     tpu_compile: dict[str, bool] = Field(default_factory=dict)
-    estimated_speedup: float | None = None
+    estimated_speedup: float | None = Field(
+        None, description="the first TPU generation's estimate (the headline)"
+    )
+    estimated_speedup_by_generation: dict[str, float | None] = Field(
+        default_factory=dict,
+        description="estimated speedup per requested TPU generation (estimates, not measured)",
+    )
     measured_speedup: float | None = None
     seconds: float | None = None
     iterations: int | None = None
@@ -232,7 +238,7 @@ class Bench:
     def rows(self, tasks: list[Path]) -> list[TaskRow]:
         ids = {task_name(t) for t in tasks}
         return [
-            TaskRow.model_validate({**r, "tpu_compile": json.loads(r["tpu_compile"] or "{}")})
+            TaskRow.model_validate({**r, **{k: json.loads(r.get(k) or "{}") for k in JSON_COLUMNS}})
             for r in self.db["results"].rows
             if r["task_id"] in ids
         ]
@@ -405,6 +411,9 @@ def _read_result(row: TaskRow, out: Path, rc: int, log: Path) -> TaskRow:
     row.tpu_compile = {g: bool(o.get("ok")) for g, o in (harness.get("tpu_compile") or {}).items()}
     est = harness.get("estimate") or {}
     row.estimated_speedup = est.get("estimated_speedup")
+    row.estimated_speedup_by_generation = {
+        str(g): (e or {}).get("estimated_speedup") for g, e in (est.get("by_generation") or {}).items()
+    }
     timing = harness.get("timing") or {}
     row.measured_speedup = timing.get("measured_speedup")
     row.iterations = res.get("iterations")
@@ -440,9 +449,14 @@ def read_human_result(row: TaskRow, rc: int, stdout: str, stderr: str) -> TaskRo
     return row
 
 
+JSON_COLUMNS = ("tpu_compile", "estimated_speedup_by_generation")
+"""TaskRow fields kept as JSON text in results.db/csv; a results.db from before a column existed reads as {}."""
+
+
 def _flat(row: TaskRow) -> dict[str, Any]:
     d = row.model_dump()
-    d["tpu_compile"] = json.dumps(d["tpu_compile"], sort_keys=True)
+    for k in JSON_COLUMNS:
+        d[k] = json.dumps(d[k], sort_keys=True)
     return d
 
 
@@ -472,8 +486,10 @@ def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
             continue
         single = [r.single_estimated_speedup for r in fam if r.correct and r.single_estimated_speedup]
         final = [r.estimated_speedup for r in fam if r.correct and r.estimated_speedup]
+        gens = generation_summary(fam)
         out.append(
             {
+                "by_generation": {g: v["geomean"] for g, v in gens.items()},
                 "family": family,
                 "tasks": len(fam),
                 "correct": sum(r.correct for r in fam),
@@ -497,6 +513,21 @@ def kept_first(r: TaskRow) -> bool | None:
     return final >= first * (1.0 - 1e-9)
 
 
+def generation_summary(rows: list[TaskRow]) -> dict[str, dict[str, Any]]:
+    """Per TPU generation estimated: geomean, fast₁ and clearly faster over the correct tasks (estimates)."""
+    gens = list(dict.fromkeys(g for r in rows for g in r.estimated_speedup_by_generation))
+    out = {}
+    for g in gens:
+        est = [v for r in rows if r.correct and (v := r.estimated_speedup_by_generation.get(g)) and v > 0]
+        out[g] = {
+            "geomean": geomean(est),
+            "fast1": sum(1 for v in est if v > 1.0),
+            "clear": sum(1 for v in est if v > CLEAR_SPEEDUP),
+            "n": len(est),
+        }
+    return out
+
+
 def summary(rows: list[TaskRow]) -> dict[str, Any]:
     correct = [r for r in rows if r.correct]
     est = [
@@ -513,6 +544,7 @@ def summary(rows: list[TaskRow]) -> dict[str, Any]:
         "geomean_measured_speedup": geomean(meas),
         "estimated_n": len(est),
         "measured_n": len(meas),
+        "by_generation": generation_summary(rows),
         "kept_first": sum(1 for r in rows if kept_first(r)),
         "kept_first_n": sum(1 for r in rows if kept_first(r) is not None),
         "slower_than_first": sorted(r.task_id for r in rows if kept_first(r) is False),
@@ -609,6 +641,13 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
         f"| fast₁ (correct and faster), measured | {m['fast1_measured']} / {m['tasks']} (over {m['measured_n']} measured) |",
         f"| geomean speedup, estimated (TPU model, not measured) | {fmt(m['geomean_estimated_speedup'])} |",
         f"| geomean speedup, measured on a device | {fmt(m['geomean_measured_speedup'])} |",
+    ]
+    for g, v in m["by_generation"].items():
+        lines.append(
+            f"| on {g}, estimated: geomean / fast₁ / > {CLEAR_SPEEDUP}x | {fmt(v['geomean'])} / {v['fast1']} / "
+            f"{v['clear']} (over {v['n']} with a {g} estimate) |"
+        )
+    lines += [
         "",
     ]
     single = [r.single_estimated_speedup for r in rows if r.correct and r.single_estimated_speedup]
@@ -635,17 +674,22 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
         + (f"; NOT on {', '.join(slower)}." if slower else "."),
         "",
     ]
+    gens_est = list(m["by_generation"])
     lines += [
         "## By family (estimated speedups: TPU time model, not measured)",
         "",
+        "Single round, final and fast₁ columns are the first generation's; the last columns are the final "
+        "geomean per generation.",
+        "",
         "| family | tasks | correct | searched | single round geomean | final geomean | fast₁ single | "
-        f"fast₁ final | final > {CLEAR_SPEEDUP}x |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"fast₁ final | final > {CLEAR_SPEEDUP}x |" + "".join(f" final geomean {g} |" for g in gens_est),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(gens_est),
     ]
     for f in family_table(rows):
         lines.append(
             f"| {f['family']} | {f['tasks']} | {f['correct']} | {f['searched']} | {fmt(f['single_geomean'])} | "
             f"{fmt(f['final_geomean'])} | {f['single_fast1']} | {f['final_fast1']} | {f['final_clear']} |"
+            + "".join(f" {fmt(f['by_generation'].get(g))} |" for g in gens_est)
         )
     lines.append("")
     for p in plots:
@@ -658,10 +702,14 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
         "",
         "| task | category | status | compiled | correct | Pallas does the work | "
         + " | ".join(f"TPU {g}" for g in gens)
-        + " | single round (est.) | estimated speedup | ≥ first accepted (est.) | measured speedup | time | note |",
+        + " | single round (est.) | estimated speedup"
+        + "".join(f" | est. {g}" for g in gens_est)
+        + " | ≥ first accepted (est.) | measured speedup | time | note |",
         "| --- | --- | --- | --- | --- | --- | "
         + " | ".join("---" for _ in gens)
-        + " | --- | --- | --- | --- | --- | --- |",
+        + " | --- | ---"
+        + " | ---" * len(gens_est)
+        + " | --- | --- | --- | --- |",
     ]
     yes = lambda b: "✓" if b else "✗"  # noqa: E731
     for r in sorted(rows, key=lambda r: (r.category, r.task_id)):
@@ -673,7 +721,9 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
         )
         lines.append(
             f"| {r.task_id} | {r.category} | {r.status} | {yes(r.compiled)} | {yes(r.correct)} | {yes(r.uses_pallas)} | "
-            f"{comp} | {fmt(r.single_estimated_speedup)} | {fmt(r.estimated_speedup)} | {first} | "
+            f"{comp} | {fmt(r.single_estimated_speedup)} | {fmt(r.estimated_speedup)} | "
+            + "".join(f"{fmt(r.estimated_speedup_by_generation.get(g))} | " for g in gens_est)
+            + f"{first} | "
             f"{fmt(r.measured_speedup)} | "
             f"{r.seconds or 0:.0f} s | {note} |"
         )

@@ -933,6 +933,11 @@ def bench_cmd(
             else "nothing measured (no device)"
         )
     )
+    for g, v in m["by_generation"].items():
+        console.print(
+            f"  {g}: geomean estimated speedup {v['geomean'] or 0:.2f}x (estimate), fast1 {v['fast1']}, "
+            f"> 1.25x {v['clear']} (over {v['n']} with a {g} estimate)"
+        )
     sbs = side_by_side(rows)
     if sbs["workloads"]:
         console.print(

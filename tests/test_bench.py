@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DATA = Path(__file__).parent / "data" / "tasks"
 
 
@@ -91,17 +93,21 @@ def test_plain_bench_reports_its_single_round_and_the_first_accepted_check(tmp_p
 
     def result(out: Path, **fields) -> TaskRow:
         out.mkdir(parents=True)
+        final = fields.pop("final")
+        by_gen = {"v5e": {"estimated_speedup": final}, "v6e": {"estimated_speedup": fields.pop("v6e", None)}}
         harness = {
             "compiled": True,
             "uses_pallas": True,
-            "estimate": {"estimated_speedup": fields.pop("final")},
+            "estimate": {"estimated_speedup": final, "by_generation": by_gen},
         }
         (out / "result.json").write_text(json.dumps({"correct": True, "status": "succeeded", "harness": harness,
                                                       **fields}))  # fmt: skip
         return _read_result(TaskRow(task_id=out.name, family="norms"), out, 0, out / "bench.log")
 
     ms = lambda v: {"iteration": 1, "kind": "implement", "estimated_speedup": v}  # noqa: E731
-    kept = result(tmp_path / "kept", final=2.0, iterations=2, round_one_best=ms(1.5), first_accepted=ms(1.2))
+    kept = result(
+        tmp_path / "kept", final=2.0, v6e=3.0, iterations=2, round_one_best=ms(1.5), first_accepted=ms(1.2)
+    )
     slower = result(
         tmp_path / "slower", final=0.9, iterations=1, round_one_best=ms(0.9), first_accepted=ms(1.1)
     )
@@ -118,6 +124,33 @@ def test_plain_bench_reports_its_single_round_and_the_first_accepted_check(tmp_p
     assert "Single round (no search): geomean estimated 1.21x, fast₁ 2 / 3." in report
     assert "at least as fast (estimated) as the task's first accepted kernel: 1 / 2" in report
     assert "NOT on slower." in report and "✗ (first 1.10x)" in report
+    # Every generation estimated gets its own figures (issue 12: v5e AND v6e), named as estimates.
+    v6e = m["by_generation"]["v6e"]
+    assert v6e["geomean"] == pytest.approx(3.0) and (v6e["fast1"], v6e["clear"], v6e["n"]) == (1, 1, 1)
+    assert (
+        "| on v6e, estimated: geomean / fast₁ / > 1.25x | 3.00x / 1 / 1 (over 1 with a v6e estimate) |"
+        in report
+    )
+    assert "| est. v5e | est. v6e |" in report and "| 2.00x | 2.00x | 3.00x | ✓ |" in report
+
+
+def test_results_db_from_before_the_generation_column_still_reads(tmp_path: Path) -> None:
+    """Resumability: a results.db written before `estimated_speedup_by_generation` existed reads as {}."""
+    import sqlite_utils
+
+    from maxkernel.bench import Bench, BenchSettings
+
+    suite = tmp_path / "suite"
+    shutil.copytree(DATA / "small_matmul", suite / "small_matmul")
+    out = tmp_path / "o"
+    out.mkdir()
+    old = {"task_id": "small_matmul", "status": "succeeded", "correct": True, "tpu_compile": '{"v5e": true}',
+           "estimated_speedup": 1.5}  # fmt: skip
+    sqlite_utils.Database(out / "results.db")["results"].insert(old, pk="task_id")
+    bench = Bench(BenchSettings(suite=str(suite), out_dir=str(out)), on_progress=lambda _m: None)
+    (row,) = bench.rows([suite / "small_matmul"])
+    assert row.estimated_speedup == 1.5 and row.estimated_speedup_by_generation == {}
+    assert "small_matmul" in bench._done()
 
 
 def test_finalize_records_the_first_accepted_and_round_one_best() -> None:
