@@ -430,7 +430,7 @@ def _orchestrate(
         return _candidate_failure(result, cand.wait(deadline), timeout=cand.limits.timeout_s)
     if not judge_ready:
         cand.kill()
-        return _judge_failure(result, judge.wait(deadline))
+        return _judge_failure(result, judge.wait(deadline), options.memory_mb)
 
     # Phase 2: the candidate's programs are fixed now; read them before it gets any input.
     try:
@@ -476,7 +476,7 @@ def _orchestrate(
     judge.send(b"release\n")
     judge_out = judge.wait(deadline)
     if not judge_out.ok or judge_out.value is None or not judge_out.value.get("ok"):
-        return _judge_failure(result, judge_out)
+        return _judge_failure(result, judge_out, options.memory_mb)
     if judge_out.value.get("task_inputs") == "computed":  # the judge's bytes, read before the candidate ran
         TASK_INPUTS.learn(task, inputs, judge_out.value.get("origins"))
     result.stage_seconds["correctness"] = round(interpret_s, 4)
@@ -502,7 +502,18 @@ def _interpret_cost_signal(result: EvalResult, interpret_s: float, judge_seconds
         )
 
 
-def _judge_failure(result: EvalResult, outcome: SandboxOutcome) -> EvalResult:
+OUT_OF_MEMORY_SIGNS = ("mmap error: 12", "Cannot allocate memory", "std::bad_alloc", "MemoryError", "ENOMEM")
+"""What a process that hit its address-space limit (RLIMIT_AS) leaves in its stderr: libtpu's allocator
+(`low_level_alloc.cc ... RAW: mmap error: 12`), libc, C++ and Python."""
+
+
+def _judge_failure(result: EvalResult, outcome: SandboxOutcome, memory_mb: int | None = None) -> EvalResult:
+    """Blame the judge's death on what it was doing. Up to its warm-up it runs the task's code (the
+    reference; its XLA cost estimate at the task's own shapes): the task's failure. In its compile stage
+    it compiles the candidate's TPU program, which is the candidate's: a compiler that runs out of memory
+    or time on a program is that program's compile failure, which the author can repair (smaller blocks),
+    not a dead task (an MoE kernel whose Mosaic compile needed over 12 GB was reported as "the judge
+    (reference) failed" on every attempt)."""
     if outcome.infrastructure:
         return _fail(result, "infrastructure", f"the judge could not run: {outcome.error}")
     value = outcome.value or {}
@@ -513,8 +524,22 @@ def _judge_failure(result: EvalResult, outcome: SandboxOutcome) -> EvalResult:
     if outcome.violations:
         return _fail(result, "task", "the task's code did something the sandbox forbids: "
                      + "; ".join(outcome.violations))  # fmt: skip
+    oom = any(sign in outcome.stderr_tail or sign in (outcome.error or "") for sign in OUT_OF_MEMORY_SIGNS)
+    limit = f" (the evaluation's memory limit is {memory_mb} MB)" if memory_mb else ""
+    if outcome.stage == "compile" and not outcome.ok:
+        if outcome.timed_out:
+            return _fail(result, "compile", "the TPU compile of the candidate's program did not finish in time "
+                         f"({outcome.error})")  # fmt: skip
+        what = f"ran out of memory{limit}" if oom else "died"
+        return _fail(result, "compile", f"the TPU compiler {what} compiling the candidate's program (in the "
+                     f"judge's compile stage): {_first_lines(outcome.error or '', 3)}")  # fmt: skip
     if outcome.timed_out:
-        return _fail(result, "task", f"the reference did not finish in time: {outcome.error}")
+        doing = "the reference's XLA cost estimate at the task's own shapes, or the TPU compiler's warm-up" \
+            if outcome.stage == STAGE_INPUTS_READY else "the reference"  # fmt: skip
+        return _fail(result, "task", f"the judge did not finish {doing} in time: {outcome.error}")
+    if oom:
+        return _fail(result, "task", f"the judge ran out of memory{limit} running the reference (stage "
+                     f"{outcome.stage}): {_first_lines(outcome.error or '', 3)}")  # fmt: skip
     return _fail(result, "task", f"the judge (reference) failed: {outcome.error or value}")
 
 
