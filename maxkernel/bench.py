@@ -93,7 +93,13 @@ class TaskRow(BaseModel):
     correct: bool = False
     uses_pallas: bool = False
     tpu_compile: dict[str, bool] = Field(default_factory=dict)
-    estimated_speedup: float | None = None
+    estimated_speedup: float | None = Field(
+        None, description="the first TPU generation's estimate (the headline)"
+    )
+    estimated_speedup_by_generation: dict[str, float | None] = Field(
+        default_factory=dict,
+        description="estimated speedup per requested TPU generation (estimates, not measured)",
+    )
     measured_speedup: float | None = None
     seconds: float | None = None
     iterations: int | None = None
@@ -105,6 +111,10 @@ class TaskRow(BaseModel):
     )
     searched: bool = False
     search_estimated_speedup: float | None = None
+    first_accepted_estimated_speedup: float | None = Field(
+        None,
+        description="estimated speedup of the task's first accepted kernel (the final one must not be slower)",
+    )
     verdict: str | None = None
     human_kernel_path: str | None = Field(None, description="the workload's hand-written kernel, if any")
     human_status: str | None = Field(None, description="accepted | rejected | error, from `maxkernel eval`")
@@ -228,7 +238,7 @@ class Bench:
     def rows(self, tasks: list[Path]) -> list[TaskRow]:
         ids = {task_name(t) for t in tasks}
         return [
-            TaskRow.model_validate({**r, "tpu_compile": json.loads(r["tpu_compile"] or "{}")})
+            TaskRow.model_validate({**r, **{k: json.loads(r.get(k) or "{}") for k in JSON_COLUMNS}})
             for r in self.db["results"].rows
             if r["task_id"] in ids
         ]
@@ -280,7 +290,7 @@ class Bench:
         the better of the two, so the final kernel is never slower (estimated) than the first accepted."""
         name = task_name(task)
         if not self.s.algorithm:
-            return self._run_phase(task, self.out / "tasks" / name, name, search=False)
+            return self._run_phase(task, self.out / "tasks" / name, name, search=False)  # its own round 1
         base = self.out / "tasks" / name
         single = self._run_phase(task, base / "single", name, search=False)
         single.single_estimated_speedup = single.estimated_speedup
@@ -288,6 +298,7 @@ class Bench:
             return single
         found = self._run_phase(task, base / "search", name + "#search", search=True)
         found.single_estimated_speedup = single.estimated_speedup
+        found.first_accepted_estimated_speedup = single.first_accepted_estimated_speedup
         found.searched = True
         found.search_estimated_speedup = found.estimated_speedup
         found.seconds = round((single.seconds or 0) + (found.seconds or 0), 1)
@@ -400,11 +411,19 @@ def _read_result(row: TaskRow, out: Path, rc: int, log: Path) -> TaskRow:
     row.tpu_compile = {g: bool(o.get("ok")) for g, o in (harness.get("tpu_compile") or {}).items()}
     est = harness.get("estimate") or {}
     row.estimated_speedup = est.get("estimated_speedup")
+    row.estimated_speedup_by_generation = {
+        str(g): (e or {}).get("estimated_speedup") for g, e in (est.get("by_generation") or {}).items()
+    }
     timing = harness.get("timing") or {}
     row.measured_speedup = timing.get("measured_speedup")
     row.iterations = res.get("iterations")
     row.kernel_path = res.get("kernel_path")
     row.verdict = (res.get("verdict") or {}).get("line")
+    if "round_one_best" in res:  # the run's first round: the whole run when it had one round
+        row.single_estimated_speedup = (res.get("round_one_best") or {}).get("estimated_speedup")
+    elif (row.iterations or 0) <= 1 and row.correct:  # a result.json written before that field existed
+        row.single_estimated_speedup = row.estimated_speedup
+    row.first_accepted_estimated_speedup = (res.get("first_accepted") or {}).get("estimated_speedup")
     if not row.correct:
         row.error = res.get("stop_reason") or (harness.get("error") or {}).get("message")
     return row
@@ -430,9 +449,14 @@ def read_human_result(row: TaskRow, rc: int, stdout: str, stderr: str) -> TaskRo
     return row
 
 
+JSON_COLUMNS = ("tpu_compile", "estimated_speedup_by_generation")
+"""TaskRow fields kept as JSON text in results.db/csv; a results.db from before a column existed reads as {}."""
+
+
 def _flat(row: TaskRow) -> dict[str, Any]:
     d = row.model_dump()
-    d["tpu_compile"] = json.dumps(d["tpu_compile"], sort_keys=True)
+    for k in JSON_COLUMNS:
+        d[k] = json.dumps(d[k], sort_keys=True)
     return d
 
 
@@ -462,8 +486,10 @@ def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
             continue
         single = [r.single_estimated_speedup for r in fam if r.correct and r.single_estimated_speedup]
         final = [r.estimated_speedup for r in fam if r.correct and r.estimated_speedup]
+        gens = generation_summary(fam)
         out.append(
             {
+                "by_generation": {g: v["geomean"] for g, v in gens.items()},
                 "family": family,
                 "tasks": len(fam),
                 "correct": sum(r.correct for r in fam),
@@ -475,6 +501,30 @@ def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
                 "final_clear": sum(1 for v in final if v > CLEAR_SPEEDUP),
             }
         )
+    return out
+
+
+def kept_first(r: TaskRow) -> bool | None:
+    """Is the final kernel at least as fast (estimated) as the task's first accepted one? None where there
+    is nothing to compare (no accepted kernel, or an estimate missing on either side)."""
+    first, final = r.first_accepted_estimated_speedup, r.estimated_speedup
+    if not r.correct or first is None or final is None:
+        return None
+    return final >= first * (1.0 - 1e-9)
+
+
+def generation_summary(rows: list[TaskRow]) -> dict[str, dict[str, Any]]:
+    """Per TPU generation estimated: geomean, fast₁ and clearly faster over the correct tasks (estimates)."""
+    gens = list(dict.fromkeys(g for r in rows for g in r.estimated_speedup_by_generation))
+    out = {}
+    for g in gens:
+        est = [v for r in rows if r.correct and (v := r.estimated_speedup_by_generation.get(g)) and v > 0]
+        out[g] = {
+            "geomean": geomean(est),
+            "fast1": sum(1 for v in est if v > 1.0),
+            "clear": sum(1 for v in est if v > CLEAR_SPEEDUP),
+            "n": len(est),
+        }
     return out
 
 
@@ -494,6 +544,10 @@ def summary(rows: list[TaskRow]) -> dict[str, Any]:
         "geomean_measured_speedup": geomean(meas),
         "estimated_n": len(est),
         "measured_n": len(meas),
+        "by_generation": generation_summary(rows),
+        "kept_first": sum(1 for r in rows if kept_first(r)),
+        "kept_first_n": sum(1 for r in rows if kept_first(r) is not None),
+        "slower_than_first": sorted(r.task_id for r in rows if kept_first(r) is False),
     }
 
 
@@ -587,28 +641,55 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
         f"| fast₁ (correct and faster), measured | {m['fast1_measured']} / {m['tasks']} (over {m['measured_n']} measured) |",
         f"| geomean speedup, estimated (TPU model, not measured) | {fmt(m['geomean_estimated_speedup'])} |",
         f"| geomean speedup, measured on a device | {fmt(m['geomean_measured_speedup'])} |",
+    ]
+    for g, v in m["by_generation"].items():
+        lines.append(
+            f"| on {g}, estimated: geomean / fast₁ / > {CLEAR_SPEEDUP}x | {fmt(v['geomean'])} / {v['fast1']} / "
+            f"{v['clear']} (over {v['n']} with a {g} estimate) |"
+        )
+    lines += [
         "",
     ]
+    single = [r.single_estimated_speedup for r in rows if r.correct and r.single_estimated_speedup]
+    single_line = (
+        f"Single round (no search): geomean estimated {fmt(geomean(single))}, fast₁ "
+        f"{sum(1 for v in single if v > 1.0)} / {m['tasks']}."
+    )
     if s.algorithm:
-        single = [r.single_estimated_speedup for r in rows if r.correct and r.single_estimated_speedup]
-        lines += [
-            f"Single round (no search): geomean estimated {fmt(geomean(single))}, fast₁ "
-            f"{sum(1 for v in single if v > 1.0)} / {m['tasks']}. Search ({s.algorithm}, {s.branches} branches) ran "
-            f"on {sum(r.searched for r in rows)} task(s): those correct after one round with an estimate below "
-            f"{s.search_below}x; each task keeps the better of the two.",
-            "",
-        ]
+        single_line += (
+            f" Search ({s.algorithm}, {s.branches} branches) ran on {sum(r.searched for r in rows)} task(s): "
+            f"those correct after one round with an estimate below {s.search_below}x; each task keeps the "
+            "better of the two."
+        )
+    elif s.iterations > 1:
+        single_line += (
+            f" The single round is round 1 of each run's {s.iterations} (its best accepted kernel)."
+        )
+    slower = m["slower_than_first"]
+    lines += [
+        single_line,
+        "",
+        f"Final kernel at least as fast (estimated) as the task's first accepted kernel: {m['kept_first']} / "
+        f"{m['kept_first_n']} tasks with both estimates"
+        + (f"; NOT on {', '.join(slower)}." if slower else "."),
+        "",
+    ]
+    gens_est = list(m["by_generation"])
     lines += [
         "## By family (estimated speedups: TPU time model, not measured)",
         "",
+        "Single round, final and fast₁ columns are the first generation's; the last columns are the final "
+        "geomean per generation.",
+        "",
         "| family | tasks | correct | searched | single round geomean | final geomean | fast₁ single | "
-        f"fast₁ final | final > {CLEAR_SPEEDUP}x |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"fast₁ final | final > {CLEAR_SPEEDUP}x |" + "".join(f" final geomean {g} |" for g in gens_est),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(gens_est),
     ]
     for f in family_table(rows):
         lines.append(
             f"| {f['family']} | {f['tasks']} | {f['correct']} | {f['searched']} | {fmt(f['single_geomean'])} | "
             f"{fmt(f['final_geomean'])} | {f['single_fast1']} | {f['final_fast1']} | {f['final_clear']} |"
+            + "".join(f" {fmt(f['by_generation'].get(g))} |" for g in gens_est)
         )
     lines.append("")
     for p in plots:
@@ -621,18 +702,29 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
         "",
         "| task | category | status | compiled | correct | Pallas does the work | "
         + " | ".join(f"TPU {g}" for g in gens)
-        + " | single round (est.) | estimated speedup | measured speedup | time | note |",
+        + " | single round (est.) | estimated speedup"
+        + "".join(f" | est. {g}" for g in gens_est)
+        + " | ≥ first accepted (est.) | measured speedup | time | note |",
         "| --- | --- | --- | --- | --- | --- | "
         + " | ".join("---" for _ in gens)
-        + " | --- | --- | --- | --- | --- |",
+        + " | --- | ---"
+        + " | ---" * len(gens_est)
+        + " | --- | --- | --- | --- |",
     ]
     yes = lambda b: "✓" if b else "✗"  # noqa: E731
     for r in sorted(rows, key=lambda r: (r.category, r.task_id)):
         comp = " | ".join(yes(r.tpu_compile.get(g, False)) if g in r.tpu_compile else "—" for g in gens)
         note = (r.error or r.verdict or "").replace("|", "\\|").replace("\n", " ")[:140]
+        kept = kept_first(r)
+        first = (
+            "—" if kept is None else ("✓" if kept else f"✗ (first {fmt(r.first_accepted_estimated_speedup)})")
+        )
         lines.append(
             f"| {r.task_id} | {r.category} | {r.status} | {yes(r.compiled)} | {yes(r.correct)} | {yes(r.uses_pallas)} | "
-            f"{comp} | {fmt(r.single_estimated_speedup)} | {fmt(r.estimated_speedup)} | {fmt(r.measured_speedup)} | "
+            f"{comp} | {fmt(r.single_estimated_speedup)} | {fmt(r.estimated_speedup)} | "
+            + "".join(f"{fmt(r.estimated_speedup_by_generation.get(g))} | " for g in gens_est)
+            + f"{first} | "
+            f"{fmt(r.measured_speedup)} | "
             f"{r.seconds or 0:.0f} s | {note} |"
         )
     return "\n".join(lines) + "\n"

@@ -923,13 +923,21 @@ def bench_cmd(
     console.print(
         f"\ncorrect {m['correct']}/{m['tasks']}; geomean estimated speedup "
         f"{m['geomean_estimated_speedup'] or 0:.2f}x (estimate), fast1 {m['fast1_estimated']}, "
-        f"> 1.25x {m['clear_estimated']}; measured: "
+        f"> 1.25x {m['clear_estimated']}; final >= first accepted (estimated) {m['kept_first']}/"
+        f"{m['kept_first_n']}"
+        + (f" (NOT: {', '.join(m['slower_than_first'])})" if m["slower_than_first"] else "")
+        + "; measured: "
         + (
             f"{m['geomean_measured_speedup']:.2f}x"
             if m["geomean_measured_speedup"]
             else "nothing measured (no device)"
         )
     )
+    for g, v in m["by_generation"].items():
+        console.print(
+            f"  {g}: geomean estimated speedup {v['geomean'] or 0:.2f}x (estimate), fast1 {v['fast1']}, "
+            f"> 1.25x {v['clear']} (over {v['n']} with a {g} estimate)"
+        )
     sbs = side_by_side(rows)
     if sbs["workloads"]:
         console.print(

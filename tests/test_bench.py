@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DATA = Path(__file__).parent / "data" / "tasks"
 
 
@@ -79,3 +81,87 @@ def test_search_bench_searches_only_where_the_single_round_left_headroom(tmp_pat
         for f in family_table([r.model_copy(update={"family": "matmul chains"}) for r in rows.values()])
     }
     assert table["matmul chains"]["searched"] == 2 and table["matmul chains"]["final_fast1"] == 2
+
+
+def test_plain_bench_reports_its_single_round_and_the_first_accepted_check(tmp_path: Path) -> None:
+    """Without --algorithm the run is its own single round (the report used to say "single round —" and
+    "fast₁ single 0"), and every task says whether its final kernel is at least as fast (estimated) as its
+    first accepted one."""
+    import json
+
+    from maxkernel.bench import BenchSettings, TaskRow, _read_result, family_table, render_report, summary
+
+    def result(out: Path, **fields) -> TaskRow:
+        out.mkdir(parents=True)
+        final = fields.pop("final")
+        by_gen = {"v5e": {"estimated_speedup": final}, "v6e": {"estimated_speedup": fields.pop("v6e", None)}}
+        harness = {
+            "compiled": True,
+            "uses_pallas": True,
+            "estimate": {"estimated_speedup": final, "by_generation": by_gen},
+        }
+        (out / "result.json").write_text(json.dumps({"correct": True, "status": "succeeded", "harness": harness,
+                                                      **fields}))  # fmt: skip
+        return _read_result(TaskRow(task_id=out.name, family="norms"), out, 0, out / "bench.log")
+
+    ms = lambda v: {"iteration": 1, "kind": "implement", "estimated_speedup": v}  # noqa: E731
+    kept = result(
+        tmp_path / "kept", final=2.0, v6e=3.0, iterations=2, round_one_best=ms(1.5), first_accepted=ms(1.2)
+    )
+    slower = result(
+        tmp_path / "slower", final=0.9, iterations=1, round_one_best=ms(0.9), first_accepted=ms(1.1)
+    )
+    old = result(tmp_path / "old", final=1.3, iterations=1)  # a result.json from before the milestones
+    assert (kept.single_estimated_speedup, kept.first_accepted_estimated_speedup) == (1.5, 1.2)
+    assert old.single_estimated_speedup == 1.3 and old.first_accepted_estimated_speedup is None
+
+    rows = [kept, slower, old]
+    m = summary(rows)
+    assert (m["kept_first"], m["kept_first_n"], m["slower_than_first"]) == (1, 2, ["slower"])
+    (fam,) = family_table(rows)
+    assert fam["single_fast1"] == 2 and fam["single_geomean"] is not None
+    report = render_report(rows, BenchSettings(suite="s", out_dir=str(tmp_path), iterations=2), 1.0, [])
+    assert "Single round (no search): geomean estimated 1.21x, fast₁ 2 / 3." in report
+    assert "at least as fast (estimated) as the task's first accepted kernel: 1 / 2" in report
+    assert "NOT on slower." in report and "✗ (first 1.10x)" in report
+    # Every generation estimated gets its own figures (issue 12: v5e AND v6e), named as estimates.
+    v6e = m["by_generation"]["v6e"]
+    assert v6e["geomean"] == pytest.approx(3.0) and (v6e["fast1"], v6e["clear"], v6e["n"]) == (1, 1, 1)
+    assert (
+        "| on v6e, estimated: geomean / fast₁ / > 1.25x | 3.00x / 1 / 1 (over 1 with a v6e estimate) |"
+        in report
+    )
+    assert "| est. v5e | est. v6e |" in report and "| 2.00x | 2.00x | 3.00x | ✓ |" in report
+
+
+def test_results_db_from_before_the_generation_column_still_reads(tmp_path: Path) -> None:
+    """Resumability: a results.db written before `estimated_speedup_by_generation` existed reads as {}."""
+    import sqlite_utils
+
+    from maxkernel.bench import Bench, BenchSettings
+
+    suite = tmp_path / "suite"
+    shutil.copytree(DATA / "small_matmul", suite / "small_matmul")
+    out = tmp_path / "o"
+    out.mkdir()
+    old = {"task_id": "small_matmul", "status": "succeeded", "correct": True, "tpu_compile": '{"v5e": true}',
+           "estimated_speedup": 1.5}  # fmt: skip
+    sqlite_utils.Database(out / "results.db")["results"].insert(old, pk="task_id")
+    bench = Bench(BenchSettings(suite=str(suite), out_dir=str(out)), on_progress=lambda _m: None)
+    (row,) = bench.rows([suite / "small_matmul"])
+    assert row.estimated_speedup == 1.5 and row.estimated_speedup_by_generation == {}
+    assert "small_matmul" in bench._done()
+
+
+def test_finalize_records_the_first_accepted_and_round_one_best() -> None:
+    from maxkernel.nodes.finalize import accepted_milestones
+    from maxkernel.state import Attempt
+
+    def att(it: int, accepted: bool, est: float | None) -> Attempt:
+        return Attempt(iteration=it, kind="implement", source_hash=f"h{it}{est}", source_path="",
+                       stage="accepted" if accepted else "compile", accepted=accepted, estimated_speedup=est)  # fmt: skip
+
+    got = accepted_milestones([att(1, False, None), att(1, True, 0.8), att(1, True, 1.1), att(2, True, 1.6)])
+    assert got["first_accepted"]["estimated_speedup"] == 0.8
+    assert got["round_one_best"]["estimated_speedup"] == 1.1
+    assert accepted_milestones([att(1, False, None)]) == {"first_accepted": None, "round_one_best": None}

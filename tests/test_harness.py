@@ -295,3 +295,23 @@ def test_a_broken_toolchain_is_an_infrastructure_failure_never_a_stored_verdict(
     assert result.error is not None and result.error.stage == "infrastructure"
     assert "no flatbuffers" in result.error.message
     assert not STAGE_INFO["infrastructure"].cached
+
+
+def test_every_requested_generation_gets_an_estimate(matmul_task: KernelTask, tmp_path: Path) -> None:
+    """Issue 12 asks for v5e AND v6e figures: one evaluation estimates each requested generation (block
+    model per generation from one trace, the reference's compiler estimate once per task and generation,
+    stored), the first one being the headline."""
+    store = ResultsStore(tmp_path / "results.db")
+    opts = EvalOptions(tpu=["v5e", "v6e"], timeout_s=300)
+    r = evaluate(
+        matmul_task, (CANDIDATES / "good_matmul.py").read_text(), opts, store=store, work_dir=tmp_path
+    )
+    assert r.accepted, r.error
+    assert r.estimate is not None and r.estimate.generation == "v5e"
+    assert sorted(r.estimate.by_generation) == ["v5e", "v6e"]
+    v5e, v6e = r.estimate.by_generation["v5e"], r.estimate.by_generation["v6e"]
+    assert v5e.estimated_speedup == r.estimate.estimated_speedup
+    assert v6e.estimated_speedup and v6e.estimated_seconds and v6e.reference_estimated_seconds
+    assert v6e.estimated_seconds != v5e.estimated_seconds  # priced on each chip's own figures
+    for gen, est in r.estimate.by_generation.items():
+        assert store.get_reference_estimate(matmul_task.fingerprint, gen) == est.reference_estimated_seconds

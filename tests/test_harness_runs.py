@@ -161,3 +161,34 @@ def test_synthesize_repairs_through_the_agent_graph(
         result["status"] == "finished" and result["error"]["message"] == "RESOURCE_EXHAUSTED: scoped VMEM (2)"
     )
     assert {p.name for p in out.iterdir()} == {"kernel.py", "plan.md", "result.json"}
+
+
+def test_a_judge_dying_in_its_compile_stage_is_the_candidates_compile_failure() -> None:
+    """The judge compiles the candidate's TPU program in its compile stage: running out of memory or time
+    there is that program's compile failure (the author can repair it), not a dead task. Before, an MoE
+    kernel whose Mosaic compile needed over 12 GB came back "the judge (reference) failed" on every try."""
+    from maxkernel.tools.harness import _judge_failure
+    from maxkernel.tools.results import STAGE_INFO, EvalResult
+    from maxkernel.tools.sandbox import SandboxOutcome
+
+    oom = "F1201 low_level_alloc.cc:625] RAW: mmap error: 12"
+    died = SandboxOutcome(
+        ok=False, stage="compile", error=f"process killed by SIGSEGV: {oom}", stderr_tail=oom
+    )
+    r = _judge_failure(EvalResult(task_id="t", source_hash="h"), died, 12_000)
+    assert r.error.stage == "compile" and not r.accepted and STAGE_INFO["compile"].compile_class
+    assert "ran out of memory (the evaluation's memory limit is 12000 MB)" in r.error.message
+
+    slow = SandboxOutcome(ok=False, stage="compile", timed_out=True, error="timed out after 600 s")
+    r = _judge_failure(EvalResult(task_id="t", source_hash="h"), slow, 12_000)
+    assert r.error.stage == "compile" and "did not finish in time" in r.error.message
+
+    # Before its compile stage the judge runs the task's code: still the task's failure, said precisely.
+    warm = SandboxOutcome(ok=False, stage="inputs_ready", timed_out=True, error="timed out after 120 s")
+    r = _judge_failure(EvalResult(task_id="t", source_hash="h"), warm, 12_000)
+    assert r.error.stage == "task" and "XLA cost estimate at the task's own shapes" in r.error.message
+    ref = SandboxOutcome(
+        ok=False, stage="reference", error=f"process killed by SIGSEGV: {oom}", stderr_tail=oom
+    )
+    r = _judge_failure(EvalResult(task_id="t", source_hash="h"), ref, 12_000)
+    assert r.error.stage == "task" and "ran out of memory" in r.error.message

@@ -77,6 +77,7 @@ def finalize(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         "model_calls": state.usage.model_calls,
         "tokens": state.usage.tokens,
         "best_attempt": state.best.model_dump(mode="json") if state.best else None,
+        **accepted_milestones(state.attempts),
         "harness": best_result.summary_json() if best_result else None,
         "verdict": verdict(best_result),
     }
@@ -84,6 +85,22 @@ def finalize(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     result_path.write_text(json.dumps(result, indent=2))
     (out / "report.md").write_text(render_report(state, ctx, result, best_result))
     return {"status": status, "result_path": str(result_path)}
+
+
+def accepted_milestones(attempts: list[Attempt]) -> dict[str, Any]:
+    """The first accepted attempt and the best accepted one of the first round, for result.json: the bench
+    reports the single round from the second and checks (issue 12) that the final kernel is at least as
+    fast, estimated, as the first; None where no attempt was accepted."""
+    accepted = [a for a in attempts if a.accepted]
+    first_round = [a for a in accepted if a.iteration == min(a.iteration for a in attempts)]
+    pick = lambda a: {k: getattr(a, k) for k in MILESTONE_FIELDS}  # noqa: E731
+    return {
+        "first_accepted": pick(accepted[0]) if accepted else None,
+        "round_one_best": pick(max(first_round, key=Attempt.score)) if first_round else None,
+    }
+
+
+MILESTONE_FIELDS = ("iteration", "kind", "source_hash", "estimated_speedup", "measured_speedup")
 
 
 FASTER_CLEARLY = 1.25

@@ -29,6 +29,9 @@ def render_estimate(r: EvalResult) -> str:
             lines.append(f"- estimated speedup: {e.estimated_speedup:.2f}x")
         if e.note:
             lines.append(f"- note: {e.note}")
+        for gen, g in e.by_generation.items():
+            if gen != e.generation and g.estimated_speedup is not None:
+                lines.append(f"- on {gen}: estimated speedup {g.estimated_speedup:.2f}x (bound: {g.bound})")
     if r.timing is not None:
         t = r.timing
         lines.append(

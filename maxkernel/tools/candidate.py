@@ -174,7 +174,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     ctx.stage("trace")
     t0 = time.perf_counter()
     interpret = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
-    programs: dict[str, Any] = {"validation": [], "production": [], "estimate": None, "larger": None}
+    programs: dict[str, Any] = {"validation": [], "production": [], "estimates": None, "larger": None}
     executables = []
     larger_exe = None
     larger_trace_error: str | None = None
@@ -243,8 +243,9 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     programs["export_errors"] = export_errors
     seconds["export"] = time.perf_counter() - t0
 
-    if payload.get("estimate_generation"):
-        programs["estimate"] = _estimate_candidate(candidate, own[0], payload["estimate_generation"])
+    gens = [str(g) for g in payload.get("estimate_generations") or []]
+    if gens:  # one estimate per requested generation (the block model is cheap); the first is the headline
+        programs["estimates"] = _estimate_candidate(candidate, own[0], gens)
     programs["seconds"] = seconds
     (run_dir / PROGRAMS_FILE).write_text(json.dumps(programs))
 
@@ -363,21 +364,28 @@ def _reset_interpret() -> None:
         pass
 
 
-def _estimate_candidate(candidate: Any, cfg: InputConfig, gen: str) -> dict[str, Any]:
-    """The block model's estimate of the candidate's pallas_calls at the production shapes. Computed here
-    because it needs the live jaxpr; reported as coming from the candidate's process."""
+def _estimate_candidate(candidate: Any, cfg: InputConfig, gens: list[str]) -> dict[str, dict[str, Any]]:
+    """The block model's estimate of the candidate's pallas_calls at the production shapes, per TPU
+    generation, from one trace. Computed here because it needs the live jaxpr; reported as coming from the
+    candidate's process."""
     import jax
 
     from maxkernel.tools.estimate import estimate_pallas
 
     try:
         closed = jax.make_jaxpr(bind_static(candidate, cfg.static))(*_specs(cfg))
-        est = estimate_pallas(closed, gen, cfg.index_values)
-        return {
-            "estimated_seconds": est.estimated_seconds,
-            "bound": est.bound,
-            "method": est.method,
-            "detail_markdown": est.to_markdown(),
-        }
     except Exception as exc:  # noqa: BLE001 - an estimate failing must not fail an accepted kernel
-        return {"error": f"block model failed: {type(exc).__name__}: {exc}"}
+        return {gen: {"error": f"block model failed: {type(exc).__name__}: {exc}"} for gen in gens}
+    out: dict[str, dict[str, Any]] = {}
+    for gen in gens:
+        try:
+            est = estimate_pallas(closed, gen, cfg.index_values)
+            out[gen] = {
+                "estimated_seconds": est.estimated_seconds,
+                "bound": est.bound,
+                "method": est.method,
+                "detail_markdown": est.to_markdown(),
+            }
+        except Exception as exc:  # noqa: BLE001 - see above
+            out[gen] = {"error": f"block model failed: {type(exc).__name__}: {exc}"}
+    return out

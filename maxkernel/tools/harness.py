@@ -59,6 +59,7 @@ from maxkernel.tools.results import (
     CorrectnessResult,
     EstimateSummary,
     EvalResult,
+    GenerationEstimate,
     InputConfig,
     MeasuredTiming,
     SetCheck,
@@ -168,7 +169,10 @@ class EvalJob(BaseModel):
     source: str
     options: EvalOptions
     timeout_s: float
-    cached_reference_estimate: float | None = None
+    cached_reference_estimates: dict[str, float] = Field(
+        default_factory=dict,
+        description="the compiler's estimate of the reference per generation, when known",
+    )
     work_dir: str = Field(description="absolute; run dirs go under work_dir/evals")
     keep_run_dir: bool = False
 
@@ -185,7 +189,7 @@ def run_job(job: EvalJob) -> EvalResult:
     eval_dir = fresh_run_dir(Path(job.work_dir) / "evals", job.key[:16])
     try:
         return _run(job.task, job.source, sha256_text(job.source), job.options, job.timeout_s, eval_dir,
-                    job.cached_reference_estimate)  # fmt: skip
+                    job.cached_reference_estimates)  # fmt: skip
     finally:
         if not job.keep_run_dir:
             remove_tree(eval_dir)
@@ -226,26 +230,36 @@ def evaluate(
             return hit
         store.put_candidate(source_hash, task.task_id, source, origin="eval")
     t0 = time.monotonic()
-    gen = first_generation(options.tpu)
+    cached = {g: _cached_reference_estimate(task, g, options, store) for g in estimate_generations(options)}
     job = EvalJob(
         key=key,
         task=task,
         source=source,
         options=options,
         timeout_s=options.timeout_s or default_timeout(task, options),
-        cached_reference_estimate=_cached_reference_estimate(task, gen, options, store),
+        cached_reference_estimates={g: s for g, s in cached.items() if s is not None},
         work_dir=str(Path(work_dir or Path.cwd() / ".maxkernel").resolve()),
         keep_run_dir=keep_run_dir,
     )
     result = runner.run(job) if runner is not None else run_job(job)
-    if result.estimate and result.estimate.reference_estimated_seconds:
-        REFERENCE_ESTIMATES.put(task, gen, result.estimate.reference_estimated_seconds)
-        if store is not None:
-            store.put_reference_estimate(task.fingerprint, gen, result.estimate.reference_estimated_seconds)
+    for gen, est in (result.estimate.by_generation if result.estimate else {}).items():
+        if est.reference_estimated_seconds:  # computed once per task and generation, then served from here
+            REFERENCE_ESTIMATES.put(task, gen, est.reference_estimated_seconds)
+            if store is not None:
+                store.put_reference_estimate(task.fingerprint, gen, est.reference_estimated_seconds)
     if store is not None and STAGE_INFO[result.error.stage if result.error else "timing"].cached:
         store.put_evaluation(key, task.fingerprint, options.key_fields(), result, time.monotonic() - t0)
         store.log_execution(key, task.task_id)
     return result
+
+
+def estimate_generations(options: EvalOptions) -> list[str]:
+    """The generations an evaluation estimates: every requested one (the block model is cheap; the
+    reference's compiler estimate is one compile per task and generation, cached), the first being the
+    headline figure; none without `estimate`."""
+    if not options.estimate:
+        return []
+    return list(dict.fromkeys(options.tpu)) or [first_generation(options.tpu)]
 
 
 def _cached_reference_estimate(
@@ -302,7 +316,7 @@ def _run(
     options: EvalOptions,
     timeout: float,
     eval_dir: Path,
-    cached_ref_estimate: float | None,
+    cached_ref: dict[str, float],
 ) -> EvalResult:
     cand_dir, judge_dir = eval_dir / "candidate", eval_dir / "judge"
     cand_dir.mkdir()
@@ -329,9 +343,9 @@ def _run(
             "larger_budget_bytes": (options.memory_mb << 20) // LARGER_MEMORY_FRACTION,
             "task_inputs": TASK_INPUTS_FILE if task_inputs is not None else None,
             "tpu": options.tpu,
-            "reference_estimate_generation": (
-                first_generation(options.tpu) if options.estimate and cached_ref_estimate is None else None
-            ),
+            "reference_estimate_generations": [
+                g for g in estimate_generations(options) if g not in cached_ref
+            ],
         },
         judge_dir,
         SandboxLimits(
@@ -353,7 +367,7 @@ def _run(
             "validation_configs": task_json["validation_configs"],
             "input_sets": [options.input_sets] * len(task.validation_configs),
             "larger_config": larger_json,
-            "estimate_generation": (first_generation(options.tpu)) if options.estimate else None,
+            "estimate_generations": estimate_generations(options),
             "interpret_compile": interpret_compile,
             "larger_modes": larger_choices,
         },
@@ -373,7 +387,7 @@ def _run(
     cand.start()
     try:
         result = _orchestrate(task, options, judge, cand, result, time.monotonic() + timeout + 5,
-                              cached_ref_estimate, device, larger_note)  # fmt: skip
+                              cached_ref, device, larger_note)  # fmt: skip
         return result
     finally:
         cand.kill()
@@ -393,7 +407,7 @@ def _orchestrate(
     cand: SandboxedChild,
     result: EvalResult,
     deadline: float,
-    cached_ref_estimate: float | None,
+    cached_ref: dict[str, float],
     device: bool,
     larger_note: str,
 ) -> EvalResult:
@@ -415,7 +429,7 @@ def _orchestrate(
         return _candidate_failure(result, cand.wait(deadline), timeout=cand.limits.timeout_s)
     if not judge_ready:
         cand.kill()
-        return _judge_failure(result, judge.wait(deadline))
+        return _judge_failure(result, judge.wait(deadline), options.memory_mb)
 
     # Phase 2: the candidate's programs are fixed now; read them before it gets any input.
     try:
@@ -461,7 +475,7 @@ def _orchestrate(
     judge.send(b"release\n")
     judge_out = judge.wait(deadline)
     if not judge_out.ok or judge_out.value is None or not judge_out.value.get("ok"):
-        return _judge_failure(result, judge_out)
+        return _judge_failure(result, judge_out, options.memory_mb)
     if judge_out.value.get("task_inputs") == "computed":  # the judge's bytes, read before the candidate ran
         TASK_INPUTS.learn(task, inputs, judge_out.value.get("origins"))
     result.stage_seconds["correctness"] = round(interpret_s, 4)
@@ -470,7 +484,7 @@ def _orchestrate(
         _record_seconds(result, {"interpret_compile": cand_seconds.get("interpret_compile")})
     _interpret_cost_signal(result, interpret_s, judge_out.value.get("seconds"))
     result = _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
-                      cached_ref_estimate, larger_note)  # fmt: skip
+                      cached_ref, larger_note)  # fmt: skip
     _say_how_interpreted(result, cand.payload, (cand_out.value or {}).get("larger_mode"))
     return result
 
@@ -505,7 +519,18 @@ def _interpret_cost_signal(result: EvalResult, interpret_s: float, judge_seconds
         )
 
 
-def _judge_failure(result: EvalResult, outcome: SandboxOutcome) -> EvalResult:
+OUT_OF_MEMORY_SIGNS = ("mmap error: 12", "Cannot allocate memory", "std::bad_alloc", "MemoryError", "ENOMEM")
+"""What a process that hit its address-space limit (RLIMIT_AS) leaves in its stderr: libtpu's allocator
+(`low_level_alloc.cc ... RAW: mmap error: 12`), libc, C++ and Python."""
+
+
+def _judge_failure(result: EvalResult, outcome: SandboxOutcome, memory_mb: int | None = None) -> EvalResult:
+    """Blame the judge's death on what it was doing. Up to its warm-up it runs the task's code (the
+    reference; its XLA cost estimate at the task's own shapes): the task's failure. In its compile stage
+    it compiles the candidate's TPU program, which is the candidate's: a compiler that runs out of memory
+    or time on a program is that program's compile failure, which the author can repair (smaller blocks),
+    not a dead task (an MoE kernel whose Mosaic compile needed over 12 GB was reported as "the judge
+    (reference) failed" on every attempt)."""
     if outcome.infrastructure:
         return _fail(result, "infrastructure", f"the judge could not run: {outcome.error}")
     value = outcome.value or {}
@@ -516,8 +541,22 @@ def _judge_failure(result: EvalResult, outcome: SandboxOutcome) -> EvalResult:
     if outcome.violations:
         return _fail(result, "task", "the task's code did something the sandbox forbids: "
                      + "; ".join(outcome.violations))  # fmt: skip
+    oom = any(sign in outcome.stderr_tail or sign in (outcome.error or "") for sign in OUT_OF_MEMORY_SIGNS)
+    limit = f" (the evaluation's memory limit is {memory_mb} MB)" if memory_mb else ""
+    if outcome.stage == "compile" and not outcome.ok:
+        if outcome.timed_out:
+            return _fail(result, "compile", "the TPU compile of the candidate's program did not finish in time "
+                         f"({outcome.error})")  # fmt: skip
+        what = f"ran out of memory{limit}" if oom else "died"
+        return _fail(result, "compile", f"the TPU compiler {what} compiling the candidate's program (in the "
+                     f"judge's compile stage): {_first_lines(outcome.error or '', 3)}")  # fmt: skip
     if outcome.timed_out:
-        return _fail(result, "task", f"the reference did not finish in time: {outcome.error}")
+        doing = "the reference's XLA cost estimate at the task's own shapes, or the TPU compiler's warm-up" \
+            if outcome.stage == STAGE_INPUTS_READY else "the reference"  # fmt: skip
+        return _fail(result, "task", f"the judge did not finish {doing} in time: {outcome.error}")
+    if oom:
+        return _fail(result, "task", f"the judge ran out of memory{limit} running the reference (stage "
+                     f"{outcome.stage}): {_first_lines(outcome.error or '', 3)}")  # fmt: skip
     return _fail(result, "task", f"the judge (reference) failed: {outcome.error or value}")
 
 
@@ -592,7 +631,7 @@ def _verdict(
     cand: SandboxedChild,
     cand_out: SandboxOutcome,
     judge: dict[str, Any],
-    cached_ref_estimate: float | None,
+    cached_ref: dict[str, float],
     larger_note: str,
 ) -> EvalResult:
     _record_seconds(result, programs.get("seconds"))
@@ -643,7 +682,7 @@ def _verdict(
                      f"config {bad.config} input set {bad.input_set} ({bad.origin}): {bad.message}")  # fmt: skip
 
     if options.estimate:
-        result.estimate = _estimate_summary(options, programs.get("estimate"), judge, cached_ref_estimate)
+        result.estimate = _estimate_summary(options, programs.get("estimates"), judge, cached_ref)
     if options.timing:
         timing = judge.get("timing")
         if timing:
@@ -827,9 +866,30 @@ def _index(name: str) -> tuple[int, int]:
 
 
 def _estimate_summary(
-    options: EvalOptions, cand_est: Any, judge: dict[str, Any], cached_ref: float | None
+    options: EvalOptions, cand_ests: Any, judge: dict[str, Any], cached_ref: dict[str, float]
 ) -> EstimateSummary:
-    gen = first_generation(options.tpu)
+    """Per estimated generation: the candidate's block model (from its process: checked for type here)
+    against the reference's compiler estimate (cached, else the judge's); the first is the headline."""
+    cand_ests = cand_ests if isinstance(cand_ests, dict) else {}
+    judged = judge.get("reference_estimated_seconds")
+    judged = judged if isinstance(judged, dict) else {}
+    gens = estimate_generations(options)
+    summaries = {g: _generation_summary(g, cand_ests.get(g), cached_ref.get(g, judged.get(g))) for g in gens}
+    head = summaries[gens[0]]
+    head.by_generation = {
+        g: GenerationEstimate(
+            estimated_seconds=s.estimated_seconds,
+            reference_estimated_seconds=s.reference_estimated_seconds,
+            estimated_speedup=s.estimated_speedup,
+            bound=s.bound,
+            note=s.note,
+        )
+        for g, s in summaries.items()
+    }
+    return head
+
+
+def _generation_summary(gen: str, cand_est: Any, reference_s: Any) -> EstimateSummary:
     summary = EstimateSummary(generation=gen, method="")
     notes = []
     if isinstance(cand_est, dict) and "error" not in cand_est:
@@ -840,7 +900,9 @@ def _estimate_summary(
         summary.detail_markdown = str(cand_est.get("detail_markdown", ""))[:20_000]
     elif isinstance(cand_est, dict):
         notes.append(str(cand_est["error"])[:400])
-    reference_s = cached_ref if cached_ref is not None else judge.get("reference_estimated_seconds")
+    else:
+        notes.append("the candidate's process reported no block-model estimate")
+    reference_s = float(reference_s) if isinstance(reference_s, int | float) else None
     if reference_s is None:
         notes.append("reference cost model failed")
     return with_reference(summary, reference_s, notes)

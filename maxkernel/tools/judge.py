@@ -110,10 +110,10 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     own = [InputConfig.model_validate(c) for c in task["configs"]]
     t0 = time.perf_counter()
     _warm_tpu_compiler(list(payload.get("tpu") or []))
-    if payload.get("reference_estimate_generation"):
-        base["reference_estimated_seconds"] = _reference_estimate(
-            ref, own[0], payload["reference_estimate_generation"]
-        )
+    base["reference_estimated_seconds"] = {  # per generation the agent has no cached figure for
+        str(gen): _reference_estimate(ref, own[0], str(gen))
+        for gen in payload.get("reference_estimate_generations") or []
+    }
     seconds["judge_warmup"] = time.perf_counter() - t0
 
     message = sys.stdin.buffer.readline(MAX_PROGRAMS_BYTES)

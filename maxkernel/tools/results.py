@@ -210,8 +210,20 @@ class MeasuredTiming(BaseModel):
     rechecked_correct: bool
 
 
+class GenerationEstimate(BaseModel):
+    """One TPU generation's estimate of a candidate (block model) against the reference (compiler)."""
+
+    kind: Literal["estimate"] = "estimate"
+    estimated_seconds: float | None = None
+    reference_estimated_seconds: float | None = None
+    estimated_speedup: float | None = None
+    bound: str | None = None
+    note: str | None = None
+
+
 class EstimateSummary(BaseModel):
-    """The TPU time model's view of a candidate: estimated, never measured, and named so everywhere."""
+    """The TPU time model's view of a candidate: estimated, never measured, and named so everywhere.
+    The top-level figures are the first requested generation's; `by_generation` has every one's."""
 
     kind: Literal["estimate"] = "estimate"
     generation: str
@@ -222,6 +234,9 @@ class EstimateSummary(BaseModel):
     bound: str | None = Field(None, description="memory / compute / overhead, per the block model")
     note: str | None = None
     detail_markdown: str | None = Field(None, description="the block model's per-call table")
+    by_generation: dict[str, GenerationEstimate] = Field(
+        default_factory=dict, description="every requested generation's estimate, the first one included"
+    )
 
 
 class EvalResult(BaseModel):
