@@ -13,14 +13,16 @@ values an epilogue may use are exactly those that broadcast against it without a
   `(1, C_out)` copy that the wrapper pads like the weights' channels;
 * **scalar**: one value (a literal, or a rank-0 input as a `(1, 1)` block).
 
-Anything else (a full-size second operand, an iota, a reduction) stays out of the conv region, which keeps
-the partition's old behaviour for it: the value is written once and the next kernel reads it.
+Sums and maxima of a block over the spatial dims (with or without the batch) are accumulated in resident
+output blocks across the grid (`SPATIAL_REDUCTIONS`); nothing in the kernel may read them. Anything else (a
+full-size second operand, an iota, another reduction) stays out of the conv region, which keeps the
+partition's old behaviour for it: the value is written once and the next kernel reads it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -41,8 +43,10 @@ EXCLUDED = frozenset({"iota", "rng_bit_generator", "random_bits", "erf_inv"})
 
 
 SPATIAL_REDUCTIONS = {"reduce_sum": "0.0", "reduce_max": "-jnp.inf"}
-"""Reductions over all spatial dims (a spatial sum, a global pool) the kernel accumulates across its
-output-row steps, with their identity: the block is never written, only an `(N, C_out)` result."""
+"""Reductions over all spatial dims (a spatial sum, a global pool), or over the batch too, that the kernel
+accumulates across its output-row (and batch) steps, with their identity: an `(N, C_out)` or `(C_out,)`
+result. The block itself is written only when something else reads it (a norm's statistics, see
+moments.py: the sums come out of the same pass that writes the conv output)."""
 
 
 @dataclass(frozen=True)
@@ -87,15 +91,25 @@ def conv_out_of(conv_eqn: Any) -> ConvOut:
 
 
 def spatial_reduction_ok(out: ConvOut, e: Any, produced: set[Any]) -> bool:
-    """A sum/max of an epilogue block over every spatial dim, to (N, C_out) in that order, in f32."""
+    """A sum/max of an epilogue block over every spatial dim, to (N, C_out) in that order, or over the batch
+    dim too, to (C_out,) (a batch norm's statistics); in f32."""
     if e.primitive.name not in SPATIAL_REDUCTIONS:
         return False
     src = e.invars[0]
-    if src not in produced or out.role(_shape(src)) != "block" or out.batch_dim > out.channel_dim:
+    if src not in produced or out.role(_shape(src)) != "block":
         return False
-    if tuple(sorted(int(a) for a in e.params["axes"])) != out.spatial_dims:
+    axes = tuple(sorted(int(a) for a in e.params["axes"]))
+    if axes == out.spatial_dims:
+        if out.batch_dim > out.channel_dim or _shape(e.outvars[0]) != out.reduced_shape:
+            return False
+    elif axes != tuple(sorted((*out.spatial_dims, out.batch_dim))) or _shape(e.outvars[0]) != (out.channels,):
         return False
-    return _shape(e.outvars[0]) == out.reduced_shape and dtype_name(e.outvars[0].aval) == "float32"
+    return dtype_name(e.outvars[0].aval) == "float32"
+
+
+def reduces_batch(out: ConvOut, e: Any) -> bool:
+    """Does this spatial reduction also sum over the batch dim (one (C_out,) result for the whole batch)?"""
+    return out.batch_dim in {int(a) for a in e.params["axes"]}
 
 
 def _shape(v: Any) -> tuple[int, ...]:
@@ -141,10 +155,14 @@ def epilogue_ok(part: Partition, region: Region, i: int, kind: str) -> bool:
     out = conv_out_of(conv)
     e = g.eqns[i]
     produced = part.produced_in(region)
-    if any(g.kind[j] == "reduce" for j in region.owned):
-        return False  # nothing follows the accumulated reduction inside the kernel
+    reductions = [g.eqns[j] for j in region.owned if g.kind[j] == "reduce"]
+    reduced = {v for r in reductions for v in r.outvars}
+    if any(not is_literal(v) and v in reduced for v in e.invars):
+        return False  # a reduction is accumulated over the grid: nothing in the kernel may read it
     if kind == "reduce":
         src = g.producer.get(e.invars[0])
+        if any(reduces_batch(out, r) != reduces_batch(out, e) for r in reductions):
+            return False  # one grid order for all of them: per sample, or over the whole batch
         return (src in region.owned) and spatial_reduction_ok(out, e, produced)
     if kind not in ("elementwise", "absorbed"):
         return False
@@ -179,8 +197,10 @@ class Epilogue:
     inputs: list[Any]  # region inputs beyond x and w, each a chan or scalar value
     input_roles: list[Role]
     lines: list[str]  # kernel lines on the accumulator `acc`
-    results: list[str | None]  # per region output: the block expression to store; None for the reduction
-    reduction: tuple[str, str] | None = None  # (the reduced block's expression, the reduce primitive)
+    results: list[str | None]  # per region output: the block expression to store; None for a reduction
+    reductions: dict[Any, tuple[str, str]] = field(default_factory=dict)
+    """Per reduced output var: (the reduced block's expression, the reduce primitive)."""
+    batch_reduced: bool = False  # the reductions also sum over the batch: (C_out,) results, not (N, C_out)
 
 
 def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
@@ -203,7 +223,8 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
         code[v] = f"{ref}[...]"
     order = sorted(set(region.owned) | set(region.pulled))
     n = 0
-    reduction: tuple[str, str] | None = None
+    reductions: dict[Any, tuple[str, str]] = {}
+    batch_reduced = False
     for p in order:
         e = g.eqns[p]
         if e is conv_eqn:
@@ -219,7 +240,8 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
         name = e.primitive.name
         ov = e.outvars[0]
         if name in SPATIAL_REDUCTIONS:
-            reduction = (args[0], name)
+            reductions[ov] = (args[0], name)
+            batch_reduced = reduces_batch(out, e)
             continue
         if name in LAYOUT_PRIMITIVES:
             code[ov] = args[0]  # chan/scalar values already broadcast against the (pixels, block_o) block
@@ -229,5 +251,12 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
         local = f"ep{n}"
         lines.append(f"{local} = {expr}  # {dtype_name(ov.aval)} {out.role(_shape(ov))}")
         code[ov] = local
-    results = [code.get(v) for v in builder.outputs]
-    return Epilogue(inputs=extra, input_roles=roles, lines=lines, results=results, reduction=reduction)
+    results = [None if v in reductions else code.get(v) for v in builder.outputs]
+    return Epilogue(
+        inputs=extra,
+        input_roles=roles,
+        lines=lines,
+        results=results,
+        reductions=reductions,
+        batch_reduced=batch_reduced,
+    )

@@ -63,11 +63,18 @@ class ConvBuilder(KernelBuilder):
             ep = build_epilogue(self, e, [f"e{k}_ref" for k in range(n_extra)])
         except EmitError as exc:
             raise LowerError(str(exc)) from exc
-        if any(r is None for r in ep.results) != (ep.reduction is not None):
+        if any(r is None for r in ep.results) != bool(ep.reductions):
             raise LowerError("a spatial reduction of the conv region that is not its output")
-        reduced = ep.reduction is not None
-        grid_args = "n_index, o_index, r_index" if reduced else "n_index, r_index, o_index"
-        ax_r, ax_o = (2, 1) if reduced else (1, 2)  # grid positions of the row and channel-block axes
+        reduced = bool(ep.reductions)
+        batch_reduced = ep.batch_reduced
+        # grid positions of the batch, row and channel-block axes: a reduction accumulates over the row axis
+        # (and over the batch axis too when it sums the batch), so those go last, as "arbitrary" dims must
+        if batch_reduced:
+            grid_args, (ax_n, ax_r, ax_o) = "o_index, n_index, r_index", (1, 2, 0)
+        elif reduced:
+            grid_args, (ax_n, ax_r, ax_o) = "n_index, o_index, r_index", (0, 2, 1)
+        else:
+            grid_args, (ax_n, ax_r, ax_o) = "n_index, r_index, o_index", (0, 1, 2)
         out_refs = [f"o{k}_ref" for k in range(len(outs))]
         dn = p["dimension_numbers"]
         lhs_spec, rhs_spec, out_spec = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
@@ -165,26 +172,35 @@ class ConvBuilder(KernelBuilder):
             lines.append("# fused epilogue on the f32 accumulator: no HBM round trip of the conv result")
             lines.extend(ep.lines)
         init: list[str] = []
-        for o, r in zip(out_refs, ep.results, strict=True):
-            if r is None and ep.reduction is not None:  # the spatial reduction: accumulated across row steps
-                src, prim = ep.reduction
+        if reduced:
+            first_step = (
+                "(pl.program_id(1) == 0) & (pl.program_id(2) == 0)"
+                if batch_reduced
+                else ("pl.program_id(2) == 0")
+            )
+            init = [
+                f"@pl.when({first_step})  # the {'(C_out,)' if batch_reduced else '(N, C_out)'} results stay "
+                f"resident over {'batch and ' if batch_reduced else ''}row steps",
+                "def _init():",
+            ]
+        for o, v, r in zip(out_refs, outs, ep.results, strict=True):
+            if r is None:  # a spatial reduction: accumulated across row steps
+                src, prim = ep.reductions[v]
                 ident = SPATIAL_REDUCTIONS[prim]
                 combine = "jnp.maximum" if prim == "reduce_max" else "jnp.add"
                 fold = "jnp.max" if prim == "reduce_max" else "jnp.sum"
                 first_row = "pl.program_id(2) * rows" + (" + plane" if per_plane else "")
                 row_ext = "1" if per_plane else "rows"
                 mid = "".join(f"n_o{a}, " for a in sp[1:-1])
-                init = [
-                    "@pl.when(pl.program_id(2) == 0)  # the (N, C_out) result stays resident over row steps",
-                    "def _init():",
-                    f"    {o}[...] = jnp.full({o}.shape, {ident}, {o}.dtype)",
-                    "",
-                ]
+                init.append(f"    {o}[...] = jnp.full({o}.shape, {ident}, {o}.dtype)")
+                lines.append(f"blk = {src}.reshape({row_ext}, {mid}n_o{sp[-1]}_p, {src}.shape[-1])")
+                if not any(line.startswith("valid = ") for line in lines):  # one mask for every reduction
+                    lines += [
+                        "# padded rows/columns (the conv of zero padding, not zero after the epilogue) do not count",
+                        f"valid = ({first_row} + lax.broadcasted_iota(jnp.int32, blk.shape, 0) < n_valid_{lead}) & "
+                        f"(lax.broadcasted_iota(jnp.int32, blk.shape, blk.ndim - 2) < n_valid_{sp[-1]})",
+                    ]
                 lines += [
-                    f"blk = {src}.reshape({row_ext}, {mid}n_o{sp[-1]}_p, {src}.shape[-1])",
-                    "# padded rows/columns (the conv of zero padding, not zero after the epilogue) do not count",
-                    f"valid = ({first_row} + lax.broadcasted_iota(jnp.int32, blk.shape, 0) < n_valid_{lead}) & "
-                    f"(lax.broadcasted_iota(jnp.int32, blk.shape, blk.ndim - 2) < n_valid_{sp[-1]})",
                     f"blk = jnp.where(valid, blk, {ident}).reshape(-1, blk.shape[-1])",
                     f"{o}[...] = {combine}({o}[...], {fold}(blk, axis=0, keepdims=True))",
                 ]
@@ -192,6 +208,8 @@ class ConvBuilder(KernelBuilder):
                 lines.append(f"{o}[pl.ds(plane, 1)] = {r}.reshape(1, *{o}.shape[1:]).astype({o}.dtype)")
             else:
                 lines.append(f"{o}[...] = {r}.reshape({o}.shape).astype({o}.dtype)")
+        if init:
+            init.append("")
         accumulate = "".join(f"{pad}{line}\n" if line else "\n" for line in lines)
         if per_plane:
             body = (
@@ -234,12 +252,13 @@ class ConvBuilder(KernelBuilder):
         if reduced:
             ep_maps += (
                 f"\n\ndef {s}_reduced_index_map({grid_args}):\n"
-                "    return (n_index, 0, o_index)  # the same block for every row step: an accumulator\n"
+                f"    return ({'0' if batch_reduced else 'n_index'}, 0, o_index)  # the same block for every "
+                f"{'batch and ' if batch_reduced else ''}row step: an accumulator\n"
             )
         red_kw = f", n_valid_{lead}, n_valid_{sp[-1]}" if reduced else ""
         red_args = f", n_valid_{lead}=n_o{lead}, n_valid_{sp[-1]}=n_o{sp[-1]}" if reduced else ""
         out_shapes = ", ".join(
-            "jax.ShapeDtypeStruct((n_b, 1, n_out_p), jnp.float32)"
+            f"jax.ShapeDtypeStruct(({'1' if batch_reduced else 'n_b'}, 1, n_out_p), jnp.float32)"
             if r is None
             else f"jax.ShapeDtypeStruct(out_dims, {dtype_code(dtype_name(v.aval))})"
             for v, r in zip(outs, ep.results, strict=True)
@@ -247,13 +266,21 @@ class ConvBuilder(KernelBuilder):
         out_blocks = ", ".join(red_block if r is None else out_block for r in ep.results)
         out_sizes = ", ".join(f"n_o{a}" for a in sp)
         crops = "\n".join(
-            f"    out[{k}] = out[{k}][:, 0, :n_out]  # (N, C_out), summed over the spatial dims"
+            (
+                f"    out[{k}] = out[{k}][0, 0, :n_out]  # (C_out,), summed over the batch and spatial dims"
+                if batch_reduced
+                else f"    out[{k}] = out[{k}][:, 0, :n_out]  # (N, C_out), summed over the spatial dims"
+            )
             if r is None
             else f"    out[{k}] = {_transposed(f'_crop(out[{k}], (n_b, {out_sizes}, n_out))', tuple(from_cl))}"
             for k, r in enumerate(ep.results)
         )
         semantics = (
-            '("parallel", "parallel", "arbitrary")' if reduced else '("parallel", "parallel", "parallel")'
+            '("parallel", "arbitrary", "arbitrary")'
+            if batch_reduced
+            else '("parallel", "parallel", "arbitrary")'
+            if reduced
+            else '("parallel", "parallel", "parallel")'
         )
         ep_doc = ", then the fused epilogue before the one store" if ep.lines else ""
         w_merge = (
@@ -265,7 +292,9 @@ class ConvBuilder(KernelBuilder):
         # a spatial reduction accumulates over row steps: the row axis goes last ("arbitrary" dims must follow
         # the parallel ones), the batch and channel-block axes stay parallel for megacore
         grid_code = (
-            f"(n_b, n_out_p // bo, n_o{lead}_p // rows)"
+            f"(n_out_p // bo, n_b, n_o{lead}_p // rows)"
+            if batch_reduced
+            else f"(n_b, n_out_p // bo, n_o{lead}_p // rows)"
             if reduced
             else f"(n_b, n_o{lead}_p // rows, n_out_p // bo)"
         )
@@ -400,7 +429,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 + [po if depthwise else DimRef(kind="full", extent=c_in)],
                 itemsize=x.aval.dtype.itemsize,
                 kind="input",
-                axes=[0, ax_r],
+                axes=[ax_n, ax_r],
                 hbm_bytes=nbytes(x),
             ),
             BufferSpec(
@@ -440,7 +469,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                     dims=[DimRef(kind="full", extent=1), po],
                     itemsize=4,
                     kind="output",
-                    axes=[0, ax_o],
+                    axes=[ax_o] if batch_reduced else [ax_n, ax_o],
                     hbm_bytes=nbytes(out),
                 )
                 for out, r in zip(outs, ep.results, strict=True)
@@ -488,34 +517,47 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             code=code,
             params=params,
             grid=[
-                GridAxis(name="n_index", extent=n_b, param=None),
-                *(
-                    axis
-                    for _, axis in sorted(
-                        [
-                            (
-                                ax_r,
-                                GridAxis(
-                                    name="r_index",
-                                    extent=out_sp[0],
-                                    param=params[0].name,
-                                    semantics="arbitrary" if reduced else "parallel",
-                                ),
+                axis
+                for _, axis in sorted(
+                    [
+                        (
+                            ax_n,
+                            GridAxis(
+                                name="n_index",
+                                extent=n_b,
+                                param=None,
+                                semantics="arbitrary" if batch_reduced else "parallel",
                             ),
-                            (ax_o, GridAxis(name="o_index", extent=c_out, param=params[1].name)),
-                        ],
-                        key=lambda t: t[0],
-                    )
-                ),
+                        ),
+                        (
+                            ax_r,
+                            GridAxis(
+                                name="r_index",
+                                extent=out_sp[0],
+                                param=params[0].name,
+                                semantics="arbitrary" if reduced else "parallel",
+                            ),
+                        ),
+                        (ax_o, GridAxis(name="o_index", extent=c_out, param=params[1].name)),
+                    ],
+                    key=lambda t: t[0],
+                )
             ],
             buffers=buffers,
             flops=flops,
             structure=(
                 (
-                    "grid (batch, output-channel blocks, output-row blocks), the row axis arbitrary: each step "
-                    "fetches the halo'd rows its output rows read, sums one MXU matmul per kernel tap into an "
-                    "f32 accumulator, runs the epilogue on it and adds the masked block into the resident "
-                    "(N, C_out) spatial reduction; the full-size result is never written"
+                    f"grid ({'output-channel blocks, batch' if batch_reduced else 'batch, output-channel blocks'}, "
+                    f"output-row blocks), the {'batch and row axes' if batch_reduced else 'row axis'} arbitrary: "
+                    "each step fetches the halo'd rows its output rows read, sums one MXU matmul per kernel tap "
+                    "into an f32 accumulator, runs the epilogue on it and adds the masked block into the resident "
+                    f"{'(C_out,)' if batch_reduced else '(N, C_out)'} spatial reductions"
+                    + (
+                        "; the full-size result is never written"
+                        if all(r is None for r in ep.results)
+                        else ", and writes its block of the full-size result once (the statistics of a norm "
+                        "come out of the same pass)"
+                    )
                 )
                 if reduced
                 else (

@@ -29,6 +29,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from maxkernel.authors.offline import threefry
+from maxkernel.authors.offline.moments import OnePassMoments
 from maxkernel.tools.jaxpr import CALL_PRIMITIVES, walk_eqns
 
 REWRITTEN: set[str] = set()
@@ -83,8 +84,11 @@ def _eval(
             facts[v] = f
     casts = _CastMotion(jaxpr)
     outer = _OuterBroadcasts()
+    moments = OnePassMoments(jaxpr, _one_pass_moments_decision)
     for eqn in jaxpr.eqns:
         split = outer.apply(eqn, read, fact_of)
+        if split is None:
+            split = moments.apply(eqn, read)
         if split is not None:
             env[eqn.outvars[0]] = split
             continue
@@ -932,6 +936,30 @@ def _direct_conv_decision(eqn: Any, ins: list[Any]) -> bool:
         "direct_conv",
         lambda: direct_conv_ok(
             eqn.params, tuple(ins[0].shape), np.dtype(ins[0].dtype).itemsize, tuple(ins[1].shape)
+        ),
+    )
+
+
+def _one_pass_moments_decision(conv: Any, count: int, grouped: bool) -> bool:
+    """Norm statistics in the conv kernel's epilogue (moments.py) when the conv stays whole for the conv
+    family and that saves a pass: always for a group norm (its split layout is a relayout copy), for a
+    plain one when its rows are longer than a row-wise kernel holds whole (which reads them once anyway:
+    an instance norm of a 128 x 128 image). Decided at the task's shapes like the conv itself, and replayed."""
+    from maxkernel.authors.offline.partition import STREAM_ELEMS
+
+    if not SIZE_DECISIONS.direct_conv:
+        return False
+    x, w = conv.invars
+    return SIZE_DECISIONS.decide(
+        "one_pass_moments",
+        lambda: (
+            (grouped or count > STREAM_ELEMS)
+            and direct_conv_ok(
+                conv.params,
+                tuple(int(d) for d in x.aval.shape),
+                np.dtype(x.aval.dtype).itemsize,
+                tuple(int(d) for d in w.aval.shape),
+            )
         ),
     )
 

@@ -1,0 +1,332 @@
+"""One-pass moments of a convolution's output: the centred sum of squares from the plain one.
+
+A batch / instance norm after a convolution reduces the conv output twice, and the second reduction needs
+the first's result:
+
+    s = sum(y, A);  mean = s / n;  m2 = sum(square(y - mean), A)        (A: the spatial dims [+ batch])
+
+so the conv kernel cannot compute `m2` while it produces `y`: the mean is known only after the last grid
+step. Written this way the program makes three passes over `y` in HBM (the two reductions, then the
+normalisation), where XLA makes the same three. The identity
+
+    sum((y - mean)^2, A) = sum(y^2, A) - mean * s        (mean = s / n, n the reduced count)
+
+turns `m2` into a reduction of `square(y)`, a sibling of `s`: both run in the conv kernel's epilogue on the
+f32 accumulator in VMEM, and only the normalisation reads `y` back. This is the moment computation XLA's own
+batch-norm expander uses (Var = E[y^2] - E[y]^2). It is exact algebra; in floating point it loses relative
+accuracy when the mean is large against the standard deviation (mean^2 / var ~ 1/eps_f32), which a conv
+output normalised by its own statistics rarely is; the result is clamped at 0 so `rsqrt(var + eps)` stays
+finite, and the harness checks every kernel against the reference at the task's tolerance.
+
+A group norm splits the channels first, `reshape(y, (N, *S, G, C // G))`, and reduces over `S` and the
+group's members: the same moments, summed per channel in the conv kernel and then per group in a tiny
+kernel, and the normalisation is evaluated on `y` itself with the group statistics repeated per channel,
+so the split layout (a relayout copy of the whole tensor on a TPU) never exists (`_Grouped`).
+
+Only applied where it removes a pass: the centred value is a convolution kept whole for the conv family
+(seen through a per-channel bias or scale, which its epilogue computes) and the reduced axes are its
+spatial dims, with or without the batch dim. A row that a kernel holds whole in VMEM gains nothing from
+it, and keeps the two-pass form.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jcore
+
+SQUARES = frozenset({"square", "integer_pow", "mul"})
+MEAN_LAYOUT = frozenset({"broadcast_in_dim", "reshape", "expand_dims"})
+
+
+@dataclass(frozen=True)
+class CentredSquares:
+    """`sum(square(y - h), axes)` with `h` the mean of `y` over the same axes (`h = s / n`, `s` = `s_var`)."""
+
+    y: Any  # the conv output
+    s: Any  # reduce_sum(y, axes)
+    h: Any  # s / n, broadcast with size-1 dims at `axes`
+    axes: tuple[int, ...]
+    divide: Any = None  # the equation dividing by n on the way from s to h
+
+
+def _is_lit(v: Any) -> bool:
+    return isinstance(v, jcore.Literal)
+
+
+class OnePassMoments:
+    """Finds `sum(square(y - mean(y)))` over a conv output's spatial (+ batch) dims in one jaxpr and
+    evaluates it as `sum(square(y)) - mean * sum(y)`; a group norm's grouped form is evaluated per channel
+    (see `_Grouped`). See the module docstring."""
+
+    def __init__(self, jaxpr: Any, conv_ok: Callable[[Any, int, bool], bool]) -> None:
+        """`conv_ok(conv_eqn, count, grouped)`: is this convolution kept whole for the conv family, and is a
+        pass saved by accumulating `count` elements per statistic in its epilogue (a plain or grouped norm)?"""
+        uses: dict[Any, int] = {}
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if not _is_lit(v):
+                    uses[v] = uses.get(v, 0) + 1
+        for v in jaxpr.outvars:
+            if not _is_lit(v):
+                uses[v] = uses.get(v, 0) + 1
+        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        self.rewrites: dict[Any, Callable[[Callable[[Any], Any]], Any]] = {}
+        for eqn in jaxpr.eqns:
+            pattern = _match(eqn, producer, uses)
+            if pattern is None:
+                continue
+            conv = _conv_behind(pattern.y, producer)
+            if conv is not None and conv_moments_axes_ok(conv, pattern.axes):
+                if conv_ok(conv, _count(pattern.y, pattern.axes), False):
+                    self.rewrites[eqn.outvars[0]] = functools.partial(_plain_m2, pattern)
+                continue
+            grouped = _Grouped.of(pattern, producer, uses)
+            if grouped is None:
+                continue
+            conv = _conv_behind(grouped.src, producer)
+            if (
+                conv is not None
+                and conv_moments_axes_ok(conv, grouped.axes)
+                and conv_ok(conv, _count(pattern.y, pattern.axes), True)
+            ):
+                self.rewrites[pattern.s] = grouped.first_sum
+                for d in _count_divisions(jaxpr, producer, [pattern.s, eqn.outvars[0]], pattern.divide):
+                    self.rewrites[d.outvars[0]] = functools.partial(grouped.per_count, d)
+                self.rewrites[eqn.outvars[0]] = grouped.m2
+                if grouped.merge is not None:
+                    self.rewrites[grouped.merge.outvars[0]] = grouped.normalised
+
+    def apply(self, eqn: Any, read: Callable[[Any], Any]) -> Any | None:
+        """The equation's single result in its one-pass form, or None to evaluate it as usual."""
+        if len(eqn.outvars) != 1 or eqn.outvars[0] not in self.rewrites:
+            return None
+        return self.rewrites[eqn.outvars[0]](read)
+
+
+def _count_divisions(jaxpr: Any, producer: dict[Any, Any], sums: list[Any], first: Any) -> list[Any]:
+    """The divisions by the reduced count (the mean's and the variance's) of these sums, seen through
+    layout ops: `first` (the mean's, already found) and any other with the same literal."""
+    found = [first]
+    for e in jaxpr.eqns:
+        if e is first or e.primitive.name != "div" or not _is_lit(e.invars[1]) or _is_lit(e.invars[0]):
+            continue
+        if float(e.invars[1].val) != float(first.invars[1].val):
+            continue
+        v = e.invars[0]
+        while v not in sums and (p := producer.get(v)) is not None and p.primitive.name in MEAN_LAYOUT:
+            v = p.invars[0]
+        if v in sums:
+            found.append(e)
+    return found
+
+
+def _count(v: Any, axes: tuple[int, ...]) -> int:
+    return math.prod(int(v.aval.shape[a]) for a in axes)
+
+
+def _reduce_sum(x: Any, axes: tuple[int, ...]) -> Any:
+    from jax import lax
+
+    return lax.reduce_sum_p.bind(x, axes=tuple(axes), out_sharding=None)
+
+
+def _plain_m2(p: CentredSquares, read: Callable[[Any], Any]) -> Any:
+    """sum((y - h)^2) = sum(y^2) - h * s, with h = s / n."""
+    import jax.numpy as jnp
+
+    y, s, h = read(p.y), read(p.s), read(p.h)
+    return jnp.maximum(_reduce_sum(jnp.square(y), p.axes) - jnp.reshape(h, s.shape) * s, 0.0)
+
+
+CHANNEL_PRESERVING = frozenset({"add", "sub", "mul", "convert_element_type"})
+
+
+def _conv_behind(var: Any, producer: dict[Any, Any]) -> Any | None:
+    """The convolution whose output `var` is, seen through a per-channel epilogue (a bias, a scale, a cast)
+    of the same shape: the conv kernel computes those on its accumulator."""
+    shape = tuple(int(d) for d in var.aval.shape)
+    while True:
+        e = producer.get(var)
+        if e is None:
+            return None
+        if e.primitive.name == "conv_general_dilated":
+            return e
+        if e.primitive.name not in CHANNEL_PRESERVING:
+            return None
+        full = [v for v in e.invars if not _is_lit(v) and tuple(int(d) for d in v.aval.shape) == shape]
+        small = [v for v in e.invars if not _is_lit(v) and v not in full]
+        if len(full) != 1 or any(math.prod(int(d) for d in v.aval.shape) > shape[-1] for v in small):
+            return None
+        if e.primitive.name == "sub" and e.invars[0] is not full[0]:
+            return None
+        var = full[0]
+
+
+@dataclass(frozen=True)
+class _Grouped:
+    """A group norm written the usual way: the channels-last value `src` (N, *S, C) split as
+    `y = reshape(src, (N, *S, G, C // G))`, its statistics over `S` and the last axis, and the normalised
+    `(y - mean) * scale` reshaped back to (N, *S, C). Evaluated per channel instead: the spatial sums of `src`
+    and `src^2` per (N, C) (what the conv kernel accumulates), summed over each group's channels (a tiny
+    reduction), and the normalisation on `src` itself with the group statistics repeated per channel, so
+    the (..., G, C // G) layout (a relayout copy on a TPU, whose minor dims it breaks up) never exists."""
+
+    pattern: CentredSquares  # over the split value: y, its first sum s, the mean h, the axes
+    src: Any
+    axes: tuple[int, ...]  # reduced axes of src (the split value's, less the group-member axis)
+    groups: int
+    merge: Any | None  # reshape(v) back to src's shape, v = (y - h) * scale or (y - h) / scale
+    scale: Any | None
+    divide: bool
+
+    @staticmethod
+    def of(p: CentredSquares, producer: dict[Any, Any], uses: dict[Any, int]) -> _Grouped | None:
+        split = producer.get(p.y)
+        if split is None or split.primitive.name != "reshape" or _is_lit(split.invars[0]):
+            return None
+        src = split.invars[0]
+        src_shape = tuple(int(d) for d in src.aval.shape)
+        y_shape = tuple(int(d) for d in p.y.aval.shape)
+        last = len(src_shape) - 1
+        if len(y_shape) != len(src_shape) + 1 or y_shape[:last] != src_shape[:last]:
+            return None
+        if y_shape[last] * y_shape[last + 1] != src_shape[last] or last + 1 not in p.axes or last in p.axes:
+            return None
+        if np.dtype(src.aval.dtype) != np.float32:
+            return None
+        merge, scale, divide = None, None, False
+        for e in producer.values():  # the normalised value: (y - h) * scale, reshaped back to src's shape
+            if e.primitive.name != "reshape" or tuple(int(d) for d in e.outvars[0].aval.shape) != src_shape:
+                continue
+            v = e.invars[0]
+            op = producer.get(v)
+            if _is_lit(v) or op is None or uses.get(v) != 1 or op.primitive.name not in ("mul", "div"):
+                continue
+            for k, d in enumerate(op.invars):
+                sub = producer.get(d)
+                other = op.invars[1 - k]
+                if (
+                    sub is not None
+                    and sub.primitive.name == "sub"
+                    and sub.invars[0] is p.y
+                    and sub.invars[1] is p.h
+                    and uses.get(d) == 1
+                    and not _is_lit(other)
+                    and tuple(int(q) for q in other.aval.shape) == tuple(int(q) for q in p.h.aval.shape)
+                    and (op.primitive.name == "mul" or k == 0)
+                ):
+                    merge, scale, divide = e, other, op.primitive.name == "div"
+        return _Grouped(
+            pattern=p,
+            src=src,
+            axes=tuple(a for a in p.axes if a != last + 1),
+            groups=y_shape[last],
+            merge=merge,
+            scale=scale,
+            divide=divide,
+        )
+
+    def _per_group(self, per_channel: Any) -> Any:
+        """(..., C) sums -> (..., G): each group's channels summed."""
+        import jax.numpy as jnp
+
+        c = per_channel.shape[-1]
+        return _reduce_sum(
+            jnp.reshape(per_channel, (*per_channel.shape[:-1], self.groups, c // self.groups)),
+            (per_channel.ndim,),
+        )
+
+    def first_sum(self, read: Callable[[Any], Any]) -> Any:
+        return self._per_group(_reduce_sum(read(self.src), self.axes))
+
+    def per_count(self, div: Any, read: Callable[[Any], Any]) -> Any:
+        """A group sum (of values or squares) divided by the group's channel count, then by the reduced
+        spatial (+ batch) count: two numbers a kernel names from the shapes (C // G and H * W), where their
+        product may not be one it can name."""
+        members = self.src.aval.shape[-1] // self.groups
+        return read(div.invars[0]) / float(members) / (float(div.invars[1].val) / members)
+
+    def m2(self, read: Callable[[Any], Any]) -> Any:
+        import jax.numpy as jnp
+
+        ssq = self._per_group(_reduce_sum(jnp.square(read(self.src)), self.axes))
+        s, h = read(self.pattern.s), read(self.pattern.h)
+        return jnp.maximum(ssq - jnp.reshape(h, s.shape) * s, 0.0)
+
+    def _per_channel(self, t: Any) -> Any:
+        """(..., G, 1) group values -> (..., C): repeated over each group's channels."""
+        import jax.numpy as jnp
+
+        c = self.src.aval.shape[-1]
+        return jnp.reshape(jnp.broadcast_to(t, (*t.shape[:-1], c // self.groups)), (*t.shape[:-2], c))
+
+    def normalised(self, read: Callable[[Any], Any]) -> Any:
+        x = read(self.src) - self._per_channel(read(self.pattern.h))
+        scale = self._per_channel(read(self.scale))
+        return x / scale if self.divide else x * scale
+
+
+def _match(eqn: Any, producer: dict[Any, Any], uses: dict[Any, int]) -> CentredSquares | None:
+    if eqn.primitive.name != "reduce_sum" or len(eqn.outvars) != 1:
+        return None
+    axes = tuple(sorted(int(a) for a in eqn.params["axes"]))
+    sq_var = eqn.invars[0]
+    sq = producer.get(sq_var)
+    if sq is None or uses.get(sq_var) != 1 or sq.primitive.name not in SQUARES:
+        return None
+    if sq.primitive.name == "integer_pow" and int(sq.params["y"]) != 2:
+        return None
+    if sq.primitive.name == "mul" and (sq.invars[0] is not sq.invars[1] or _is_lit(sq.invars[0])):
+        return None
+    d_var = sq.invars[0]
+    sub = producer.get(d_var)
+    if (
+        sub is None
+        or uses.get(d_var) != (2 if sq.primitive.name == "mul" else 1)
+        or sub.primitive.name != "sub"
+    ):
+        return None
+    y, h = sub.invars
+    if _is_lit(y) or _is_lit(h) or np.dtype(y.aval.dtype) != np.float32:
+        return None
+    shape = tuple(int(d) for d in y.aval.shape)
+    h_shape = tuple(int(d) for d in h.aval.shape)
+    if len(h_shape) != len(shape) or any(h_shape[a] != 1 for a in axes):
+        return None
+    if any(h_shape[d] != shape[d] for d in range(len(shape)) if d not in axes):
+        return None
+    count = int(np.prod([shape[a] for a in axes]))
+    # h = broadcast(s) / count, s = reduce_sum(y, axes): layout ops and exactly one division by the count
+    v, divided, div_eqn = h, False, None
+    while True:
+        e = producer.get(v)
+        if e is None:
+            return None
+        name = e.primitive.name
+        if name in MEAN_LAYOUT:
+            v = e.invars[0]
+            continue
+        if name == "div" and not divided and _is_lit(e.invars[1]) and float(e.invars[1].val) == count:
+            v, divided, div_eqn = e.invars[0], True, e
+            continue
+        if name == "reduce_sum" and divided and e.invars[0] is y:
+            if tuple(sorted(int(a) for a in e.params["axes"])) != axes:
+                return None
+            s_shape = tuple(int(d) for d in e.outvars[0].aval.shape)
+            if s_shape != tuple(shape[d] for d in range(len(shape)) if d not in axes):
+                return None
+            return CentredSquares(y=y, s=e.outvars[0], h=h, axes=axes, divide=div_eqn)
+        return None
+
+
+def conv_moments_axes_ok(conv_eqn: Any, axes: tuple[int, ...]) -> bool:
+    """The reduced axes are the conv output's spatial dims, with or without its batch dim."""
+    spec = conv_eqn.params["dimension_numbers"].out_spec
+    spatial = {int(d) for d in spec[2:]}
+    return set(axes) in (spatial, spatial | {int(spec[0])})
