@@ -441,7 +441,25 @@ class Partition:
                 continue
             if not any(f.matcher(self, i) for f in families_starting(g.kind[i])):
                 raise AssertionError(f"no kernel family takes a `{g.eqns[i].primitive.name}` equation")
+        self._layout_only_regions_to_glue()
         self._float_sinks()
+
+    def _layout_only_regions_to_glue(self) -> None:
+        """A map region that owns nothing but layout ops (a transpose of a result its producer's kernel
+        could not take, such as the stacked outputs of a scan) would be a kernel that copies the array
+        through VMEM unchanged: one more read and write of it in HBM, on top of the transposes its wrapper
+        does outside anyway (a [32, 2, 80, 64, 128] f32 scan output: 0.8 ms on v5e per the block model).
+        Such ops run as glue instead, where XLA does the one layout change."""
+        g = self.g
+        for rid, r in list(self.regions.items()):
+            if r.kind != "map" or r.dots or r.has_reduction or r.pulled or r.stream:
+                continue
+            if not all(g.kind[i] == "absorbed" and self.status[i] == "owned" for i in r.owned):
+                continue
+            for i in r.owned:
+                self.status[i] = "glue"
+                del self.owner[i]
+            del self.regions[rid]
 
     def homes(self, e: Any) -> list[Region]:
         out: list[Region] = []
