@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.experimental.pallas import tpu as pltpu
 
 import maxkernel.tools.tpu_specs  # noqa: F401 - lets compile-only libtpu load next to other processes
 from maxkernel.authors.offline.lower import lower_program
@@ -18,6 +17,7 @@ from maxkernel.authors.offline.render import render, undefined_names
 from maxkernel.authors.offline.trace import Config, flatten, trace_reference
 from maxkernel.authors.offline.tuning import default_config
 from maxkernel.tools.estimate import topology_device
+from tests.offline_helpers import check_interpreted
 
 TPU = ["v5e", "v6e"]
 
@@ -33,15 +33,6 @@ def _module(fn, configs: list[Config], names: list[str]):
 
 def _cfg(*arrays: tuple[tuple[int, ...], str]) -> Config:
     return Config(dynamic=list(arrays), static=[])
-
-
-def _check(fn, kernel, args, atol: float = 1e-5) -> None:
-    with pltpu.force_tpu_interpret_mode():
-        got = kernel(*args)
-    want = fn(*(jnp.asarray(a) for a in args))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), atol=atol, rtol=1e-5)
 
 
 def _compiles(kernel, specs: list[tuple[tuple[int, ...], object]]) -> None:
@@ -75,7 +66,7 @@ def test_scan_with_a_carry_is_one_sequential_kernel() -> None:
     for shape in [(6, 2, 4, 16, 128), (5, 2, 3, 9, 20)]:
         st = rng.standard_normal(shape).astype(np.float32)
         dec = rng.uniform(0.5, 1.0, shape[:3]).astype(np.float32)
-        _check(linear_recurrence, kernel, (st, dec))
+        check_interpreted(linear_recurrence, kernel, (st, dec))
     _compiles(kernel, [((6, 2, 4, 16, 128), jnp.float32), ((6, 2, 4), jnp.float32)])
 
 
@@ -93,7 +84,7 @@ def test_reverse_scan_walks_backwards() -> None:
     assert [k.family for k in program.kernels] == ["scan"]
     rng = np.random.default_rng(1)
     for shape in [(8, 16, 128), (3, 5, 7)]:
-        _check(reverse_running_max, kernel, (rng.standard_normal(shape).astype(np.float32),))
+        check_interpreted(reverse_running_max, kernel, (rng.standard_normal(shape).astype(np.float32),))
     _compiles(kernel, [((8, 16, 128), jnp.float32)])
 
 
@@ -113,7 +104,7 @@ def test_cumsum_becomes_a_masked_reduction_inside_a_kernel() -> None:
     for s in [(16, 128, 8), (3, 33, 5)]:
         dt = rng.uniform(0, 0.1, s).astype(np.float32)
         a = -rng.uniform(0.5, 2, s[-1:]).astype(np.float32)
-        _check(chunk_decay, kernel, (dt, a))
+        check_interpreted(chunk_decay, kernel, (dt, a))
     _compiles(kernel, [((16, 128, 8), jnp.float32), ((8,), jnp.float32)])
 
 
@@ -136,7 +127,7 @@ def test_searchsorted_and_integer_cumsum_become_counts(side: str) -> None:
         (np.array([10, 0, 30, 24], np.int32), (64, 128)),
         (np.array([5, 32, 0], np.int32), (37, 5)),
     ]:
-        _check(row_group, kernel, (sizes, rng.standard_normal(shape).astype(np.float32)))
+        check_interpreted(row_group, kernel, (sizes, rng.standard_normal(shape).astype(np.float32)))
     _compiles(kernel, [((4,), jnp.int32), ((64, 128), jnp.float32)])
 
 
@@ -171,7 +162,7 @@ def test_small_scatters_become_one_hot_reductions() -> None:
     for shape, idx, c in cases:  # a repeated index (the last update wins) and out-of-range ones (dropped)
         x = rng.standard_normal(shape).astype(np.float32)
         u = rng.standard_normal((len(idx), shape[1])).astype(np.float32)
-        _check(scatter_rows, kernel, (x, idx, u, c))
+        check_interpreted(scatter_rows, kernel, (x, idx, u, c))
     _compiles(
         kernel,
         [((16, 128), jnp.float32), ((5,), jnp.int32), ((5, 128), jnp.float32), ((6,), jnp.int32)],
@@ -217,7 +208,7 @@ def test_stride_one_convolutions_are_direct_kernels_without_im2col(fn, shapes, d
         for xs, ws in shapes:
             x = jnp.asarray(rng.standard_normal(xs), dtype)
             w = jnp.asarray(0.2 * rng.standard_normal(ws), dtype)
-            _check(fn, ns["computation"], (x, w), atol=atol)
+            check_interpreted(fn, ns["computation"], (x, w), atol=atol)
         _compiles(ns["computation"], [(shapes[0][0], jnp.dtype(dtype)), (shapes[0][1], jnp.dtype(dtype))])
 
 

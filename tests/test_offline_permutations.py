@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.experimental.pallas import tpu as pltpu
 
 import maxkernel.tools.tpu_specs  # noqa: F401 - lets compile-only libtpu load next to other processes
 from maxkernel.authors.offline.lower import lower_program
@@ -16,6 +15,7 @@ from maxkernel.authors.offline.render import render, undefined_names
 from maxkernel.authors.offline.trace import Config, flatten, trace_reference
 from maxkernel.authors.offline.tuning import default_config
 from maxkernel.tools.estimate import topology_device
+from tests.offline_helpers import check_interpreted
 
 TPU = ["v5e", "v6e"]
 
@@ -27,15 +27,6 @@ def _module(fn, configs: list[Config], names: list[str]):
     ns: dict = {}
     exec(compile(src, "generated", "exec"), ns)
     return program, ns["computation"]
-
-
-def _check(fn, kernel, args, atol: float) -> None:
-    with pltpu.force_tpu_interpret_mode():
-        got = kernel(*args)
-    want = fn(*(jnp.asarray(a) for a in args))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), atol=atol, rtol=1e-5)
 
 
 def _compiles(kernel, specs) -> None:
@@ -67,7 +58,7 @@ def test_argsort_becomes_ranks_and_the_scatter_back_a_gather() -> None:
     for (ks, ys), hi in zip(shapes, (8, 3), strict=True):  # many ties: stability matters
         keys = rng.integers(0, hi, ks).astype(np.int32)
         y = rng.standard_normal(ys).astype(np.float32)
-        _check(dispatch_and_return, kernel, (keys, y), atol=1e-6)
+        check_interpreted(dispatch_and_return, kernel, (keys, y), atol=1e-6)
     _compiles(kernel, [((128,), jnp.int32), ((128, 128), jnp.float32)])
 
 
@@ -100,7 +91,7 @@ def test_per_group_masked_dots_become_one_ragged_contraction(m, k, n, sizes) -> 
     rng = np.random.default_rng(5)
     lhs = rng.standard_normal((m, k)).astype(np.float32)
     rhs = rng.standard_normal((m, n)).astype(np.float32)
-    _check(tgmm, kernel, (lhs, rhs, np.array(sizes, np.int32)), atol=1e-4)
+    check_interpreted(tgmm, kernel, (lhs, rhs, np.array(sizes, np.int32)), atol=1e-4)
     _compiles(kernel, [((m, k), jnp.float32), ((m, n), jnp.float32), ((g,), jnp.int32)])
 
 
@@ -124,7 +115,7 @@ def test_label_logit_is_picked_in_the_matmul_epilogue(t, d, v) -> None:
     h = jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((d, v)) * d**-0.5, jnp.bfloat16)
     labels = rng.integers(0, v, t).astype(np.int32)
-    _check(linear_cross_entropy, kernel, (h, w, labels), atol=1e-3)
+    check_interpreted(linear_cross_entropy, kernel, (h, w, labels), atol=1e-3)
     _compiles(kernel, [((t, d), jnp.bfloat16), ((d, v), jnp.bfloat16), ((t,), jnp.int32)])
 
 
@@ -159,5 +150,5 @@ def test_grouped_matmul_row_blocks_visit_only_their_groups(m, k, n, sizes, bm) -
     rng = np.random.default_rng(9)
     lhs = rng.standard_normal((m, k)).astype(np.float32)
     rhs = (rng.standard_normal((g, k, n)) * k**-0.5).astype(np.float32)
-    _check(grouped, kernel, (lhs, rhs, np.array(sizes, np.int32)), atol=2e-2)
+    check_interpreted(grouped, kernel, (lhs, rhs, np.array(sizes, np.int32)), atol=2e-2)
     _compiles(kernel, [((m, k), jnp.float32), ((g, k, n), jnp.float32), ((g,), jnp.int32)])

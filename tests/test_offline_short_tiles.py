@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.experimental.pallas import tpu as pltpu
 
 import maxkernel.tools.tpu_specs  # noqa: F401 - lets compile-only libtpu load next to other processes
 from maxkernel.authors.base import TileConfig
@@ -25,6 +24,7 @@ from maxkernel.authors.offline.render import render, undefined_names
 from maxkernel.authors.offline.trace import Config, trace_reference
 from maxkernel.authors.offline.tuning import default_config
 from maxkernel.tools.estimate import estimate_pallas, topology_device
+from tests.offline_helpers import check_interpreted
 
 TPU = ["v5e", "v6e"]
 
@@ -40,15 +40,6 @@ def _module(fn, shapes: list[list[tuple[int, ...]]], names: list[str], dtype: st
     ns: dict = {}
     exec(compile(src, "generated", "exec"), ns)
     return program, ns["computation"]
-
-
-def _check(fn, kernel, args, atol: float = 1e-5) -> None:
-    with pltpu.force_tpu_interpret_mode():
-        got = kernel(*args)
-    want = fn(*(jnp.asarray(a) for a in args))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), atol=atol, rtol=1e-5)
 
 
 def _compiles(kernel, shapes: list[tuple[int, ...]], dtype=jnp.float32) -> None:
@@ -74,7 +65,7 @@ def test_short_trailing_tiles_block_the_leading_axis_too() -> None:
     assert "BLOCK_LEAD" in program.kernels[0].code
     rng = np.random.default_rng(0)
     for shapes in (BIG, ODD):
-        _check(discretise, kernel, [rng.standard_normal(s).astype(np.float32) for s in shapes])
+        check_interpreted(discretise, kernel, [rng.standard_normal(s).astype(np.float32) for s in shapes])
     est = estimate_pallas(jax.make_jaxpr(kernel)(*[jax.ShapeDtypeStruct(s, jnp.float32) for s in BIG]), "v5e")
     (call,) = est.pallas_calls
     # one (40, 64) tile per step would walk all 2 x 1024 positions; slabs of them take a few dozen steps
@@ -110,5 +101,5 @@ def test_a_transpose_between_kernels_is_glue_not_a_copy_kernel(shapes) -> None:
     rng = np.random.default_rng(1)
     args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     args[1] = rng.uniform(0.5, 1.0, shapes[1]).astype(np.float32)
-    _check(stacked_states_read_back, kernel, args, atol=1e-4)
+    check_interpreted(stacked_states_read_back, kernel, args, atol=1e-4)
     _compiles(kernel, shapes)
