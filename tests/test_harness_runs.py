@@ -68,6 +68,38 @@ def test_default_timeout_is_derived_from_the_task(matmul_task: KernelTask) -> No
     assert default_timeout(slow, EvalOptions()) == TIMEOUT_CEILING_S
 
 
+def test_the_judge_gets_time_for_the_reference_estimates_it_must_compute(
+    matmul_task: KernelTask, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiler's estimate of the reference at the task's own shapes is one XLA compile per generation
+    (minutes for a large conv under load): while it is not cached the judge, and only the judge, gets
+    REFERENCE_ESTIMATE_BUDGET_S per generation on top of the evaluation's timeout."""
+    from maxkernel.tools import harness
+
+    class Built(Exception):
+        pass
+
+    limits: dict[str, float] = {}
+    real = harness.SandboxedChild
+
+    def capture(target: str, payload: dict, run_dir: Path, lim, **kw):
+        limits[target.rsplit(":", 1)[1]] = lim.timeout_s
+        if len(limits) == 2:
+            raise Built
+        return real(target, payload, run_dir, lim, **kw)
+
+    monkeypatch.setattr(harness, "SandboxedChild", capture)
+    monkeypatch.setattr(harness, "machine_load_factor", lambda: 1.0)
+    opts = EvalOptions(tpu=["v5e", "v6e"])
+    for i, cached in enumerate(({}, {"v5e": 1e-3}, {"v5e": 1e-3, "v6e": 1e-3})):
+        limits.clear()
+        (tmp_path / str(i)).mkdir()
+        with pytest.raises(Built):
+            harness._run(matmul_task, "x = 1\n", "h", opts, 100.0, tmp_path / str(i), cached)
+        extra = harness.REFERENCE_ESTIMATE_BUDGET_S * (2 - len(cached))
+        assert limits == {"judge_job": 100.0 + extra, "candidate_job": 100.0}
+
+
 def test_binary_kernel_is_a_clean_exit_1(data_dir: Path, tmp_path: Path) -> None:
     from maxkernel.cli import app
 
@@ -183,10 +215,18 @@ def test_a_judge_dying_in_its_compile_stage_is_the_candidates_compile_failure() 
     r = _judge_failure(EvalResult(task_id="t", source_hash="h"), slow, 12_000)
     assert r.error.stage == "compile" and "did not finish in time" in r.error.message
 
-    # Before its compile stage the judge runs the task's code: still the task's failure, said precisely.
+    # Its warm-up (the reference's compiler estimate) running out of time is the loaded machine's doing:
+    # reported precisely, never stored as the candidate's verdict.
     warm = SandboxOutcome(ok=False, stage="inputs_ready", timed_out=True, error="timed out after 120 s")
     r = _judge_failure(EvalResult(task_id="t", source_hash="h"), warm, 12_000)
-    assert r.error.stage == "task" and "XLA cost estimate at the task's own shapes" in r.error.message
+    assert (
+        r.error.stage == "infrastructure" and "XLA cost estimate at the task's own shapes" in r.error.message
+    )
+    assert not STAGE_INFO[r.error.stage].cached
+    # Before that the judge runs the task's code: the task's failure.
+    ref_slow = SandboxOutcome(ok=False, stage="reference", timed_out=True, error="timed out after 120 s")
+    r = _judge_failure(EvalResult(task_id="t", source_hash="h"), ref_slow, 12_000)
+    assert r.error.stage == "task" and "did not finish the reference in time" in r.error.message
     ref = SandboxOutcome(
         ok=False, stage="reference", error=f"process killed by SIGSEGV: {oom}", stderr_tail=oom
     )

@@ -81,6 +81,12 @@ TIMEOUT_FLOOR_S = 60.0
 TIMEOUT_CEILING_S = 600.0
 COMPILE_BUDGET_S = 20.0
 """Seconds per TPU generation (trace, export and Mosaic compile) in the derived default timeout."""
+REFERENCE_ESTIMATE_BUDGET_S = 60.0
+"""Seconds per TPU generation the judge gets on top of the evaluation's timeout while the compiler's estimate
+of the reference at the task's own shapes is not cached (one XLA compile of the whole program: 40-75 s on an
+idle machine for a large 3-D convolution or MoE layer, 150-200 s under load), stretched by the machine's
+load. Without it the first evaluation of such a task timed out in the judge's warm-up on every attempt, and
+the estimate, computed only once an evaluation survives, was never stored."""
 MAX_PROGRAM_BYTES = 64 << 20
 MAX_ARRAY_FILE_BYTES = 4 << 30
 POLL_S = 0.02
@@ -208,6 +214,14 @@ def default_timeout(task: KernelTask, options: EvalOptions, *, load_factor: floa
     return float(min(TIMEOUT_CEILING_S, max(TIMEOUT_FLOOR_S, derived * factor)))
 
 
+def reference_estimate_allowance(n_uncached: int, *, load_factor: float | None = None) -> float:
+    """Extra seconds for the judge (only) while `n_uncached` generations' reference estimates are computed."""
+    if n_uncached <= 0:
+        return 0.0
+    factor = machine_load_factor() if load_factor is None else load_factor
+    return REFERENCE_ESTIMATE_BUDGET_S * n_uncached * factor
+
+
 def evaluate(
     task: KernelTask,
     source: str,
@@ -333,6 +347,8 @@ def _run(
     task_inputs = TASK_INPUTS.get(task)  # the task's own sets from an earlier evaluation: not secret
     if task_inputs is not None:
         (judge_dir / TASK_INPUTS_FILE).write_bytes(task_inputs)
+    uncached = [g for g in estimate_generations(options) if g not in cached_ref]
+    judge_timeout = timeout + reference_estimate_allowance(len(uncached))
     judge = SandboxedChild(
         "maxkernel.tools.judge:judge_job",
         {
@@ -343,13 +359,11 @@ def _run(
             "larger_budget_bytes": (options.memory_mb << 20) // LARGER_MEMORY_FRACTION,
             "task_inputs": TASK_INPUTS_FILE if task_inputs is not None else None,
             "tpu": options.tpu,
-            "reference_estimate_generations": [
-                g for g in estimate_generations(options) if g not in cached_ref
-            ],
+            "reference_estimate_generations": uncached,
         },
         judge_dir,
         SandboxLimits(
-            timeout_s=timeout,
+            timeout_s=judge_timeout,
             memory_mb=options.memory_mb,
             file_mb=file_mb,
             allow_device=device,
@@ -386,7 +400,7 @@ def _run(
     judge.start()
     cand.start()
     try:
-        result = _orchestrate(task, options, judge, cand, result, time.monotonic() + timeout + 5,
+        result = _orchestrate(task, options, judge, cand, result, time.monotonic() + judge_timeout + 5,
                               cached_ref, device, larger_note)  # fmt: skip
         return result
     finally:
@@ -550,10 +564,13 @@ def _judge_failure(result: EvalResult, outcome: SandboxOutcome, memory_mb: int |
         what = f"ran out of memory{limit}" if oom else "died"
         return _fail(result, "compile", f"the TPU compiler {what} compiling the candidate's program (in the "
                      f"judge's compile stage): {_first_lines(outcome.error or '', 3)}")  # fmt: skip
+    if outcome.timed_out and outcome.stage == STAGE_INPUTS_READY:
+        # the harness's own work on trusted code (the reference's compiler estimate, the compiler warm-up) ran
+        # out of time, on a loaded machine: nothing about the candidate, so never stored as its verdict
+        return _fail(result, "infrastructure", "the judge did not finish the reference's XLA cost estimate at "
+                     f"the task's own shapes, or the TPU compiler's warm-up, in time: {outcome.error}")  # fmt: skip
     if outcome.timed_out:
-        doing = "the reference's XLA cost estimate at the task's own shapes, or the TPU compiler's warm-up" \
-            if outcome.stage == STAGE_INPUTS_READY else "the reference"  # fmt: skip
-        return _fail(result, "task", f"the judge did not finish {doing} in time: {outcome.error}")
+        return _fail(result, "task", f"the judge did not finish the reference in time: {outcome.error}")
     if oom:
         return _fail(result, "task", f"the judge ran out of memory{limit} running the reference (stage "
                      f"{outcome.stage}): {_first_lines(outcome.error or '', 3)}")  # fmt: skip
