@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
-from test_offline_short_tiles import TPU, _check, _compiles, _module
 
 from maxkernel.authors.offline.lower import lower_program
 from maxkernel.authors.offline.trace import Config, trace_reference
 from maxkernel.authors.offline.tuning import default_config
 from maxkernel.tools.program_tree import same_program, skeleton, to_tree
+from tests.offline_helpers import check_interpreted
+from tests.test_offline_short_tiles import TPU, _compiles, _module
 
 
 def matmul_highest(a, b):
@@ -50,7 +51,7 @@ def test_unaligned_k_is_masked_in_kernel_not_padded_in_hbm(shapes) -> None:
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
     # TPU interpret mode fills what a block reads past the array edge with NaN: unmasked, it would show
-    _check(matmul_highest, kernel, (a, b), atol=1e-4)
+    check_interpreted(matmul_highest, kernel, (a, b), atol=1e-4)
     _compiles(kernel, shapes)
 
 
