@@ -98,6 +98,28 @@ def test_larger_shape_is_grown_within_the_task_and_the_memory_budget(matmul_task
     assert cfg is None and note == "skipped: not requested"
 
 
+def test_larger_shape_keeps_static_values_the_task_keeps_at_both_scales(matmul_task: KernelTask) -> None:
+    """A group count of 8 with a validation dim of 8 (fused_conv3d_groupnorm_relu: groups=8, depth 8 at CPU
+    scale, 16 at its own) was grown to 16 groups with the depth, so a correct kernel was checked against a
+    16-group reference and rejected. A static int that differs between the two scales still grows."""
+    val, own = matmul_task.validation_configs[0], matmul_task.configs[0]
+    dim = val.dynamic[0].shape[0]
+    both = [dim, dim + 1]  # the first equals a validation dim and stays put at the task's scale
+    own_dim = own.dynamic[0].shape[0]
+    task = matmul_task.model_copy(
+        update={
+            "validation_configs": [val.model_copy(update={"static": both})],
+            "configs": [own.model_copy(update={"static": [dim, own_dim]})],
+        }
+    )
+    cfg, _ = larger_config(task, OPTS)
+    assert cfg is not None and cfg.static[0] == dim  # kept: the task never changes it
+    scaled = task.model_copy(update={"validation_configs": [val.model_copy(update={"static": [dim, 3]})],
+                                     "configs": [own.model_copy(update={"static": [own_dim, 3]})]})  # fmt: skip
+    cfg, _ = larger_config(scaled, OPTS)
+    assert cfg is not None and cfg.static[0] == cfg.dynamic[0].shape[0] != dim  # a size: grown with its dim
+
+
 @pytest.mark.parametrize(
     ("candidate", "stage", "needle"),
     [

@@ -306,6 +306,10 @@ def larger_config(task: KernelTask, options: EvalOptions) -> tuple[InputConfig |
     if not mapping:
         return None, "skipped: no validation dimension is smaller than the task's own"
     dynamic, static = taskcode.shrink_config(val.dynamic, val.static, mapping)
+    # A static value the task itself keeps at both scales (a group count that happens to equal a
+    # validation dim) is not a size: growing it would check the candidate against a different problem.
+    if len(own.static) == len(val.static):
+        static = [v if v == o else g for v, o, g in zip(val.static, own.static, static, strict=True)]
     outputs, _ = taskcode.shrink_config(val.outputs, [], mapping)
     cfg = InputConfig(dynamic=dynamic, static=static, outputs=outputs, atol=val.atol, rtol=val.rtol)
     budget = (options.memory_mb << 20) // LARGER_MEMORY_FRACTION
