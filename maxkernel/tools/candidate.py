@@ -190,9 +190,11 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
             programs["validation"].append(
                 {"interpret": to_tree(traced.jaxpr), "plain": to_tree(plain.jaxpr), "out": _out_specs(traced)}
             )
+        production_jaxprs = []
         for cfg in own:
             plain = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
             programs["production"].append({"plain": to_tree(plain.jaxpr), "out": _out_specs(plain)})
+            production_jaxprs.append(plain.jaxpr)
     except Exception as exc:  # noqa: BLE001
         _reset_interpret()
         return {"ok": False, "stage": "trace", "message": f"{type(exc).__name__}: {_first_lines(str(exc))}"}
@@ -245,7 +247,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
 
     gens = [str(g) for g in payload.get("estimate_generations") or []]
     if gens:  # one estimate per requested generation (the block model is cheap); the first is the headline
-        programs["estimates"] = _estimate_candidate(candidate, own[0], gens)
+        programs["estimates"] = _estimate_candidate(production_jaxprs[0], own[0], gens)
     programs["seconds"] = seconds
     (run_dir / PROGRAMS_FILE).write_text(json.dumps(programs))
 
@@ -401,18 +403,12 @@ def _reset_interpret() -> None:
         pass
 
 
-def _estimate_candidate(candidate: Any, cfg: InputConfig, gens: list[str]) -> dict[str, dict[str, Any]]:
+def _estimate_candidate(closed: Any, cfg: InputConfig, gens: list[str]) -> dict[str, dict[str, Any]]:
     """The block model's estimate of the candidate's pallas_calls at the production shapes, per TPU
-    generation, from one trace. Computed here because it needs the live jaxpr; reported as coming from the
-    candidate's process."""
-    import jax
-
+    generation, from the production trace already made (`closed`, its jaxpr). Computed here because it
+    needs the live jaxpr; reported as coming from the candidate's process."""
     from maxkernel.tools.estimate import estimate_pallas
 
-    try:
-        closed = jax.make_jaxpr(bind_static(candidate, cfg.static))(*_specs(cfg))
-    except Exception as exc:  # noqa: BLE001 - an estimate failing must not fail an accepted kernel
-        return {gen: {"error": f"block model failed: {type(exc).__name__}: {exc}"} for gen in gens}
     out: dict[str, dict[str, Any]] = {}
     for gen in gens:
         try:
@@ -423,6 +419,6 @@ def _estimate_candidate(candidate: Any, cfg: InputConfig, gens: list[str]) -> di
                 "method": est.method,
                 "detail_markdown": est.to_markdown(),
             }
-        except Exception as exc:  # noqa: BLE001 - see above
+        except Exception as exc:  # noqa: BLE001 - an estimate failing must not fail an accepted kernel
             out[gen] = {"error": f"block model failed: {type(exc).__name__}: {exc}"}
     return out
