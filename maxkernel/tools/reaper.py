@@ -84,14 +84,26 @@ def kill_descendants() -> int:
     return killed
 
 
+def set_limit(which: int, value: int) -> int:
+    """Set both the soft and the hard limit of `which` to `value`, or to the hard limit this process already
+    has where that is lower: a limit can only be lowered without privilege, and an agent run under a tighter
+    `ulimit` (say `ulimit -v` on a shared machine) must still start its children, under the tighter limit.
+    Returns the limit set."""
+    _soft, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(which, (value, value))
+    return value
+
+
 def _preexec(memory_mb: int, fsize_mb: int) -> None:
     os.setsid()
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    set_limit(resource.RLIMIT_CORE, 0)
     if memory_mb > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+        set_limit(resource.RLIMIT_AS, memory_mb << 20)
     if fsize_mb > 0:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_mb << 20, fsize_mb << 20))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
+        set_limit(resource.RLIMIT_FSIZE, fsize_mb << 20)
+    set_limit(resource.RLIMIT_NOFILE, 4096)
 
 
 def _on_term(_sig: int, _frame: object) -> None:

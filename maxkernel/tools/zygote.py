@@ -55,6 +55,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from maxkernel.tools.reaper import set_limit
+
 log = logging.getLogger(__name__)
 
 PRELOAD = (
@@ -256,10 +258,10 @@ def _job(libc: ctypes.CDLL, req: dict[str, Any]) -> None:
         except OSError:
             pass  # a user namespace may refuse a fresh /proc; the pid namespace still hides other jobs
         memory, fsize = int(req["memory_mb"]) << 20, int(req["file_mb"]) << 20
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
+        set_limit(resource.RLIMIT_CORE, 0)
+        set_limit(resource.RLIMIT_AS, memory)
+        set_limit(resource.RLIMIT_FSIZE, fsize)
+        set_limit(resource.RLIMIT_NOFILE, 4096)
         _drop_privileges(libc)
         # After the drop: changing credentials clears the parent-death signal, and a job whose middle
         # process was killed then ran on, orphaned, writing into a run dir the agent was deleting.
