@@ -145,7 +145,7 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
     if "attempts" in update:
         for a in update["attempts"]:
             cfg = f" {a.config}" if a.config else ""
-            perf = f" (estimated {a.estimated_speedup:.2f}x)" if a.estimated_speedup is not None else ""
+            perf = f" ({a.estimate_text()})" if a.estimated_speedup is not None else ""
             if a.measured_speedup is not None:
                 perf = f" (measured {a.measured_speedup:.2f}x)"
             bits.append(
@@ -154,9 +154,7 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
     if update.get("best") is not None:
         b = update["best"]
         seen["best"] = b
-        kind, value = b.score_kind(), b.score()[1]
-        perf = "no perf figure" if kind == "none" else f"{kind} {value:.2f}x"
-        bits.append(f"new best [{b.source_hash[:10]}] ({perf})")
+        bits.append(f"new best [{b.source_hash[:10]}] ({b.score_text()})")
     for m in update.get("tool_messages") or []:
         bits.extend(_tool_line(m))
     if update.get("stop_reason"):
@@ -277,7 +275,7 @@ def _describe_search(node: str, update: dict[str, Any]) -> str:
     bits = []
     for n in update.get("nodes", []):
         perf = (
-            f"{n.score_kind} {n.score:.2f}x"
+            (n.score_text or f"{n.score_kind} {n.score:.2f}x")
             if n.score is not None
             else ("correct" if n.accepted else "failed")
         )

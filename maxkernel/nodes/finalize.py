@@ -100,7 +100,14 @@ def accepted_milestones(attempts: list[Attempt]) -> dict[str, Any]:
     }
 
 
-MILESTONE_FIELDS = ("iteration", "kind", "source_hash", "estimated_speedup", "measured_speedup")
+MILESTONE_FIELDS = (
+    "iteration",
+    "kind",
+    "source_hash",
+    "estimated_speedup",
+    "estimated_speedup_by_generation",
+    "measured_speedup",
+)
 
 
 FASTER_CLEARLY = 1.25
