@@ -40,6 +40,7 @@ from maxkernel.cli import (
 )
 from maxkernel.cli_review import REVIEW_FLAGS, interactive_review, show_review, stdin_is_terminal
 from maxkernel.context import Context, default_model
+from maxkernel.nodes.finalize import verdict_style
 from maxkernel.nodes.review import pending_review
 from maxkernel.tools.results import SCORE_RANKS
 from maxkernel.tools.store_sql import DatabaseUnavailable, is_postgres, postgres_pool
@@ -313,7 +314,7 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
             except (OSError, ValueError):
                 verdict = {}
             if verdict.get("line"):
-                style = "bold red" if verdict["line"].startswith("SLOWER") else "bold green"
+                style = verdict_style(verdict["line"])
                 console.print(f"[{style}]{escape(verdict['line'])}[/]")
             console.print(
                 f"wrote {Path(values['result_path']).parent}/kernel.py, result.json, report.md, search_tree.png"
@@ -347,7 +348,7 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
         except (OSError, ValueError):
             line = None
         if line:
-            style = "bold red" if line.startswith("SLOWER") else "bold green"
+            style = verdict_style(line)
             console.print(f"[{style}]{escape(line)}[/]")
         console.print(f"wrote {Path(result_path).parent}/kernel.py, result.json, report.md")
     raise typer.Exit(0 if best is not None else 1)
