@@ -32,6 +32,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from maxkernel.tools import jaxbench
+from maxkernel.tools.results import geomean, ranking_speedup
 from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS
 
 TERMINAL = ("succeeded", "failed", "stopped", "error")
@@ -114,6 +115,9 @@ class TaskRow(BaseModel):
     first_accepted_estimated_speedup: float | None = Field(
         None,
         description="estimated speedup of the task's first accepted kernel (the final one must not be slower)",
+    )
+    first_accepted_estimated_speedup_by_generation: dict[str, float | None] = Field(
+        default_factory=dict, description="the first accepted kernel's estimated speedup per TPU generation"
     )
     verdict: str | None = None
     human_kernel_path: str | None = Field(None, description="the workload's hand-written kernel, if any")
@@ -423,7 +427,11 @@ def _read_result(row: TaskRow, out: Path, rc: int, log: Path) -> TaskRow:
         row.single_estimated_speedup = (res.get("round_one_best") or {}).get("estimated_speedup")
     elif (row.iterations or 0) <= 1 and row.correct:  # a result.json written before that field existed
         row.single_estimated_speedup = row.estimated_speedup
-    row.first_accepted_estimated_speedup = (res.get("first_accepted") or {}).get("estimated_speedup")
+    first = res.get("first_accepted") or {}
+    row.first_accepted_estimated_speedup = first.get("estimated_speedup")
+    row.first_accepted_estimated_speedup_by_generation = dict(
+        first.get("estimated_speedup_by_generation") or {}
+    )
     if not row.correct:
         row.error = res.get("stop_reason") or (harness.get("error") or {}).get("message")
     return row
@@ -449,7 +457,11 @@ def read_human_result(row: TaskRow, rc: int, stdout: str, stderr: str) -> TaskRo
     return row
 
 
-JSON_COLUMNS = ("tpu_compile", "estimated_speedup_by_generation")
+JSON_COLUMNS = (
+    "tpu_compile",
+    "estimated_speedup_by_generation",
+    "first_accepted_estimated_speedup_by_generation",
+)
 """TaskRow fields kept as JSON text in results.db/csv; a results.db from before a column existed reads as {}."""
 
 
@@ -466,11 +478,6 @@ def _perf_text(row: TaskRow) -> str:
     if row.estimated_speedup is not None:
         return f", estimated {row.estimated_speedup:.2f}x"
     return ""
-
-
-def geomean(values: list[float]) -> float | None:
-    vals = [v for v in values if v and v > 0]
-    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
 
 
 CLEAR_SPEEDUP = 1.25
@@ -506,8 +513,13 @@ def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
 
 def kept_first(r: TaskRow) -> bool | None:
     """Is the final kernel at least as fast (estimated) as the task's first accepted one? None where there
-    is nothing to compare (no accepted kernel, or an estimate missing on either side)."""
+    is nothing to compare (no accepted kernel, or an estimate missing on either side). Compared by what the
+    agent ranks by (`ranking_speedup`: the geomean over the targeted generations) when both sides have
+    every generation's estimate, else by the first generation's."""
     first, final = r.first_accepted_estimated_speedup, r.estimated_speedup
+    fg, lg = r.first_accepted_estimated_speedup_by_generation, r.estimated_speedup_by_generation
+    if fg and set(fg) == set(lg):
+        first, final = ranking_speedup(first, fg), ranking_speedup(final, lg)
     if not r.correct or first is None or final is None:
         return None
     return final >= first * (1.0 - 1e-9)

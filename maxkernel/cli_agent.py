@@ -40,6 +40,7 @@ from maxkernel.cli import (
 )
 from maxkernel.cli_review import REVIEW_FLAGS, interactive_review, show_review, stdin_is_terminal
 from maxkernel.context import Context, default_model
+from maxkernel.nodes.finalize import verdict_style
 from maxkernel.nodes.review import pending_review
 from maxkernel.tools.results import SCORE_RANKS
 from maxkernel.tools.store_sql import DatabaseUnavailable, is_postgres, postgres_pool
@@ -145,7 +146,7 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
     if "attempts" in update:
         for a in update["attempts"]:
             cfg = f" {a.config}" if a.config else ""
-            perf = f" (estimated {a.estimated_speedup:.2f}x)" if a.estimated_speedup is not None else ""
+            perf = f" ({a.estimate_text()})" if a.estimated_speedup is not None else ""
             if a.measured_speedup is not None:
                 perf = f" (measured {a.measured_speedup:.2f}x)"
             bits.append(
@@ -154,9 +155,7 @@ def _describe(node: str, update: dict[str, Any], seen: dict[str, Any]) -> str:
     if update.get("best") is not None:
         b = update["best"]
         seen["best"] = b
-        kind, value = b.score_kind(), b.score()[1]
-        perf = "no perf figure" if kind == "none" else f"{kind} {value:.2f}x"
-        bits.append(f"new best [{b.source_hash[:10]}] ({perf})")
+        bits.append(f"new best [{b.source_hash[:10]}] ({b.score_text()})")
     for m in update.get("tool_messages") or []:
         bits.extend(_tool_line(m))
     if update.get("stop_reason"):
@@ -277,7 +276,7 @@ def _describe_search(node: str, update: dict[str, Any]) -> str:
     bits = []
     for n in update.get("nodes", []):
         perf = (
-            f"{n.score_kind} {n.score:.2f}x"
+            (n.score_text or f"{n.score_kind} {n.score:.2f}x")
             if n.score is not None
             else ("correct" if n.accepted else "failed")
         )
@@ -315,7 +314,7 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
             except (OSError, ValueError):
                 verdict = {}
             if verdict.get("line"):
-                style = "bold red" if verdict["line"].startswith("SLOWER") else "bold green"
+                style = verdict_style(verdict["line"])
                 console.print(f"[{style}]{escape(verdict['line'])}[/]")
             console.print(
                 f"wrote {Path(values['result_path']).parent}/kernel.py, result.json, report.md, search_tree.png"
@@ -349,7 +348,7 @@ def _finish(graph: Any, config: dict[str, Any], store: Any, thread_id: str) -> N
         except (OSError, ValueError):
             line = None
         if line:
-            style = "bold red" if line.startswith("SLOWER") else "bold green"
+            style = verdict_style(line)
             console.print(f"[{style}]{escape(line)}[/]")
         console.print(f"wrote {Path(result_path).parent}/kernel.py, result.json, report.md")
     raise typer.Exit(0 if best is not None else 1)

@@ -17,8 +17,9 @@ def search_report(
     lines = [f"# maxkernel search — {Path(state.task_path).name} ({state.algorithm})", ""]
     if best:
         lines.append(
-            f"Best: node `{best.id}` (strategy {best.strategy or 'none'}), {best.score_kind} speedup "
-            f"{best.score:.2f}x" + (" — **slower than XLA**" if best.score <= 1.0 else "")
+            f"Best: node `{best.id}` (strategy {best.strategy or 'none'}), speedup "
+            f"{best.score_text or f'{best.score_kind} {best.score:.2f}x'}"
+            + (" — **slower than XLA**" if best.score <= 1.0 else "")
             if best.score is not None
             else f"Best: node `{best.id}` (correct; no perf figure)"
         )

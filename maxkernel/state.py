@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from maxkernel.authors.base import Plan
 from maxkernel.strategies import strategy_names
-from maxkernel.tools.results import SCORE_KINDS, SCORE_RANKS, EvalResult, ScoreKind
+from maxkernel.tools.results import SCORE_KINDS, SCORE_RANKS, EvalResult, ScoreKind, ranking_speedup
 from maxkernel.tools.tasks import KernelTask
 
 Mode = Literal["auto", "hitl"]
@@ -70,18 +70,41 @@ class Attempt(BaseModel):
     config: dict[str, Any] | None = None
     estimated_seconds: float | None = None
     estimated_speedup: float | None = None
+    estimated_speedup_by_generation: dict[str, float | None] = Field(
+        default_factory=dict, description="every targeted generation's estimated speedup, the first included"
+    )
     estimated_bound: str | None = Field(None, description="memory / compute / overhead, per the block model")
     measured_seconds: float | None = None
     measured_speedup: float | None = None
 
     def score(self) -> tuple[int, float]:
         """Higher is better: measured speedup when there is one, else the estimate (never mixed in one
-        comparison: a measured candidate outranks any estimated one)."""
+        comparison: a measured candidate outranks any estimated one). With several target generations the
+        estimate ranked by is their geometric mean (`ranking_speedup`)."""
         if self.measured_speedup is not None:
             return (SCORE_RANKS["measured"], self.measured_speedup)
-        if self.estimated_speedup is not None:
-            return (SCORE_RANKS["estimated"], self.estimated_speedup)
+        ranked = ranking_speedup(self.estimated_speedup, self.estimated_speedup_by_generation)
+        if ranked is not None:
+            return (SCORE_RANKS["estimated"], ranked)
         return (SCORE_RANKS["none"], 0.0)
+
+    def score_text(self) -> str:
+        """What the candidate is ranked by, said with its kind: 'measured 1.20x', 'estimated 1.25x geomean
+        (v5e 1.79x, v6e 0.87x)', 'estimated 1.10x' or 'no perf figure'."""
+        kind, value = self.score_kind(), self.score()[1]
+        if kind == "none":
+            return "no perf figure"
+        gens = {g: v for g, v in self.estimated_speedup_by_generation.items() if v is not None}
+        if kind == "estimated" and len(gens) >= 2:
+            return f"estimated {value:.2f}x geomean ({self.estimate_text().removeprefix('estimated ')})"
+        return f"{kind} {value:.2f}x"
+
+    def estimate_text(self) -> str:
+        """The estimated figures as a person reads them: each generation's, or the single one."""
+        gens = {g: v for g, v in self.estimated_speedup_by_generation.items() if v is not None}
+        if len(gens) >= 2:
+            return "estimated " + ", ".join(f"{g} {v:.2f}x" for g, v in gens.items())
+        return f"estimated {self.estimated_speedup:.2f}x" if self.estimated_speedup is not None else ""
 
     def score_kind(self) -> ScoreKind:
         return SCORE_KINDS[self.score()[0]]
@@ -91,7 +114,7 @@ class Attempt(BaseModel):
         if self.measured_speedup is not None:
             perf = f", measured speedup {self.measured_speedup:.2f}x"
         elif self.estimated_speedup is not None:
-            perf = f", estimated speedup {self.estimated_speedup:.2f}x"
+            perf = f", {self.estimate_text().replace('estimated', 'estimated speedup', 1)}"
         cfg = f" config {self.config}" if self.config else ""
         verdict = "accepted" if self.accepted else f"failed at {self.stage}: {self.message[:300]}"
         return f"- round {self.iteration} {self.kind}{cfg} [{self.source_hash[:10]}]: {verdict}{perf}"
@@ -182,6 +205,7 @@ class SearchNode(BaseModel):
     source_hash: str | None = None
     score_kind: ScoreKind = "none"
     score: float | None = Field(None, description="speedup of kind `score_kind` (measured or estimated)")
+    score_text: str | None = Field(None, description="the score as a person reads it (`Attempt.score_text`)")
     kept: bool = False
     reason: str = ""
     result_path: str | None = None

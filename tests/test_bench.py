@@ -165,3 +165,46 @@ def test_finalize_records_the_first_accepted_and_round_one_best() -> None:
     assert got["first_accepted"]["estimated_speedup"] == 0.8
     assert got["round_one_best"]["estimated_speedup"] == 1.1
     assert accepted_milestones([att(1, False, None)]) == {"first_accepted": None, "round_one_best": None}
+
+
+def test_candidates_rank_by_the_geomean_over_the_targeted_generations() -> None:
+    """One kernel serves every targeted generation (issue 12: v5e AND v6e), so the agent, the autotuner, the
+    search and the bench's first-accepted check rank estimates by their geomean over the generations; a
+    config 5% ahead on v5e and 37% behind on v6e no longer wins on the first generation alone."""
+    from maxkernel.bench import TaskRow, kept_first
+    from maxkernel.nodes.common import better
+    from maxkernel.nodes.finalize import accepted_milestones
+    from maxkernel.state import Attempt
+
+    def att(v5e: float | None, v6e: float | None = None, *, gens: bool = True) -> Attempt:
+        by_gen = {"v5e": v5e, "v6e": v6e} if gens else {}
+        return Attempt(iteration=1, kind="tune", source_hash=f"h{v5e}{v6e}{gens}", source_path="",
+                       stage="accepted", accepted=True, estimated_speedup=v5e,
+                       estimated_speedup_by_generation=by_gen)  # fmt: skip
+
+    lopsided, even = att(1.10, 0.60), att(1.05, 0.95)
+    assert better(even, lopsided) and not better(lopsided, even)
+    assert even.score()[1] == pytest.approx((1.05 * 0.95) ** 0.5)
+    assert even.score_text() == "estimated 1.00x geomean (v5e 1.05x, v6e 0.95x)"
+    assert even.estimate_text() == "estimated v5e 1.05x, v6e 0.95x"
+    # One generation, or one missing its estimate: the first generation's figure, as before.
+    assert att(1.3, gens=False).score()[1] == 1.3 and att(1.3, gens=False).score_text() == "estimated 1.30x"
+    assert att(1.3, None).score()[1] == 1.3
+    # The milestones carry every generation, and the bench compares like with like.
+    assert accepted_milestones([lopsided])["first_accepted"]["estimated_speedup_by_generation"] == {
+        "v5e": 1.10,
+        "v6e": 0.60,
+    }
+
+    def row(first: dict[str, float], final: dict[str, float]) -> TaskRow:
+        return TaskRow(task_id="t", correct=True, estimated_speedup=final["v5e"], estimated_speedup_by_generation=final,
+                       first_accepted_estimated_speedup=first["v5e"],
+                       first_accepted_estimated_speedup_by_generation=first)  # fmt: skip
+
+    assert (
+        kept_first(row({"v5e": 1.10, "v6e": 0.60}, {"v5e": 1.05, "v6e": 0.95})) is True
+    )  # v5e dipped, geomean up
+    assert kept_first(row({"v5e": 1.05, "v6e": 0.95}, {"v5e": 1.10, "v6e": 0.60})) is False
+    old = TaskRow(task_id="t", correct=True, estimated_speedup=1.2, estimated_speedup_by_generation={"v5e": 1.2},
+                  first_accepted_estimated_speedup=1.1)  # fmt: skip
+    assert kept_first(old) is True  # a result.json from before: first generation against first generation

@@ -30,3 +30,34 @@ def test_rejected_kernel_is_no_result() -> None:
     v = verdict(_result(3.0, "memory", accepted=False))
     assert v["outcome"] == "no result" and "speedup" not in v
     assert verdict(None)["outcome"] == "no result"
+
+
+def test_a_generation_where_the_kernel_is_slower_is_said_so() -> None:
+    """One kernel serves every targeted generation: faster on the first and slower on another is a mixed
+    verdict, said per generation with the reason, never a plain "faster"."""
+    from maxkernel.nodes.finalize import verdict_style
+    from maxkernel.tools.results import GenerationEstimate
+
+    r = _result(1.77, "compute")
+    assert r.estimate is not None
+    r.estimate.by_generation = {
+        "v5e": GenerationEstimate(estimated_speedup=1.77, bound="compute"),
+        "v6e": GenerationEstimate(estimated_speedup=0.66, bound="memory"),
+    }
+    v = verdict(r)
+    assert v["outcome"] == "faster" and v["by_generation"]["v6e"] == {
+        "outcome": "slower",
+        "speedup": 0.66,
+        "bound": "memory",
+    }
+    assert v["line"].startswith("faster than XLA: estimated 1.77x")
+    assert "; SLOWER on v6e: estimated 0.66x (memory-bound; the kernel moves more HBM bytes" in v["line"]
+    assert verdict_style(v["line"]) == "bold yellow"
+    r.estimate.by_generation["v6e"] = GenerationEstimate(estimated_speedup=1.3, bound="compute")
+    v = verdict(r)
+    assert (
+        "; faster on v6e: estimated 1.30x (compute-bound)" in v["line"]
+        and verdict_style(v["line"]) == "bold green"
+    )
+    assert verdict_style(verdict(_result(0.5, "compute"))["line"]) == "bold red"
+    assert "by_generation" not in verdict(_result(1.4, "memory"))  # one generation: as before

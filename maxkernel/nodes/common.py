@@ -168,6 +168,9 @@ def to_attempt(
         config=config,
         estimated_seconds=est.estimated_seconds if est else None,
         estimated_speedup=est.estimated_speedup if est else None,
+        estimated_speedup_by_generation={g: e.estimated_speedup for g, e in est.by_generation.items()}
+        if est
+        else {},
         estimated_bound=est.bound if est else None,
         measured_seconds=r.timing.candidate_median_s if r.timing else None,
         measured_speedup=r.timing.measured_speedup if r.timing else None,

@@ -100,7 +100,14 @@ def accepted_milestones(attempts: list[Attempt]) -> dict[str, Any]:
     }
 
 
-MILESTONE_FIELDS = ("iteration", "kind", "source_hash", "estimated_speedup", "measured_speedup")
+MILESTONE_FIELDS = (
+    "iteration",
+    "kind",
+    "source_hash",
+    "estimated_speedup",
+    "estimated_speedup_by_generation",
+    "measured_speedup",
+)
 
 
 FASTER_CLEARLY = 1.25
@@ -143,7 +150,36 @@ def verdict(best: EvalResult | None) -> dict[str, Any]:
     )
     if outcome == "slower":
         line += f"; {_slower_reason(bound)}"
-    return {"outcome": outcome, "kind": kind, "speedup": speedup, "bound": bound, "line": line}
+    out: dict[str, Any] = {"outcome": outcome, "kind": kind, "speedup": speedup, "bound": bound, "line": line}
+    others = (
+        {g: e for g, e in (est.by_generation if est else {}).items() if g != est.generation} if est else {}
+    )
+    if kind == "estimated" and others:
+        # One kernel serves every targeted generation: each one's estimate is part of the verdict, and a
+        # generation where it is slower is said so, with the reason, even when the first one is faster.
+        out["by_generation"] = {est.generation: {"outcome": outcome, "speedup": speedup, "bound": bound}}
+        for g, e in others.items():
+            if not e.estimated_speedup:
+                out["by_generation"][g] = {"outcome": "unknown", "speedup": None, "bound": e.bound}
+                out["line"] += f"; on {g}: no estimate"
+                continue
+            slower = e.estimated_speedup <= 1.0
+            out["by_generation"][g] = {
+                "outcome": "slower" if slower else "faster",
+                "speedup": e.estimated_speedup,
+                "bound": e.bound,
+            }
+            what = f"{e.bound}-bound" if e.bound else "no bound class"
+            out["line"] += (
+                f"; {'SLOWER' if slower else 'faster'} on {g}: estimated {e.estimated_speedup:.2f}x ({what}"
+                + (f"; {_slower_reason(e.bound)})" if slower else ")")
+            )
+    return out
+
+
+def verdict_style(line: str) -> str:
+    """How the CLI shows a verdict line: red when slower, yellow when slower on some generation only."""
+    return "bold red" if line.startswith("SLOWER") else "bold yellow" if "SLOWER" in line else "bold green"
 
 
 def _slower_reason(bound: str | None) -> str:

@@ -117,6 +117,7 @@ def branch(task: BranchTask, runtime: Runtime[Context]) -> dict[str, Any]:
         node.source_path, node.source_hash = best.source_path, best.source_hash
         node.score_kind = best.score_kind()
         node.score = best.score()[1] if node.score_kind != "none" else None
+        node.score_text = best.score_text()
     return {"nodes": [node]}
 
 

@@ -7,6 +7,7 @@ numbers live in differently named fields and are never merged.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -60,6 +61,23 @@ SCORE_KINDS: dict[int, ScoreKind] = {2: "measured", 1: "estimated", 0: "none"}
 """How a candidate ranks (the agent's `Attempt.score()`, search nodes, tuning rows) ↔ the kind of figure
 it ranks by: a measured figure outranks any estimate, an estimate outranks none. The one mapping."""
 SCORE_RANKS: dict[str, int] = {kind: rank for rank, kind in SCORE_KINDS.items()}
+
+
+def geomean(values: list[float | None] | Any) -> float | None:
+    """Geometric mean of the positive values (None and non-positive ones left out); None when none is left."""
+    vals = [float(v) for v in values if v is not None and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def ranking_speedup(first: float | None, by_generation: dict[str, float | None]) -> float | None:
+    """The estimated figure a candidate is ranked by: one kernel serves every targeted TPU generation, so
+    with several it is the geometric mean of their estimated speedups (a config that gains 3% on v5e and
+    loses 30% on v6e ranks below one that does neither); with one, that generation's estimate. Named
+    "geomean over generations" wherever it is shown; the per-generation figures are always kept beside it."""
+    per_gen = [v for v in by_generation.values() if v is not None and v > 0]
+    if len(per_gen) >= 2 and len(per_gen) == len(by_generation):
+        return geomean(per_gen)
+    return first
 
 
 def np_dtype(name: str) -> Any:

@@ -202,6 +202,10 @@ def default_values(kernel: KernelSpec, budget: int, mxu: int = 128) -> dict[str,
             else ROW_TILE_TARGET
         )
         modelled = _modelled_values(kernel, min(budget, target), mxu)
+        if target == ROW_TILE_TARGET and budget > target and modelled is not None:
+            wider = _modelled_values(kernel, budget, mxu)
+            if wider is not None and _worth_wider(kernel, modelled, wider):
+                modelled = wider
         if modelled is not None and (
             _fills_mxu(kernel, modelled, mxu) > _fills_mxu(kernel, vals, mxu)
             or _modelled_cost(kernel, modelled) < _modelled_cost(kernel, vals)
@@ -244,7 +248,27 @@ MODEL_GENERATIONS = ("v5e", "v6e")
 """Generations whose block-model terms the default blocks are chosen for (their costs are summed)."""
 
 
-def _modelled_cost(kernel: KernelSpec, values: dict[str, int]) -> float:
+WIDER_GAIN = 0.9
+"""A matmul default goes past `ROW_TILE_TARGET` (up to the whole budget) only when the block model's terms
+say that saves at least 10% on some target generation and costs more on none. Larger blocks are not free:
+Mosaic unrolls the body over the block, and the AOT compile grew 3-4x with them (a bias + GELU epilogue:
+9 s -> 33 s on v5e, a Mish + tanh one 18 s -> 80 s, under load), for 0.5-2% on compute-bound tiles. Where a
+tile is memory-bound on one generation the gain is large (an 8192^3 bf16 GEMM on v6e: 1024 x 1024 blocks
+re-read both operands 8 times and are HBM-bound, 1024 x 2048 x 2048 ones are compute-bound; estimated
+0.82x -> 0.96x of XLA)."""
+
+
+def _worth_wider(kernel: KernelSpec, narrow: dict[str, int], wide: dict[str, int]) -> bool:
+    per_gen = [
+        (_modelled_cost(kernel, wide, (gen,)), _modelled_cost(kernel, narrow, (gen,)))
+        for gen in MODEL_GENERATIONS
+    ]
+    return all(w <= n for w, n in per_gen) and any(w <= WIDER_GAIN * n for w, n in per_gen)
+
+
+def _modelled_cost(
+    kernel: KernelSpec, values: dict[str, int], gens: tuple[str, ...] = MODEL_GENERATIONS
+) -> float:
     """The block-model terms block sizes change, as the block model combines them: the larger of HBM time
     (re-fetched blocks) and MXU time (fixed flops x the precision's passes), plus grid-step overhead. A
     compute-bound kernel gains nothing from less traffic, only from fewer steps; a memory-bound one weighs
@@ -253,7 +277,7 @@ def _modelled_cost(kernel: KernelSpec, values: dict[str, int]) -> float:
     steps = grid_steps(kernel, values)
     flops = kernel.flops * _padding_factor(kernel, values)
     total = 0.0
-    for gen in MODEL_GENERATIONS:
+    for gen in gens:
         spec = get_spec(gen)
         t_mxu = flops * kernel.mxu_passes / spec.device_peak_flops
         total += max(traffic / spec.device_hbm_bytes_per_s, t_mxu) + steps * PER_STEP_OVERHEAD_S
