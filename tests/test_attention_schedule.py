@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from offline_helpers import acceptance_options
 from test_offline_author import TPU, synthesize_once
 
 from maxkernel.tools.estimate import estimate_pallas
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 
 SLIDING = """
 def get_inputs(dtype=jnp.bfloat16, scale="tpu"):
@@ -86,7 +87,7 @@ def test_scheduled_attention_is_correct_and_compiles(name: str, work: Path) -> N
         assert (
             "Precision.HIGHEST" not in source.split("def _attention_kernel", 1)[1].split("def _attention(")[0]
         )
-    result = evaluate(task, source, EvalOptions(tpu=TPU, timeout_s=300), work_dir=work)  # type: ignore[arg-type]
+    result = evaluate(task, source, acceptance_options(TPU), work_dir=work)  # type: ignore[arg-type]
     assert result.accepted, (result.error, source)
     assert result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)
