@@ -7,6 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
+from maxkernel.tools.harness import EvalOptions
+
+
+def acceptance_options(tpu: list[str], timeout_s: float = 300) -> EvalOptions:
+    """The harness's options for a test that a kernel is *accepted*: every check that decides acceptance
+    (the Pallas check, interpret-mode correctness on 3 input sets and the larger shape, AOT Mosaic compile
+    per generation at the task's own shapes), without the speed estimate, which never decides acceptance
+    (`harness._verdict`) and is tested on its own (test_estimate*, test_harness, test_bench). The estimate's
+    reference half is an XLA compile per generation at the task's own shapes: 20-67 s for a 1000x1536x5000
+    f32 HIGHEST matmul at load 8, more than the rest of such an evaluation."""
+    return EvalOptions(tpu=tpu, timeout_s=timeout_s, estimate=False)
+
 
 def check_interpreted(fn, kernel, args, atol: float = 1e-5) -> None:
     """Run a generated `computation` in TPU interpret mode and compare every output (shape, dtype, values)

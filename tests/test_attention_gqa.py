@@ -14,10 +14,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from offline_helpers import acceptance_options
 from test_offline_author import TPU, synthesize_once
 
 from maxkernel.tools.estimate import estimate_pallas
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 
 GQA = """
 def get_inputs(dtype=jnp.bfloat16, scale="tpu"):
@@ -63,7 +64,7 @@ def test_gqa_shares_kv_blocks_and_is_correct(name: str, work: Path) -> None:
     source, task = _synthesize(name, work)
     # the group rides in the query block and is merged into the MXU rows
     assert "n_g, bq, n_d)" in source and ".reshape(-1, " in source
-    result = evaluate(task, source, EvalOptions(tpu=TPU, timeout_s=300), work_dir=work)  # type: ignore[arg-type]
+    result = evaluate(task, source, acceptance_options(TPU), work_dir=work)  # type: ignore[arg-type]
     assert result.accepted, (result.error, source)
     assert result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)

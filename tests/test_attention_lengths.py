@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from offline_helpers import acceptance_options
 from test_offline_author import TPU, synthesize_once
 
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 
 DECODE = """
 def get_inputs(dtype=jnp.bfloat16, scale="tpu"):
@@ -59,7 +60,7 @@ def _synthesize(name: str, work: Path) -> tuple[str, object]:
 def test_length_clamped_attention_is_correct_and_compiles(name: str, work: Path) -> None:
     source, task = _synthesize(name, work)
     assert "PrefetchScalarGridSpec" in source and "kv_last_ref[" in source
-    result = evaluate(task, source, EvalOptions(tpu=TPU, timeout_s=300), work_dir=work)  # type: ignore[arg-type]
+    result = evaluate(task, source, acceptance_options(TPU), work_dir=work)  # type: ignore[arg-type]
     assert result.accepted, (result.error, source)
     assert result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)

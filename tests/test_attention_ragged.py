@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from offline_helpers import acceptance_options
 from test_offline_author import TPU, synthesize_once
 
 from maxkernel.authors.offline import trace
 from maxkernel.tools.estimate import estimate_pallas
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 
 RAGGED = """
 def get_inputs(dtype=jnp.bfloat16, scale="tpu"):
@@ -69,7 +70,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("name", list(CASES))
 def test_ragged_attention_is_correct_and_compiles(name: str, work: Path) -> None:
     source, task = synthesize_once(_SYNTHESIZED, name, CASES[name], work, family="attention")
-    result = evaluate(task, source, EvalOptions(tpu=TPU, timeout_s=300), work_dir=work)  # type: ignore[arg-type]
+    result = evaluate(task, source, acceptance_options(TPU), work_dir=work)  # type: ignore[arg-type]
     assert result.accepted, (result.error, source)
     assert result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)

@@ -8,11 +8,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from offline_helpers import acceptance_options
 from test_offline_author import TPU, make_task
 
 from maxkernel.authors.base import AuthorContext
 from maxkernel.authors.offline import OfflineAuthor
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 from maxkernel.tools.tasks import load_task
 
 VIT = """
@@ -38,7 +39,7 @@ def test_unaligned_sequence_is_one_unpadded_block(tmp_path: Path) -> None:
     source = author.implement(ctx, plan).source
     blocks = {m[0]: int(m[1]) for m in re.findall(r"^(BLOCK_Q|BLOCK_KV) = (\d+)", source, re.M)}
     assert blocks["BLOCK_Q"] >= 577 and blocks["BLOCK_KV"] >= 577, blocks  # whole sequence, nothing padded
-    result = evaluate(task, source, EvalOptions(tpu=TPU, timeout_s=300), work_dir=tmp_path)
+    result = evaluate(task, source, acceptance_options(TPU), work_dir=tmp_path)
     assert result.accepted, (result.error, source)
     assert result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)

@@ -12,11 +12,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from offline_helpers import acceptance_options
 
 from maxkernel.authors.base import AuthorContext
 from maxkernel.authors.offline import OfflineAuthor
 from maxkernel.authors.offline.trace import flatten
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 from maxkernel.tools.tasks import load_task
 
 ROTARY = """
@@ -76,5 +77,5 @@ def test_rotary_glue_moves_bf16_and_the_kernel_is_accepted(tmp_path: Path) -> No
     glue = src[src.index("def computation") :]
     assert "float32" not in glue, glue  # no f32 copy of x or of the halves outside the kernel
     assert len(re.findall(r"lax\.slice\(x,", glue)) == 2, glue  # the halves are sliced from bf16 x itself
-    result = evaluate(task, src, EvalOptions(tpu=["v5e"], timeout_s=300), work_dir=tmp_path)
+    result = evaluate(task, src, acceptance_options(["v5e"]), work_dir=tmp_path)
     assert result.accepted, (result.error, src)

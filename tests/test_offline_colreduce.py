@@ -15,10 +15,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from offline_helpers import acceptance_options
 
 from maxkernel.authors.base import AuthorContext, TileConfig
 from maxkernel.authors.offline import OfflineAuthor
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 from maxkernel.tools.tasks import load_task
 from tests.test_offline_online_lse import _pallas_calls
 
@@ -89,7 +90,7 @@ def test_column_reduction_runs_in_the_matmul_epilogue(name: str, tmp_path: Path)
     values.update(small)
     src = author.render(ctx, plan, TileConfig.of(values)).source
 
-    result = evaluate(task, src, EvalOptions(tpu=TPU, timeout_s=300), work_dir=tmp_path)
+    result = evaluate(task, src, acceptance_options(TPU), work_dir=tmp_path)
     assert result.accepted, (result.error, src)
     assert result.uses_pallas and result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)

@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from offline_helpers import acceptance_options
 
 from maxkernel.authors.base import AuthorContext
 from maxkernel.authors.offline import OfflineAuthor
 from maxkernel.authors.offline.threefry import rewritable, threefry_bits
 from maxkernel.authors.offline.trace import flatten
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 from maxkernel.tools.tasks import load_task
 
 RANDOM_PRIMS = ("random_bits", "threefry2x32")
@@ -120,7 +121,7 @@ def test_in_kernel_bits_are_exact_at_unaligned_shapes(
     task = _task(tmp_path, "xor_bits", f"SHAPES = {shapes!r}\n" + XOR_BITS, 0.0)
     src = _synthesize(task, tmp_path, ["v5e"])
     assert "random.bits" not in src and "pallas_call" in src, src
-    result = evaluate(task, src, EvalOptions(tpu=["v5e"], timeout_s=300), work_dir=tmp_path)
+    result = evaluate(task, src, acceptance_options(["v5e"]), work_dir=tmp_path)
     assert result.accepted, (result.error, src)
     assert result.max_abs_err == 0.0
 
@@ -133,7 +134,7 @@ def test_matmul_dropout_is_one_kernel_accepted_and_compiled(tmp_path: Path) -> N
     assert "shift_right_logical" not in glue and "bitcast_convert_type" not in glue, glue
     kernel = src[src.index("def _matmul_kernel") : src.index("def _matmul(")]
     assert "lax.shift_left" in kernel and "bitcast_convert_type" in kernel, kernel
-    result = evaluate(task, src, EvalOptions(tpu=["v5e", "v6e"], timeout_s=300), work_dir=tmp_path)
+    result = evaluate(task, src, acceptance_options(["v5e", "v6e"]), work_dir=tmp_path)
     assert result.accepted, (result.error, src)
     assert all(c.ok for c in result.tpu_compile.values()), result.tpu_compile
     assert result.pallas is not None and result.pallas.pallas_calls == 1

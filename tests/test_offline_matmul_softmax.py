@@ -14,13 +14,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from offline_helpers import acceptance_options
 from test_offline_online_lse import _pallas_calls
 
 from maxkernel.authors.base import AuthorContext
 from maxkernel.authors.offline import OfflineAuthor
 from maxkernel.authors.offline.spec import ProgramSpec
 from maxkernel.authors.offline.tuning import default_config
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 from maxkernel.tools.tasks import load_task
 
 TPU = ["v5e", "v6e"]
@@ -71,7 +72,7 @@ def test_softmax_is_the_matmul_epilogue(name: str, tmp_path: Path) -> None:
     src = author.render(ctx, plan, plan.default_config).source
     assert "lax.Precision.HIGHEST" in src  # the reference's precision, kept
 
-    result = evaluate(task, src, EvalOptions(tpu=TPU, timeout_s=300), work_dir=tmp_path)
+    result = evaluate(task, src, acceptance_options(TPU), work_dir=tmp_path)
     assert result.accepted, (result.error, src)
     assert result.uses_pallas and result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)

@@ -18,10 +18,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from offline_helpers import acceptance_options
 
 from maxkernel.authors.base import AuthorContext, TileConfig
 from maxkernel.authors.offline import OfflineAuthor
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 from maxkernel.tools.tasks import load_task
 
 TPU = ["v5e", "v6e"]
@@ -173,7 +174,7 @@ def test_cross_entropy_streams_the_vocabulary_through_one_kernel(name: str, tmp_
         # the logits exist only inside the kernel: their label's logit is a masked sum there, not a gather
         assert "gather" not in src, src
 
-    result = evaluate(task, src, EvalOptions(tpu=TPU, timeout_s=300), work_dir=tmp_path)
+    result = evaluate(task, src, acceptance_options(TPU), work_dir=tmp_path)
     assert result.accepted, (result.error, src)
     assert result.uses_pallas and result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from offline_helpers import acceptance_options
 
 from maxkernel.authors.base import AuthorContext
 from maxkernel.authors.offline import OfflineAuthor
 from maxkernel.authors.offline.trace import _conv_as_patches
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 from maxkernel.tools.tasks import load_task
 
 CASES = [  # (x shape, w shape, strides, dimension numbers, padding)
@@ -90,5 +91,5 @@ def test_patch_embedding_kernel_is_accepted_without_per_tap_copies(tmp_path: Pat
     kernel = author.implement(ctx, plan).source
     glue = kernel[kernel.index("def computation") :]
     assert "concatenate" not in glue and glue.count("lax.slice(") <= 1, glue
-    result = evaluate(task, kernel, EvalOptions(tpu=["v5e", "v6e"], timeout_s=600), work_dir=tmp_path)
+    result = evaluate(task, kernel, acceptance_options(["v5e", "v6e"], 600), work_dir=tmp_path)
     assert result.accepted, (result.error, kernel)

@@ -10,10 +10,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from offline_helpers import acceptance_options
 
 from maxkernel.authors.base import AuthorContext
 from maxkernel.authors.offline import OfflineAuthor
-from maxkernel.tools.harness import EvalOptions, evaluate
+from maxkernel.tools.harness import evaluate
 from maxkernel.tools.tasks import load_task
 
 TPU = ["v5e", "v6e"]
@@ -72,7 +73,7 @@ def accepted_source(task_dir: Path, work: Path) -> str:
     plan = author.plan(ctx)
     assert plan.supported, plan.unsupported_reason
     src = author.implement(ctx, plan).source
-    result = evaluate(task, src, EvalOptions(tpu=TPU, timeout_s=300), work_dir=work)
+    result = evaluate(task, src, acceptance_options(TPU), work_dir=work)
     assert result.accepted, (result.error, src)
     assert result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)
@@ -97,7 +98,7 @@ def test_online_logsumexp_is_one_streamed_pass(name: str, tmp_path: Path) -> Non
     if "labels" in src:
         # the picked logit is gathered from the bf16 input and cast after: no f32 copy of the logits
         assert "lax.gather(logits," in src and "logits.astype(jnp.float32)" not in src, src
-    result = evaluate(task, src, EvalOptions(tpu=TPU, timeout_s=300), work_dir=tmp_path)
+    result = evaluate(task, src, acceptance_options(TPU), work_dir=tmp_path)
     assert result.accepted, (result.error, src)
     assert result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)

@@ -9,14 +9,19 @@ so. The capture runs in the sandbox like every other execution of candidate or t
 
 from __future__ import annotations
 
+import json
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from maxkernel.tools.profile_trace import TraceSummary
+from maxkernel.tools.reference_cache import REFERENCE_ESTIMATES
 from maxkernel.tools.results import EstimateSummary
 from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
+from maxkernel.tools.store import sha256_text
 from maxkernel.tools.tasks import KernelTask
 from maxkernel.tools.tpu_specs import first_generation
 
@@ -70,11 +75,16 @@ def profile_kernel(
     run_dir = fresh_run_dir(Path(work_dir) / "profiles", task.task_id)
     candidate_path = run_dir / "candidate.py"
     candidate_path.write_text(source)
+    # The reference's compiler estimate is one XLA compile per generation at the task's own shapes (seconds
+    # to a minute); the harness has usually just computed it for this task (`REFERENCE_ESTIMATES`, filled
+    # from the judge's signed result only), so the profile reuses it instead of compiling it again.
+    known = {gen: REFERENCE_ESTIMATES.get(task, gen) for gen in tpu}
     payload = {
         "task": task.model_dump(mode="json"),
         "candidate_path": str(candidate_path),
         "tpu": tpu,
         "repeats": repeats,
+        "reference_estimates": {gen: s for gen, s in known.items() if s is not None},
     }
     outcome = run_sandboxed(
         "maxkernel.tools.profiling:profile_job",
@@ -88,12 +98,45 @@ def profile_kernel(
     return ProfileReport.model_validate(outcome.value)
 
 
+class _Summaries:
+    """Profile summaries of kernels already profiled in this process, by (task, source, generation): a run
+    whose best kernel did not change since the last round (a round without gain) profiles the same program
+    again, a sandboxed process of tens of seconds, to learn nothing new. Failed profiles are not kept."""
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self._entries: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_entries = max_entries
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    def put(self, key: str, summary: str) -> None:
+        with self._lock:
+            self._entries[key] = summary
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+
+PROFILE_SUMMARIES = _Summaries()
+
+
 def profile_summary(task: KernelTask, source_path: str, tpu: list[str], work_dir: str | Path) -> str:
     """Markdown for the reflect prompt and the report (the profile node's tool)."""
+    source = Path(source_path).read_text()
+    gen = first_generation(tpu)
+    key = sha256_text(json.dumps(["profile summary", task.fingerprint, sha256_text(source), gen]))
+    known = PROFILE_SUMMARIES.get(key)
+    if known is not None:
+        return known
     # One traced run each: on CPU the trace shows where the interpreted program's time goes, which one run
     # tells as well as three, and interpreted kernels are slow.
-    report = profile_kernel(task, Path(source_path).read_text(), [first_generation(tpu)], work_dir, repeats=1)
-    return report.to_markdown(detail=False)
+    report = profile_kernel(task, source, [gen], work_dir, repeats=1)
+    summary = report.to_markdown(detail=False)
+    if report.error is None:
+        PROFILE_SUMMARIES.put(key, summary)
+    return summary
 
 
 # --- worker side ------------------------------------------------------------------------------------------
@@ -153,6 +196,7 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
         candidate=summarize_trace(cand_dir, label="cpu (Pallas TPU interpret)"),
     )
     ctx.stage("estimate")
+    known = payload.get("reference_estimates") or {}
     for gen in payload["tpu"]:
-        report.estimates[gen] = estimate_summary(ref, candidate, own, gen, None)
+        report.estimates[gen] = estimate_summary(ref, candidate, own, gen, known.get(gen))
     return report.model_dump(mode="json")
