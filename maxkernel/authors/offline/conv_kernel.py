@@ -40,10 +40,39 @@ MXU_DEPTH = 256
 """The deepest MXU contraction among the target generations (v6e, 7x); a tap matmul whose depth (C_in) is
 not a multiple of it runs part of the systolic array idle on those chips."""
 
+MXU_DEPTHS = (128, 256)
+"""Contraction depths of the target MXUs (v5e and before: 128; v6e, 7x: 256). The merge depth is chosen for
+all of them at once: one kernel source serves every generation."""
 
-def merges_taps(c_in: int, depthwise: bool) -> bool:
-    """Contract the last dim's taps side by side (depth n_kw * C_in) instead of one C_in-deep matmul each."""
-    return not depthwise and c_in % MXU_DEPTH != 0
+MERGED_PLANE_BYTES = 12 << 20
+"""Cap on the per-plane im2col temporary of a 3-D conv (one output plane's windows side by side). A 2-D
+conv's temporary grows with its row block, which the tuner sizes against the VMEM budget instead."""
+
+
+def padded_depth(c_in: int, ksz: tuple[int, ...], merged: int, mxu: int) -> int:
+    """MXU depth the taps cost when the last `merged` spatial dims' taps are contracted side by side: one
+    matmul per remaining tap, each `prod(merged taps) * C_in` deep, padded up to the MXU's depth."""
+    inner = math.prod(ksz[len(ksz) - merged :]) * c_in
+    return math.prod(ksz[: len(ksz) - merged]) * (-(-inner // mxu) * mxu)
+
+
+def merged_dims(c_in: int, ksz: tuple[int, ...], depthwise: bool, plane_bytes: int = 0) -> int:
+    """How many trailing spatial dims' taps to place side by side along the channels in VMEM (0: one
+    C_in-deep matmul per tap). Each merge removes MXU depth padding (a 96-channel 3x3 conv: 9 x 128 = 1152
+    on v5e and 9 x 256 = 2304 on v6e per tap, 3 x 384 / 3 x 512 for its W taps, 896 / 1024 for all nine
+    taps at once) at the price of copying the windows side by side (VPU/VMEM work, no HBM). The fewest
+    merged dims among those with the least padding summed over the target MXUs; for a 3-D conv
+    (`plane_bytes`: one output plane's window bytes per channel of depth) the temporary must also fit."""
+    if depthwise:
+        return 0
+    best = 0
+    cost = [sum(padded_depth(c_in, ksz, m, d) for d in MXU_DEPTHS) for m in range(len(ksz) + 1)]
+    for m in range(1, len(ksz) + 1):
+        if plane_bytes and m > 1 and plane_bytes * math.prod(ksz[len(ksz) - m :]) * c_in > MERGED_PLANE_BYTES:
+            break
+        if cost[m] < cost[best]:
+            best = m
+    return best
 
 
 class ConvBuilder(KernelBuilder):
@@ -113,10 +142,11 @@ class ConvBuilder(KernelBuilder):
         # with the block.
         per_plane = nsp == 3
         pad = "    " * (2 if per_plane else 1)
-        # taps along every spatial dim but the last run in a fori_loop (dynamic offsets on leading dims are
-        # free); only the last dim's taps, which shift the sublane axis, are unrolled: the kernel's code
-        # (and the Mosaic compile time) stays that of n_kw matmuls, not of every tap.
-        outer = sp[:-1]
+        # taps of the merged trailing dims (see `merged_dims`) are unrolled and their windows concatenated
+        # along the channels: one matmul of depth prod(merged taps) * C_in. Taps along the other dims run in
+        # fori_loops (dynamic offsets on leading dims are free) so the kernel's code (and the Mosaic compile
+        # time) stays that of one tap row; with no merge, the last dim's taps (which shift the sublane axis)
+        # are unrolled, one C_in-deep matmul each.
         first = "pl.ds(plane + k{a}, 1)" if per_plane else "pl.ds(k{a}, rows)"
         win = ", ".join(
             ["0", first.format(a=lead)]
@@ -126,23 +156,35 @@ class ConvBuilder(KernelBuilder):
         flat = " * ".join(["1" if per_plane else "rows"] + [f"n_o{a}" for a in sp[1:-1]] + [f"n_o{sp[-1]}_p"])
         tap_idx = ", ".join(f"k{a}" for a in sp)
         last = sp[-1]
-        # nested fori_loops over the outer tap offsets (no index arithmetic in the kernel), innermost the
-        # unrolled k{last} taps
+        c_in_x = int(x.aval.shape[lhs_spec[1]])
+        ksz_x = tuple(int(w.aval.shape[d]) for d in rhs_spec[2:])
+        x_sp = [int(x.aval.shape[d]) for d in lhs_spec[2:]]
+        plane_px = math.prod(x_sp[i] + pads[i][0] + pads[i][1] - ksz_x[i] + 1 for i in range(1, nsp))
+        n_merged = merged_dims(
+            c_in_x, ksz_x, depthwise, plane_bytes=plane_px * x.aval.dtype.itemsize if per_plane else 0
+        )
+        merged = n_merged > 0
+        inner = sp[nsp - n_merged :] if merged else sp[-1:]
+        outer = sp[: nsp - len(inner)]
         lines = []
         for k, a in enumerate(outer):
             lines.append(f"{'    ' * k}def taps_{a}(k{a}, acc):")
         depth_in = len(outer)
-        c_in_x = int(x.aval.shape[lhs_spec[1]])
-        merged = merges_taps(c_in_x, depthwise)
-        outer_idx = ", ".join(f"k{a}" for a in outer)
+        outer_idx = ", ".join(f"k{a}" for a in outer) or "..."
         if merged:
+            taps_of = " ".join(f"for k{a} in range(n_k{a})" for a in inner)
+            what = "".join(a.upper() for a in inner)
             lines.append(
-                f"{'    ' * depth_in}window = jnp.concatenate([x_ref[{win}] for k{last} in range(n_k{last})], "
-                f"axis=-1)  # the k{last} taps' shifted windows side by side: one (n_k{last} * C_in)-deep contraction"
+                f"{'    ' * depth_in}window = jnp.concatenate([x_ref[{win}] {taps_of}], axis=-1)  # the {what} "
+                f"taps' shifted windows side by side: one (taps * C_in)-deep contraction"
+            )
+            dot = (
+                f"jnp.dot(window.reshape({flat}, window.shape[-1]), w_ref[{outer_idx}], "
+                f"preferred_element_type=jnp.float32{prec_code})"
             )
             lines.append(
-                f"{'    ' * depth_in}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), "
-                f"w_ref[{outer_idx}], preferred_element_type=jnp.float32{prec_code})"
+                f"{'    ' * depth_in}{'acc += ' if outer else 'acc = '}{dot}"
+                + ("" if outer else f"  # f32[{flat}, bo]")
             )
         else:
             lines.append(f"{'    ' * depth_in}for k{last} in range(n_k{last}):")
@@ -159,15 +201,16 @@ class ConvBuilder(KernelBuilder):
                     f"{'    ' * (depth_in + 1)}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), "
                     f"w_ref[{tap_idx}], preferred_element_type=jnp.float32{prec_code})"
                 )
-        lines.append(f"{'    ' * depth_in}return acc")
-        for k in range(len(outer) - 1, 0, -1):
+        if outer:
+            lines.append(f"{'    ' * depth_in}return acc")
+            for k in range(len(outer) - 1, 0, -1):
+                lines.append("")
+                lines.append(f"{'    ' * k}return lax.fori_loop(0, n_k{outer[k]}, taps_{outer[k]}, acc)")
             lines.append("")
-            lines.append(f"{'    ' * k}return lax.fori_loop(0, n_k{outer[k]}, taps_{outer[k]}, acc)")
-        lines.append("")
-        lines.append(
-            f"acc = lax.fori_loop(0, n_k{outer[0]}, taps_{outer[0]}, "
-            f"jnp.zeros(({flat}, w_ref.shape[-1]), jnp.float32))  # f32[{flat}, bo]"
-        )
+            lines.append(
+                f"acc = lax.fori_loop(0, n_k{outer[0]}, taps_{outer[0]}, "
+                f"jnp.zeros(({flat}, w_ref.shape[-1]), jnp.float32))  # f32[{flat}, bo]"
+            )
         if ep.lines:
             lines.append("# fused epilogue on the f32 accumulator: no HBM round trip of the conv result")
             lines.extend(ep.lines)
@@ -284,8 +327,9 @@ class ConvBuilder(KernelBuilder):
         )
         ep_doc = ", then the fused epilogue before the one store" if ep.lines else ""
         w_merge = (
-            f"\n    wt = wt.reshape(*wt.shape[:-3], n_k{last} * n_c, n_out_p)  # the k{last} taps' rows stacked: "
-            f"matches their windows side by side"
+            f"\n    wt = wt.reshape({''.join(f'wt.shape[{i}], ' for i in range(nsp - n_merged))}{' * '.join(f'n_k{a}' for a in inner)} * n_c, "
+            f"n_out_p)  # the {''.join(a.upper() for a in inner)} taps' rows stacked: matches their windows side "
+            "by side"
             if merged
             else ""
         )
@@ -310,7 +354,7 @@ class ConvBuilder(KernelBuilder):
 
 
 def {s}_w_index_map({grid_args}):
-    return ({", ".join(["0"] * (nsp if merged else nsp + 1))}, o_index)
+    return ({", ".join(["0"] * (nsp + 1 - n_merged))}, o_index)
 
 
 def {s}_out_index_map({grid_args}):
@@ -477,12 +521,13 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             *(
                 [
                     BufferSpec(
-                        what=f"the {sp[-1].upper()} taps' windows side by side (im2col of one tap row, in VMEM)",
+                        what=f"the {', '.join(a.upper() for a in inner)} taps' windows side by side (im2col of "
+                        f"{'one output plane' if per_plane else 'the row block'}, in VMEM)",
                         dims=[
-                            pr,
+                            DimRef(kind="full", extent=1) if per_plane else pr,
                             *mid,
                             DimRef(kind="full", extent=w_last),
-                            DimRef(kind="full", extent=ksz[-1] * c_in),
+                            DimRef(kind="full", extent=math.prod(ksz[nsp - n_merged :]) * c_in),
                         ],
                         itemsize=x.aval.dtype.itemsize,
                         copies=1,
@@ -508,8 +553,10 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 f"{nsp}-D depthwise convolution as {taps} shifted VPU multiply-adds over halo'd row blocks in VMEM"
                 if depthwise
                 else (
-                    f"{nsp}-D convolution as {taps // ksz[-1]} matmuls of {ksz[-1]} shifted windows side by side "
-                    f"({ksz[-1]} x {c_in} deep) over halo'd row blocks in VMEM (no im2col in HBM)"
+                    f"{nsp}-D convolution as {taps // math.prod(ksz[nsp - n_merged :])} matmul(s) of "
+                    f"{math.prod(ksz[nsp - n_merged :])} shifted windows side by side "
+                    f"({math.prod(ksz[nsp - n_merged :])} x {c_in} deep) over halo'd row blocks in VMEM (no im2col "
+                    "in HBM)"
                 )
                 if merged
                 else f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)"
@@ -573,8 +620,12 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 "the block model sizes the input block as `rows` rows; the k-1 halo rows are not counted",
                 *(
                     [
-                        f"C_in={c_in} does not fill a {MXU_DEPTH}-deep MXU: the {ksz[-1]} taps along "
-                        f"{sp[-1].upper()} are concatenated along the channels in VMEM and contracted at once"
+                        f"C_in={c_in} does not fill a {MXU_DEPTH}-deep MXU: the "
+                        f"{math.prod(ksz[nsp - n_merged :])} taps along {', '.join(a.upper() for a in inner)} are "
+                        "concatenated along the channels in VMEM and contracted at once (depth padded "
+                        f"{' / '.join(str(padded_depth(c_in, tuple(ksz), n_merged, d)) for d in MXU_DEPTHS)} vs "
+                        f"{' / '.join(str(padded_depth(c_in, tuple(ksz), 0, d)) for d in MXU_DEPTHS)} per tap "
+                        f"on {' / '.join(str(d) for d in MXU_DEPTHS)}-deep MXUs)"
                     ]
                     if merged
                     else []
