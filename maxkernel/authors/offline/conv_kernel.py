@@ -382,7 +382,11 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             )
         }
     rows = _block(n_o{lead}, {c}BLOCK_ROWS, 1)
-    bo = _block(n_out, {c}BLOCK_O, 128)
+    {
+            "bo = n_out  # every channel in one block (the whole dim): the epilogue reduces over them"
+            if ep.channel_reduced
+            else f"bo = _block(n_out, {c}BLOCK_O, 128)"
+        }
     n_o{lead}_p = _round_up(n_o{lead}, rows)
     n_o{sp[-1]}_p = _round_up(n_o{sp[-1]}, {sub})
     n_out_p = _round_up(n_out, bo)
@@ -456,10 +460,12 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             ParamSpec(
                 name=f"{c}BLOCK_O",
                 role="lane",
-                align=128,
+                # a reduction over the channels needs them all in one block: the only block is the whole dim
+                align=c_out if ep.channel_reduced else 128,
                 extent=c_out,
-                default=0,
-                doc="output channels per step",
+                default=c_out if ep.channel_reduced else 0,
+                doc="output channels per step"
+                + (" (all of them: the epilogue reduces over the channels)" if ep.channel_reduced else ""),
             ),
         ]
         pr, po = (DimRef(kind="param", param=q.name, extent=q.extent) for q in params)
