@@ -207,3 +207,55 @@ def test_all_taps_side_by_side_bf16() -> None:
         for case in shapes[1:]:
             avals = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in case]
             jax.jit(kernel).trace(*avals).lower().compile()
+
+
+def depthwise_bias_bf16(x, w, b):
+    y = lax.conv_general_dilated(
+        x,
+        w,
+        (1, 1),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=x.shape[-1],
+        preferred_element_type=jnp.float32,
+    )
+    return (y + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def test_depthwise_bf16_converts_its_block_once() -> None:
+    """A bf16 depthwise 7x7 conv converts the halo'd block to f32 once per step into VMEM scratch (not each
+    of the 49 taps' windows), and pads the output width to f32's 8-row tiles (56 stays 56: no crop copy).
+    Correct in TPU interpret mode on an aligned and an odd shape (odd width, 256 channels in two blocks),
+    compiled for v5e and v6e."""
+    shapes = [
+        ((16, 56, 56, 128), (7, 7, 1, 128), (128,)),
+        ((1, 8, 16, 128), (7, 7, 1, 128), (128,)),
+        ((2, 5, 9, 256), (7, 7, 1, 256), (256,)),
+    ]
+    configs = [Config(dynamic=[(s, "bfloat16") for s in case], static=[]) for case in shapes]
+    program = lower_program(
+        trace_reference(depthwise_bias_bf16, configs, ["x", "w", "b"], direct_conv=True), "t"
+    )
+    code = program.kernels[0].code
+    assert "xs_ref[...] = x_ref[0].astype(jnp.float32)" in code and "window = xs_ref[" in code
+    assert "n_ow_p = _round_up(n_ow, 8)" in code
+    src = render(program, default_config(program, TPU), TPU)
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    kernel = ns["computation"]
+    rng = np.random.default_rng(13)
+    for case in shapes[1:]:
+        args = [jnp.asarray(0.5 * rng.standard_normal(s), jnp.bfloat16) for s in case]
+        with pltpu.force_tpu_interpret_mode():
+            got = kernel(*args)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32),
+            np.asarray(depthwise_bias_bf16(*args), np.float32),
+            atol=2e-2,
+            rtol=2e-2,
+        )
+    for gen in TPU:
+        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
+        for case in shapes[1:]:
+            avals = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in case]
+            jax.jit(kernel).trace(*avals).lower().compile()

@@ -166,7 +166,19 @@ class ConvBuilder(KernelBuilder):
         merged = n_merged > 0
         inner = sp[nsp - n_merged :] if merged else sp[-1:]
         outer = sp[: nsp - len(inner)]
-        lines = []
+        # a depthwise conv of a narrower dtype converts its halo'd block to f32 once per step into VMEM
+        # scratch, not each tap's window again (49 converts per input element for a 7x7 filter; the VPU
+        # then does a multiply and an add per tap)
+        staged = depthwise and not per_plane and x.aval.dtype.itemsize < 4
+        if staged:
+            sub = 8  # the windows are f32 slices of the staged block: 8-row sublane tiles, not bf16's 16
+        lines = (
+            [
+                "xs_ref[...] = x_ref[0].astype(jnp.float32)  # f32[rows + n_kh - 1, W padded, bo]: converted once"
+            ]
+            if staged
+            else []
+        )
         for k, a in enumerate(outer):
             lines.append(f"{'    ' * k}def taps_{a}(k{a}, acc):")
         depth_in = len(outer)
@@ -188,13 +200,15 @@ class ConvBuilder(KernelBuilder):
             )
         else:
             lines.append(f"{'    ' * depth_in}for k{last} in range(n_k{last}):")
+            src_win = f"xs_ref[{win.removeprefix('0, ')}]" if staged else f"x_ref[{win}]"
             lines.append(
-                f"{'    ' * (depth_in + 1)}window = x_ref[{win}]  # the tap's shifted window of the halo'd block"
+                f"{'    ' * (depth_in + 1)}window = {src_win}  # the tap's shifted window of the halo'd block"
             )
             if depthwise:  # one filter per channel: a VPU multiply-add per tap, no contraction for the MXU
                 lines.append(
-                    f"{'    ' * (depth_in + 1)}acc += window.reshape({flat}, window.shape[-1]).astype(jnp.float32) "
-                    f"* w_ref[{tap_idx}].astype(jnp.float32)  # (pixels, bo) * (1, bo)"
+                    f"{'    ' * (depth_in + 1)}acc += window.reshape({flat}, window.shape[-1])"
+                    f"{'' if staged else '.astype(jnp.float32)'} * w_ref[{tap_idx}].astype(jnp.float32)  "
+                    "# (pixels, bo) * (1, bo)"
                 )
             else:
                 lines.append(
@@ -342,6 +356,12 @@ class ConvBuilder(KernelBuilder):
             if reduced
             else f"(n_b, n_o{lead}_p // rows, n_out_p // bo)"
         )
+        scratch = (
+            f"\n        scratch_shapes=[pltpu.VMEM((rows + n_k{lead} - 1, n_o{last}_p + n_k{last} - 1, bo), "
+            "jnp.float32)],  # the halo'd block in f32"
+            if staged
+            else ""
+        )
         x_chan = "o_index * bo" if depthwise else "0"  # depthwise: channel block c of x feeds output block c
         x_kw = ", bo" if depthwise else ""
         x_last = (
@@ -361,9 +381,9 @@ def {s}_out_index_map({grid_args}):
     return (n_index, r_index, {", ".join(["0"] * (nsp - 1))}, o_index)
 {ep_maps}
 
-def {s}_kernel(x_ref, w_ref, {", ".join(ep_refs + out_refs)}, *, rows, {", ".join(f"n_k{a}" for a in sp)}, {
-            ", ".join(f"n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""
-        }n_o{sp[-1]}_p{red_kw}):
+def {s}_kernel(x_ref, w_ref, {", ".join(ep_refs + out_refs + (["xs_ref"] if staged else []))}, *, rows, {
+            ", ".join(f"n_k{a}" for a in sp)
+        }, {", ".join(f"n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""}n_o{sp[-1]}_p{red_kw}):
     """Sum over kernel taps of (shifted input window) x (tap weights), all from VMEM{ep_doc}."""
 {body}
 
@@ -428,7 +448,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             pl.BlockSpec((*wt.shape[:-1], bo), {s}_w_index_map),{ep_specs}
         ],
         out_specs=[{out_blocks}],
-        out_shape=out_shape,
+        out_shape=out_shape,{scratch}
         compiler_params=pltpu.CompilerParams(
             dimension_semantics={semantics},
             vmem_limit_bytes={c}VMEM_LIMIT_BYTES,
@@ -541,6 +561,19 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                     )
                 ]
                 if merged
+                else []
+            ),
+            *(
+                [
+                    BufferSpec(
+                        what="the halo'd input block converted to f32 once per step",
+                        dims=[pr, DimRef(kind="full", extent=padded_sp[-1]), po],
+                        itemsize=4,
+                        copies=1,
+                        kind="scratch",
+                    )
+                ]
+                if staged
                 else []
             ),
             BufferSpec(
