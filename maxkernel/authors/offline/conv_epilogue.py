@@ -252,6 +252,9 @@ class Epilogue:
     """Per reduced output var: (the reduced block's expression, the reduce primitive)."""
     batch_reduced: bool = False  # the reductions also sum over the batch: (C_out,) results, not (N, C_out)
     channel_reduced: bool = False  # reduces over the channels: one block holds every channel (the whole dim)
+    pool_windows: tuple[int, ...] | None = (
+        None  # (rows, columns) windows of a pool fused after the conv (conv_pool)
+    )
 
 
 def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
@@ -277,6 +280,8 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
     reductions: dict[Any, tuple[str, str]] = {}
     batch_reduced = False
     channel_reduced = False
+    pool_windows: tuple[int, ...] | None = None
+    split: Any = None  # the pooling split's output var
     for p in order:
         e = g.eqns[p]
         if e is conv_eqn:
@@ -291,6 +296,37 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
                 args.append(code[v])
         name = e.primitive.name
         ov = e.outvars[0]
+        if name == "reshape" and _shape(e.invars[0]) == out.shape:
+            from maxkernel.authors.offline.conv_pool import pool_split  # conv_pool imports this module
+
+            windows = pool_split(out, _shape(e.invars[0]), _shape(ov))
+            if windows is not None:
+                if pool_windows is not None:
+                    raise EmitError("two pools of one conv output")
+                pool_windows, split = windows, ov
+                code[ov] = args[0]  # the block itself; the window reduction does the split
+                continue
+        if split is not None and e.invars[0] is split:
+            from maxkernel.authors.offline.conv_pool import POOL_REDUCTIONS
+
+            assert pool_windows is not None
+            fold = POOL_REDUCTIONS[name]
+            ph, pw = pool_windows
+            n += 1
+            local = f"ep{n}"
+            lines.append(f"{local} = {args[0]}.reshape(rows, n_ow_p, {args[0]}.shape[-1])  # (rows, W, bo)")
+            if ph > 1:
+                lines.append(
+                    f"{local} = {fold}({local}.reshape(rows // {ph}, {ph}, n_ow_p, {local}.shape[-1]), axis=1)  "
+                    f"# {ph}-row windows: a split of the leading axis"
+                )
+            if pw > 1:
+                lines.append(
+                    f"{local} = {fold}({local}.reshape({local}.shape[0], n_ow_p // {pw}, {pw}, {local}.shape[-1]), "
+                    f"axis=2)  # {pw}-column windows along the sublanes: float32 pooled block"
+                )
+            code[ov] = local
+            continue
         if is_channel_reduction(out, e):
             fold = CHANNEL_REDUCTIONS[name]
             n += 1
@@ -312,7 +348,7 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
         expr = elementwise_expr(e, args, dtype_name(ov.aval), [dtype_name(v.aval) for v in e.invars], False)
         n += 1
         local = f"ep{n}"
-        lines.append(f"{local} = {expr}  # {dtype_name(ov.aval)} {out.role(_shape(ov))}")
+        lines.append(f"{local} = {expr}  # {dtype_name(ov.aval)} {out.role(_shape(ov)) or 'pooled'}")
         code[ov] = local
     if any(v not in reductions and out.role(_shape(v)) == "pixel" for v in builder.outputs):
         raise EmitError("a per-pixel value of the conv epilogue is needed outside the kernel")
@@ -325,4 +361,5 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
         reductions=reductions,
         batch_reduced=batch_reduced,
         channel_reduced=channel_reduced,
+        pool_windows=pool_windows,
     )

@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue
+from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue, conv_out_of
+from maxkernel.authors.offline.conv_pool import pooled_shape
 from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name
 from maxkernel.authors.offline.kernels import SUBLANE, KernelBuilder, LowerError, nbytes
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
@@ -305,6 +306,18 @@ class ConvBuilder(KernelBuilder):
             f"pl.BlockSpec((None, rows, {', '.join([f'n_o{a}' for a in sp[1:-1]] + [f'n_o{sp[-1]}_p'])}, bo), "
             f"{s}_out_index_map)"
         )
+        # a pool fused after the conv (conv_pool): those outputs are the pooled blocks
+        ph, pw = ep.pool_windows or (1, 1)
+        pooled_to = pooled_shape(conv_out_of(e), ep.pool_windows) if ep.pool_windows else None
+        is_pooled = [tuple(int(d) for d in v.aval.shape) == pooled_to for v in outs]
+        pooled_dims = (
+            f"    pooled_dims = (n_b, n_o{lead}_p // {ph}, n_o{sp[-1]}_p // {pw}, n_out_p)  # the pooled output\n"
+            if any(is_pooled)
+            else ""
+        )
+        pooled_block = (
+            f"pl.BlockSpec((None, rows // {ph}, n_o{sp[-1]}_p // {pw}, bo), {s}_out_index_map)"
+        )
         red_block = f"pl.BlockSpec((None, 1, bo), {s}_reduced_index_map)"
         if reduced:
             ep_maps += (
@@ -317,10 +330,13 @@ class ConvBuilder(KernelBuilder):
         out_shapes = ", ".join(
             f"jax.ShapeDtypeStruct(({'1' if batch_reduced else 'n_b'}, 1, n_out_p), jnp.float32)"
             if r is None
-            else f"jax.ShapeDtypeStruct(out_dims, {dtype_code(dtype_name(v.aval))})"
-            for v, r in zip(outs, ep.results, strict=True)
+            else f"jax.ShapeDtypeStruct({'pooled_dims' if pooled else 'out_dims'}, {dtype_code(dtype_name(v.aval))})"
+            for v, r, pooled in zip(outs, ep.results, is_pooled, strict=True)
         )
-        out_blocks = ", ".join(red_block if r is None else out_block for r in ep.results)
+        out_blocks = ", ".join(
+            red_block if r is None else pooled_block if pooled else out_block
+            for r, pooled in zip(ep.results, is_pooled, strict=True)
+        )
         out_sizes = ", ".join(f"n_o{a}" for a in sp)
         crops = "\n".join(
             (
@@ -329,6 +345,8 @@ class ConvBuilder(KernelBuilder):
                 else f"    out[{k}] = out[{k}][:, 0, :n_out]  # (N, C_out), summed over the spatial dims"
             )
             if r is None
+            else f"    out[{k}] = _crop(out[{k}], (n_b, n_o{lead} // {ph}, n_o{sp[-1]} // {pw}, n_out))  # pooled"
+            if is_pooled[k]
             else f"    out[{k}] = {_transposed(f'_crop(out[{k}], (n_b, {out_sizes}, n_out))', tuple(from_cl))}"
             for k, r in enumerate(ep.results)
         )
@@ -401,14 +419,14 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 for i, a in enumerate(sp)
             )
         }
-    rows = _block(n_o{lead}, {c}BLOCK_ROWS, 1)
+    rows = _block(n_o{lead}, {c}BLOCK_ROWS, {ph})
     {
             "bo = n_out  # every channel in one block (the whole dim): the epilogue reduces over them"
             if ep.channel_reduced
             else f"bo = _block(n_out, {c}BLOCK_O, 128)"
         }
     n_o{lead}_p = _round_up(n_o{lead}, rows)
-    n_o{sp[-1]}_p = _round_up(n_o{sp[-1]}, {sub})
+    n_o{sp[-1]}_p = _round_up(n_o{sp[-1]}, {math.lcm(sub, pw)})
     n_out_p = _round_up(n_out, bo)
     # zero padding: the convolution's own, plus rows/columns up to whole blocks (cropped afterwards)
     x = jnp.pad(x, [(0, 0), {
@@ -423,7 +441,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
 {ep_prep}    out_dims = (n_b, {
             ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
         }, n_out_p)
-    out_shape = [{out_shapes}]  # ({
+{pooled_dims}    out_shape = [{out_shapes}]  # ({
             ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
         }, C_out padded)
     cost = pl.CostEstimate(
@@ -472,7 +490,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             ParamSpec(
                 name=f"{c}BLOCK_ROWS",
                 role="leading",
-                align=1,
+                align=ph,  # whole pooling windows per row block
                 extent=out_sp[0],
                 default=0,
                 doc=f"output rows along {sp[0].upper()} per grid step",
