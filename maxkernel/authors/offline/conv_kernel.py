@@ -13,11 +13,16 @@ and reads `taps` copies of the input.
 The output width is padded to the sublane tile so the flattening is a free relayout; the extra columns
 read zero padding and are cropped. Strided, dilated and grouped convolutions keep the im2col path.
 
-When the input channels do not fill the MXU's depth (`MXU_DEPTH`: 256 on v6e and 7x, 128 before), the
-last spatial dim's taps are placed side by side along the channels in VMEM (`jnp.concatenate` of their
-windows, an im2col of `n_kw` taps that never leaves VMEM) and contracted in one matmul of depth
-`n_kw * C_in` against the weights reshaped to match: a 64-channel 3x3 conv pads each 64-deep tap matmul to
-256 on v6e (4x the MXU passes), three taps side by side pad 192 to 256.
+When the input channels do not fill the MXU's depth (`MXU_DEPTHS`: 128 on v5e and before, 256 on v6e and
+7x), the taps of the trailing spatial dims are placed side by side along the channels in VMEM
+(`jnp.concatenate` of their windows, an im2col that never leaves VMEM) and contracted in one matmul of
+depth `taps * C_in` against the weights reshaped to match (`merged_dims` picks how many dims: the least
+padded depth over both MXU depths): a 96-channel 3x3 conv pads each 96-deep tap matmul to 128 / 256 (9 x
+128 = 1152 / 9 x 256 = 2304 of depth), all nine taps side by side pad 864 to 896 / 1024.
+
+A depthwise conv (one filter per channel) runs on the VPU; a bf16 one converts its block to f32 once per
+step into VMEM scratch instead of converting each tap's window. Elementwise epilogues, spatial and channel
+reductions (conv_epilogue.py) and pools (conv_pool.py) run on the f32 accumulator before the one store.
 """
 
 from __future__ import annotations
@@ -315,9 +320,7 @@ class ConvBuilder(KernelBuilder):
             if any(is_pooled)
             else ""
         )
-        pooled_block = (
-            f"pl.BlockSpec((None, rows // {ph}, n_o{sp[-1]}_p // {pw}, bo), {s}_out_index_map)"
-        )
+        pooled_block = f"pl.BlockSpec((None, rows // {ph}, n_o{sp[-1]}_p // {pw}, bo), {s}_out_index_map)"
         red_block = f"pl.BlockSpec((None, 1, bo), {s}_reduced_index_map)"
         if reduced:
             ep_maps += (
