@@ -1,6 +1,7 @@
-"""A pool after a 2-D convolution runs in the conv kernel (conv_pool): the kernel pools its f32 block in
-VMEM (row windows by splitting the leading axis, column windows by splitting the sublane axis) and writes
-only the pooled block, where the conv's whole f32 output used to go through HBM into a row-wise kernel.
+"""A pool after a 2-D or 3-D convolution runs in the conv kernel (conv_pool): the kernel pools its f32
+block in VMEM (row windows by splitting the leading axis, column windows by splitting the sublane axis, a
+3-D conv's depth windows across the planes of its block) and writes only the pooled block, where the
+conv's whole f32 output used to go through HBM into a row-wise kernel.
 Correct in TPU interpret mode on aligned and odd shapes (odd channel counts, widths that are not a multiple
 of the sublane tile), compiled for v5e and v6e ahead of time; the block model charges the sublane split."""
 
@@ -51,6 +52,28 @@ def conv_relu_maxpool_rows(x, w, b):
     return jnp.max(y.reshape(n, h // 2, 2, wd, c), axis=2).astype(x.dtype)
 
 
+def conv3d_softmax_maxpool(x, w, b):
+    f32 = jnp.float32
+    y = lax.conv_general_dilated(
+        x, w, (1, 1, 1), "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), preferred_element_type=f32
+    ) + b.astype(f32)
+    y = jax.nn.softmax(y, axis=-1)
+    n, d, h, wd, c = y.shape
+    return jnp.max(y.reshape(n, d // 2, 2, h // 2, 2, wd // 2, 2, c), axis=(2, 4, 6)).astype(x.dtype)
+
+
+def conv3d_relu_avgpool(x, w, b):
+    f32 = jnp.float32
+    y = jax.nn.relu(
+        lax.conv_general_dilated(
+            x, w, (1, 1, 1), "SAME", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"), preferred_element_type=f32
+        )
+        + b.astype(f32)
+    )
+    n, d, h, wd, c = y.shape
+    return jnp.mean(y.reshape(n, d // 2, 2, h // 2, 2, wd // 2, 2, c), axis=(2, 4, 6)).astype(x.dtype)
+
+
 CASES = [
     # (fn, shapes per config: task-size first, then an aligned and an odd one)
     (
@@ -69,10 +92,28 @@ CASES = [
             ((2, 10, 7, 5), (3, 3, 5, 7), (7,)),
         ],
     ),
+    (  # 3-D: the depth window combined across the planes of a block, after a softmax over the channels
+        conv3d_softmax_maxpool,
+        [
+            ((8, 32, 64, 64, 32), (3, 3, 3, 32, 64), (64,)),
+            ((2, 4, 8, 16, 16), (3, 3, 3, 16, 32), (32,)),
+            ((1, 6, 4, 10, 5), (3, 3, 3, 5, 3), (3,)),
+        ],
+    ),
+    (
+        conv3d_relu_avgpool,
+        [
+            ((4, 32, 64, 64, 64), (3, 3, 3, 64, 64), (64,)),
+            ((1, 4, 8, 16, 32), (3, 3, 3, 32, 64), (64,)),
+            ((2, 6, 4, 6, 5), (3, 3, 3, 5, 7), (7,)),
+        ],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("fn", "shapes"), CASES, ids=["avg_2x2", "max_rows"])
+@pytest.mark.parametrize(
+    ("fn", "shapes"), CASES, ids=["avg_2x2", "max_rows", "softmax_max_2x2x2", "avg_2x2x2"]
+)
 def test_pool_in_the_conv_kernel(fn, shapes) -> None:
     configs = [Config(dynamic=[(s, "bfloat16") for s in case], static=[]) for case in shapes]
     program = lower_program(trace_reference(fn, configs, ["x", "w", "b"], direct_conv=True), "t")
@@ -86,7 +127,11 @@ def test_pool_in_the_conv_kernel(fn, shapes) -> None:
     big = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes[0]]
     (call,) = estimate_pallas(jax.make_jaxpr(kernel)(*big), "v5e").pallas_calls
     x_bytes = np.prod(shapes[0][0]) * 2
-    full_out_f32 = np.prod(jax.eval_shape(fn, *big).shape) * 4 * (4 if fn is conv_hardswish_avgpool else 2)
+    full_out_f32 = (
+        np.prod(jax.eval_shape(fn, *big).shape)
+        * 4
+        * {2: 2, 4: 4, 8: 8}[{conv_hardswish_avgpool: 4, conv_relu_maxpool_rows: 2}.get(fn, 8)]
+    )
     assert call.est_hbm_bytes < 1.5 * x_bytes + 0.5 * full_out_f32
     rng = np.random.default_rng(17)
     for case in shapes[1:]:

@@ -311,13 +311,16 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
 
             assert pool_windows is not None
             fold = POOL_REDUCTIONS[name]
-            ph, pw = pool_windows
+            *pd, ph, pw = (
+                pool_windows  # 3-D: the depth window is combined across planes (conv_kernel's carry)
+            )
+            lead = "rows" if not pd else "n_oh"  # 2-D: the block's rows; 3-D: one plane's rows
             n += 1
             local = f"ep{n}"
-            lines.append(f"{local} = {args[0]}.reshape(rows, n_ow_p, {args[0]}.shape[-1])  # (rows, W, bo)")
+            lines.append(f"{local} = {args[0]}.reshape({lead}, n_ow_p, {args[0]}.shape[-1])  # (rows, W, bo)")
             if ph > 1:
                 lines.append(
-                    f"{local} = {fold}({local}.reshape(rows // {ph}, {ph}, n_ow_p, {local}.shape[-1]), axis=1)  "
+                    f"{local} = {fold}({local}.reshape({lead} // {ph}, {ph}, n_ow_p, {local}.shape[-1]), axis=1)  "
                     f"# {ph}-row windows: a split of the leading axis"
                 )
             if pw > 1:
@@ -325,6 +328,13 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
                     f"{local} = {fold}({local}.reshape({local}.shape[0], n_ow_p // {pw}, {pw}, {local}.shape[-1]), "
                     f"axis=2)  # {pw}-column windows along the sublanes: float32 pooled block"
                 )
+            if pd and pd[0] > 1:
+                combine = "jnp.maximum" if name == "reduce_max" else "jnp.add"
+                lines += [
+                    f"{local} = jnp.where(lax.rem(plane, {pd[0]}) == 0, {local}, {combine}(carry, {local}))  # the "
+                    f"{pd[0]}-plane depth window so far",
+                    f"carry = {local}",
+                ]
             code[ov] = local
             continue
         if is_channel_reduction(out, e):

@@ -111,6 +111,12 @@ class ConvBuilder(KernelBuilder):
         else:
             grid_args, (ax_n, ax_r, ax_o) = "n_index, r_index, o_index", (0, 1, 2)
         out_refs = [f"o{k}_ref" for k in range(len(outs))]
+        # a pool fused after the conv (conv_pool): those outputs are the pooled blocks; a 3-D conv's depth
+        # window is combined across the planes of its block in the plane loop's carry
+        pool_windows = tuple(ep.pool_windows or (1,) * (len(e.invars[0].aval.shape) - 2))
+        ph, pw = pool_windows[-2:]
+        pooled_to = pooled_shape(conv_out_of(e), pool_windows) if ep.pool_windows else None
+        is_pooled = [tuple(int(d) for d in v.aval.shape) == pooled_to for v in outs]
         dn = p["dimension_numbers"]
         lhs_spec, rhs_spec, out_spec = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
         nsp = len(lhs_spec) - 2
@@ -268,19 +274,25 @@ class ConvBuilder(KernelBuilder):
                     f"{o}[...] = {combine}({o}[...], {fold}(blk, axis=0, keepdims=True))",
                 ]
             elif per_plane:
-                lines.append(f"{o}[pl.ds(plane, 1)] = {r}.reshape(1, *{o}.shape[1:]).astype({o}.dtype)")
+                at = f"lax.div(plane, {pool_windows[0]})" if is_pooled[outs.index(v)] else "plane"
+                lines.append(f"{o}[pl.ds({at}, 1)] = {r}.reshape(1, *{o}.shape[1:]).astype({o}.dtype)")
             else:
                 lines.append(f"{o}[...] = {r}.reshape({o}.shape).astype({o}.dtype)")
         if init:
             init.append("")
         accumulate = "".join(f"{pad}{line}\n" if line else "\n" for line in lines)
+        carry0 = (
+            f"jnp.zeros((n_o{sp[1]} // {ph}, n_o{sp[-1]}_p // {pw}, w_ref.shape[-1]), jnp.float32)"
+            if ep.pool_windows and per_plane and pool_windows[0] > 1
+            else "0"
+        )  # the depth window of a 3-D pool so far
         if per_plane:
             body = (
                 ("".join(f"    {line}\n" if line else "\n" for line in init) if init else "")
                 + "    def one_plane(plane, carry):\n"
                 + accumulate
                 + "        return carry\n\n"
-                "    lax.fori_loop(0, rows, one_plane, 0)"
+                f"    lax.fori_loop(0, rows, one_plane, {carry0})"
             )
         else:
             body = ("".join(f"    {line}\n" if line else "\n" for line in init) + accumulate).rstrip("\n")
@@ -311,16 +323,17 @@ class ConvBuilder(KernelBuilder):
             f"pl.BlockSpec((None, rows, {', '.join([f'n_o{a}' for a in sp[1:-1]] + [f'n_o{sp[-1]}_p'])}, bo), "
             f"{s}_out_index_map)"
         )
-        # a pool fused after the conv (conv_pool): those outputs are the pooled blocks
-        ph, pw = ep.pool_windows or (1, 1)
-        pooled_to = pooled_shape(conv_out_of(e), ep.pool_windows) if ep.pool_windows else None
-        is_pooled = [tuple(int(d) for d in v.aval.shape) == pooled_to for v in outs]
+        pooled_mid = "".join(f"n_o{a} // {q}, " for a, q in zip(sp[1:-1], pool_windows[1:-1], strict=True))
         pooled_dims = (
-            f"    pooled_dims = (n_b, n_o{lead}_p // {ph}, n_o{sp[-1]}_p // {pw}, n_out_p)  # the pooled output\n"
+            f"    pooled_dims = (n_b, n_o{lead}_p // {pool_windows[0]}, {pooled_mid}n_o{sp[-1]}_p // {pw}, n_out_p)  "
+            "# the pooled output\n"
             if any(is_pooled)
             else ""
         )
-        pooled_block = f"pl.BlockSpec((None, rows // {ph}, n_o{sp[-1]}_p // {pw}, bo), {s}_out_index_map)"
+        pooled_block = (
+            f"pl.BlockSpec((None, rows // {pool_windows[0]}, {pooled_mid}n_o{sp[-1]}_p // {pw}, bo), "
+            f"{s}_out_index_map)"
+        )
         red_block = f"pl.BlockSpec((None, 1, bo), {s}_reduced_index_map)"
         if reduced:
             ep_maps += (
@@ -348,7 +361,7 @@ class ConvBuilder(KernelBuilder):
                 else f"    out[{k}] = out[{k}][:, 0, :n_out]  # (N, C_out), summed over the spatial dims"
             )
             if r is None
-            else f"    out[{k}] = _crop(out[{k}], (n_b, n_o{lead} // {ph}, n_o{sp[-1]} // {pw}, n_out))  # pooled"
+            else f"    out[{k}] = _crop(out[{k}], (n_b, {', '.join(f'n_o{a} // {q}' for a, q in zip(sp, pool_windows, strict=True))}, n_out))  # pooled"
             if is_pooled[k]
             else f"    out[{k}] = {_transposed(f'_crop(out[{k}], (n_b, {out_sizes}, n_out))', tuple(from_cl))}"
             for k, r in enumerate(ep.results)
@@ -422,7 +435,9 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 for i, a in enumerate(sp)
             )
         }
-    rows = _block(n_o{lead}, {c}BLOCK_ROWS, {ph})
+    rows = _block(n_o{lead}, {
+            f"_round_up({c}BLOCK_ROWS, {pool_windows[0]})" if pool_windows[0] > 1 else f"{c}BLOCK_ROWS"
+        }, {pool_windows[0]})
     {
             "bo = n_out  # every channel in one block (the whole dim): the epilogue reduces over them"
             if ep.channel_reduced
@@ -493,7 +508,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             ParamSpec(
                 name=f"{c}BLOCK_ROWS",
                 role="leading",
-                align=ph,  # whole pooling windows per row block
+                align=pool_windows[0],  # whole pooling windows per row block
                 extent=out_sp[0],
                 default=0,
                 doc=f"output rows along {sp[0].upper()} per grid step",

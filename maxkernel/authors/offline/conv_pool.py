@@ -13,8 +13,13 @@ and stores the pooled block: HBM sees the pooled output only. The row block is a
 window and the padded width a multiple of the column window, so a window never mixes valid and padded
 pixels; padded pooled rows/columns are cropped like the conv's own.
 
-Only 2-D convs with the batch first and the channels last (NHWC), sums and maxima, windows equal to their
-strides (non-overlapping), and a tail of elementwise ops with per-channel or scalar operands.
+A 3-D conv's kernel computes one output plane at a time: it pools each plane's rows and columns the same
+way and combines the depth window across consecutive planes in the plane loop's carry, storing the running
+pooled plane after each plane (the last plane of a window stores the finished value); the plane block is a
+multiple of the depth window.
+
+Only convs with the batch first and the channels last (NHWC / NDHWC), sums and maxima, windows equal to
+their strides (non-overlapping), and a tail of elementwise ops with per-channel or scalar operands.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from maxkernel.authors.offline.conv_epilogue import (
     LAYOUT_PRIMITIVES,
     ConvOut,
     conv_out_of,
+    is_channel_reduction,
     literals_fixed,
 )
 from maxkernel.authors.offline.dataflow import is_literal
@@ -43,14 +49,15 @@ def _shape(v: Any) -> tuple[int, ...]:
 def pool_split(
     out: ConvOut, src_shape: tuple[int, ...], dst_shape: tuple[int, ...]
 ) -> tuple[int, ...] | None:
-    """The window per spatial dim of a reshape that splits each spatial dim of an NHWC conv output into
-    (dim // window, window) (a window of 1 keeps the dim whole), or None when the reshape is anything else."""
-    if len(src_shape) != 4 or out.batch_dim != 0 or out.channel_dim != 3:
+    """The window per spatial dim of a reshape that splits each spatial dim of an NHWC / NDHWC conv output
+    into (dim // window, window) (a window of 1 keeps the dim whole), or None when it is anything else."""
+    last = len(src_shape) - 1
+    if len(src_shape) not in (4, 5) or out.batch_dim != 0 or out.channel_dim != last:
         return None
     windows: list[int] = []
     j = 0
     for d, n in enumerate(src_shape):
-        if d in (0, 3):
+        if d in (0, last):
             if j >= len(dst_shape) or dst_shape[j] != n:
                 return None
             j += 1
@@ -93,7 +100,7 @@ def pool_of(part: Partition, conv_eqn: Any, reshape: Any) -> tuple[int, ...] | N
 
 
 def pooled_shape(out: ConvOut, windows: tuple[int, ...]) -> tuple[int, ...]:
-    return (out.shape[0], out.shape[1] // windows[0], out.shape[2] // windows[1], out.shape[3])
+    return (out.shape[0], *(n // w for n, w in zip(out.shape[1:-1], windows, strict=True)), out.shape[-1])
 
 
 def absorb_pools(part: Partition) -> None:
@@ -103,10 +110,8 @@ def absorb_pools(part: Partition) -> None:
         if conv.kind != "conv" or cid not in part.regions:
             continue
         conv_eqn = g.eqns[min(conv.owned)]
-        if len(conv_eqn.invars[0].aval.shape) != 4:
-            continue
         out = conv_out_of(conv_eqn)
-        if any(g.kind[j] == "reduce" for j in conv.owned):
+        if any(g.kind[j] == "reduce" and not is_channel_reduction(out, g.eqns[j]) for j in conv.owned):
             continue  # a spatial reduction already walks the rows in order; keep one template at a time
         produced = part.produced_in(conv)
         for v in sorted(produced, key=lambda u: str(u)):
