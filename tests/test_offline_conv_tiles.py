@@ -157,6 +157,7 @@ def test_taps_side_by_side_when_channels_do_not_fill_the_mxu() -> None:
         (96, (3, 3), 0, 2, (896, 1024)),  # all taps: 9 x 96 = 864 deep (per-tap 9 x 128 / 9 x 256)
         (128, (3, 3), 0, 2, (1152, 1280)),  # v5e is full at 128 per tap; v6e gains from one 1152-deep matmul
         (256, (3, 3), 0, 0, (2304, 2304)),  # fills both MXUs per tap: nothing to merge
+        (320, (3, 3), 0, 1, (3072, 3072)),  # all nine taps: 2944 / 3072, under 5% less: the W taps only
         (32, (3, 3, 3), 64 * 64 * 2, 3, (896, 1024)),  # a 64 x 64 bf16 plane x 864: 7 MiB of VMEM, fits
         (64, (3, 3, 3), 64 * 64 * 4, 2, (1920, 2304)),  # f32: all 27 taps would be 28 MiB; H and W taps only
     ],
