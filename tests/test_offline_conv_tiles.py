@@ -8,10 +8,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 import maxkernel.tools.tpu_specs  # noqa: F401 - lets compile-only libtpu load next to other processes
+from maxkernel.authors.offline.conv_kernel import MXU_DEPTHS, merged_dims, padded_depth
 from maxkernel.authors.offline.lower import lower_program
 from maxkernel.authors.offline.render import render, undefined_names
 from maxkernel.authors.offline.spec import block_for
@@ -101,7 +103,7 @@ MERGED_CASES = [
             ((1, 8, 8, 64), (3, 3, 64, 128), (128,)),
             ((1, 7, 9, 3), (3, 3, 3, 6), (6,)),
         ],
-        3 * 64,
+        9 * 64,  # all nine taps side by side: 576 pads to 640 / 768, not 3 x 256 / 3 x 256
     ),
     (
         conv3d_f32,
@@ -110,15 +112,16 @@ MERGED_CASES = [
             ((1, 4, 8, 8, 32), (3, 3, 3, 32, 64), (64,)),
             ((1, 3, 5, 7, 5), (3, 3, 3, 5, 3), (3,)),
         ],
-        3 * 32,
+        27 * 32,  # all 27 taps of one output plane side by side: 864 pads to 896 / 1024
     ),
 ]
 
 
 def test_taps_side_by_side_when_channels_do_not_fill_the_mxu() -> None:
-    """C_in of 64 (2-D) or 32 (3-D): the W taps' windows are concatenated along the channels in VMEM and
-    contracted in one matmul of depth 3 * C_in, so v6e's 256-deep MXU pads 192 (or 96) instead of 64 (or 32)
-    per tap; the block model sees the deeper contraction. C_in of 256 keeps one matmul per tap."""
+    """C_in of 64 (2-D) or 32 (3-D): the taps' windows are concatenated along the channels in VMEM and
+    contracted in one matmul of depth taps * C_in, so v6e's 256-deep MXU pads 576 to 768 (or 864 to 1024)
+    instead of each 64- (or 32-) deep tap to 256; the block model sees the deeper contraction. C_in of 256
+    keeps one matmul per tap."""
     assert "jnp.concatenate" not in _program().kernels[0].code
     rng = np.random.default_rng(5)
     for fn, shapes, depth in MERGED_CASES:
@@ -134,7 +137,9 @@ def test_taps_side_by_side_when_channels_do_not_fill_the_mxu() -> None:
         k_pad = -(-depth // 256) * 256
         n_out = shapes[0][1][-1]
         n_pad = -(-n_out // 256) * 256  # the output-channel block pads to the MXU's width too
-        assert call.est_mxu_padded_flops <= call.est_mxu_flops * (k_pad / depth) * (n_pad / n_out) * 1.01
+        assert call.est_mxu_padded_flops == pytest.approx(
+            call.est_mxu_flops * (k_pad / depth) * (n_pad / n_out)
+        )
         for case in shapes[1:]:
             args = [jnp.asarray(0.3 * rng.standard_normal(s), jnp.float32) for s in case]
             with pltpu.force_tpu_interpret_mode():
@@ -143,4 +148,115 @@ def test_taps_side_by_side_when_channels_do_not_fill_the_mxu() -> None:
         for gen in TPU:
             sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
             avals = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes[1]]
+            jax.jit(kernel).trace(*avals).lower().compile()
+
+
+@pytest.mark.parametrize(
+    ("c_in", "ksz", "plane_bytes", "merged", "depths"),
+    [
+        (96, (3, 3), 0, 2, (896, 1024)),  # all taps: 9 x 96 = 864 deep (per-tap 9 x 128 / 9 x 256)
+        (128, (3, 3), 0, 2, (1152, 1280)),  # v5e is full at 128 per tap; v6e gains from one 1152-deep matmul
+        (256, (3, 3), 0, 0, (2304, 2304)),  # fills both MXUs per tap: nothing to merge
+        (320, (3, 3), 0, 1, (3072, 3072)),  # all nine taps: 2944 / 3072, under 5% less: the W taps only
+        (32, (3, 3, 3), 64 * 64 * 2, 3, (896, 1024)),  # a 64 x 64 bf16 plane x 864: 7 MiB of VMEM, fits
+        (64, (3, 3, 3), 64 * 64 * 4, 2, (1920, 2304)),  # f32: all 27 taps would be 28 MiB; H and W taps only
+    ],
+)
+def test_merge_depth_is_the_least_padding_that_fits(c_in, ksz, plane_bytes, merged, depths) -> None:
+    assert merged_dims(c_in, ksz, False, plane_bytes) == merged
+    assert tuple(padded_depth(c_in, ksz, merged, d) for d in MXU_DEPTHS) == depths
+    assert merged_dims(c_in, ksz, True, plane_bytes) == 0  # depthwise: VPU multiply-adds, no contraction
+
+
+def conv_bias_bf16(x, w, b):
+    y = lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), preferred_element_type=jnp.float32
+    )
+    return jax.nn.relu(y + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def test_all_taps_side_by_side_bf16() -> None:
+    """A bf16 96-channel 3x3 conv (C_in not a multiple of 128): one 864-deep matmul per row block, correct
+    on an aligned and an odd shape in TPU interpret mode, compiled for v5e and v6e, and the block model
+    charges 896 / 1024 of depth (the per-tap form: 1152 / 2304)."""
+    shapes = [
+        ((8, 112, 112, 96), (3, 3, 96, 192), (192,)),
+        ((1, 8, 16, 96), (3, 3, 96, 192), (192,)),
+        ((2, 7, 9, 5), (3, 3, 5, 6), (6,)),
+    ]
+    configs = [Config(dynamic=[(s, "bfloat16") for s in case], static=[]) for case in shapes]
+    program = lower_program(trace_reference(conv_bias_bf16, configs, ["x", "w", "b"], direct_conv=True), "t")
+    assert "for kh in range(n_kh) for kw in range(n_kw)" in program.kernels[0].code
+    src = render(program, default_config(program, TPU), TPU)
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    kernel = ns["computation"]
+    big = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes[0]]
+    for gen, k_pad in (("v5e", 896), ("v6e", 1024)):
+        call = estimate_pallas(jax.make_jaxpr(kernel)(*big), gen).pallas_calls[0]
+        assert call.est_mxu_padded_flops == pytest.approx(call.est_mxu_flops * (k_pad / 864) * (256 / 192))
+    rng = np.random.default_rng(7)
+    for case in shapes[1:]:
+        args = [jnp.asarray(0.5 * rng.standard_normal(s), jnp.bfloat16) for s in case]
+        with pltpu.force_tpu_interpret_mode():
+            got = kernel(*args)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(conv_bias_bf16(*args), np.float32), atol=3e-2, rtol=3e-2
+        )
+    for gen in TPU:
+        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
+        for case in shapes[1:]:
+            avals = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in case]
+            jax.jit(kernel).trace(*avals).lower().compile()
+
+
+def depthwise_bias_bf16(x, w, b):
+    y = lax.conv_general_dilated(
+        x,
+        w,
+        (1, 1),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=x.shape[-1],
+        preferred_element_type=jnp.float32,
+    )
+    return (y + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def test_depthwise_bf16_converts_its_block_once() -> None:
+    """A bf16 depthwise 7x7 conv converts the halo'd block to f32 once per step into VMEM scratch (not each
+    of the 49 taps' windows), and pads the output width to f32's 8-row tiles (56 stays 56: no crop copy).
+    Correct in TPU interpret mode on an aligned and an odd shape (odd width, 256 channels in two blocks),
+    compiled for v5e and v6e."""
+    shapes = [
+        ((16, 56, 56, 128), (7, 7, 1, 128), (128,)),
+        ((1, 8, 16, 128), (7, 7, 1, 128), (128,)),
+        ((2, 5, 9, 256), (7, 7, 1, 256), (256,)),
+    ]
+    configs = [Config(dynamic=[(s, "bfloat16") for s in case], static=[]) for case in shapes]
+    program = lower_program(
+        trace_reference(depthwise_bias_bf16, configs, ["x", "w", "b"], direct_conv=True), "t"
+    )
+    code = program.kernels[0].code
+    assert "xs_ref[...] = x_ref[0].astype(jnp.float32)" in code and "window = xs_ref[" in code
+    assert "n_ow_p = _round_up(n_ow, 8)" in code
+    src = render(program, default_config(program, TPU), TPU)
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    kernel = ns["computation"]
+    rng = np.random.default_rng(13)
+    for case in shapes[1:]:
+        args = [jnp.asarray(0.5 * rng.standard_normal(s), jnp.bfloat16) for s in case]
+        with pltpu.force_tpu_interpret_mode():
+            got = kernel(*args)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32),
+            np.asarray(depthwise_bias_bf16(*args), np.float32),
+            atol=2e-2,
+            rtol=2e-2,
+        )
+    for gen in TPU:
+        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
+        for case in shapes[1:]:
+            avals = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in case]
             jax.jit(kernel).trace(*avals).lower().compile()

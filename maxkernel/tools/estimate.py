@@ -734,6 +734,18 @@ def _vreg_size(aval: Any) -> int:
     return int(math.prod(shape[:-2])) * _pad(shape[-2], 8) * _pad(shape[-1], VREG_ELEMENTS // 8)
 
 
+def _sublane_relayout(eqn: jex_core.JaxprEqn) -> bool:
+    """A reshape that keeps the lane dim but changes the second-minor dim to or from a size that is not a
+    whole number of sublane tiles (8 rows of 32-bit values, 16 of 16-bit): not the free relabelling of tiles
+    that merging or splitting leading dims (or whole tiles of rows) is."""
+    src = tuple(int(d) for d in eqn.invars[0].aval.shape)
+    dst = tuple(int(d) for d in eqn.outvars[0].aval.shape)
+    if len(src) < 2 or len(dst) < 2 or src[-1] != dst[-1] or src[-2] == dst[-2]:
+        return False
+    tile = 8 * max(1, 4 // _itemsize(eqn.invars[0].aval))
+    return src[-2] % tile != 0 or dst[-2] % tile != 0
+
+
 def _itemsize(aval: Any) -> int:
     dtype = getattr(aval, "dtype", None)
     try:
@@ -836,6 +848,10 @@ def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, facts: _StepFacts | None = 
                 w.notes.add("while loop in kernel: body charged per trip (mean trip count over grid steps)")
         elif name == "dma_start":
             w.dma_bytes += _dma_bytes(eqn)
+        elif name == "reshape" and _sublane_relayout(eqn):
+            # splits or merges the second-minor (sublane) dim off its tile: Mosaic moves the data between
+            # vregs (a (W, C) -> (W / 2, 2, C) split of a 2-column pool); charged as a write of the result
+            w.vpu_ops += sum(_vreg_size(v.aval) for v in eqn.outvars)
         elif name in KERNEL_CALL_PRIMITIVES or (name in FREE_IN_KERNEL and sub_jaxprs(eqn)):
             for sub in sub_jaxprs(eqn):
                 w.add(_body_work(sub, spec))

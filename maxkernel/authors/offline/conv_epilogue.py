@@ -33,9 +33,11 @@ from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name, el
 if TYPE_CHECKING:
     from maxkernel.authors.offline.partition import Partition, Region
 
-Role = Literal["block", "chan", "scalar"]
+Role = Literal["block", "chan", "scalar", "pixel"]
 
-LAYOUT_PRIMITIVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
+LAYOUT_PRIMITIVES = frozenset(
+    {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p", "stop_gradient"}
+)
 """Layout ops that only relabel a chan/scalar value (or broadcast it to the block): aliases in the kernel."""
 
 EXCLUDED = frozenset({"iota", "rng_bit_generator", "random_bits", "erf_inv"})
@@ -47,6 +49,12 @@ SPATIAL_REDUCTIONS = {"reduce_sum": "0.0", "reduce_max": "-jnp.inf"}
 accumulates across its output-row (and batch) steps, with their identity: an `(N, C_out)` or `(C_out,)`
 result. The block itself is written only when something else reads it (a norm's statistics, see
 moments.py: the sums come out of the same pass that writes the conv output)."""
+
+CHANNEL_REDUCTIONS = {"reduce_sum": "jnp.sum", "reduce_max": "jnp.max"}
+"""Reductions over the channel dim alone (a softmax or a layer norm over the channels after a conv): one
+value per pixel, a `(pixels, 1)` column of the block, complete within one grid step because the kernel then
+takes every output channel in one block (the whole dim, unpadded, so no lane needs masking). Unlike spatial
+reductions the rest of the epilogue may read them (`pixel` values)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,18 @@ class ConvOut:
             s == (self.channels if d == self.channel_dim else 1) for d, s in enumerate(shape)
         ):
             return "chan"
+        if shape in (self.pixel_shape, self.pixel_shape_keepdims):
+            return "pixel"
         return None
+
+    @property
+    def pixel_shape(self) -> tuple[int, ...]:
+        """One value per pixel: the conv output without its channel dim."""
+        return tuple(s for d, s in enumerate(self.shape) if d != self.channel_dim)
+
+    @property
+    def pixel_shape_keepdims(self) -> tuple[int, ...]:
+        return tuple(1 if d == self.channel_dim else s for d, s in enumerate(self.shape))
 
 
 def conv_out_of(conv_eqn: Any) -> ConvOut:
@@ -105,6 +124,24 @@ def spatial_reduction_ok(out: ConvOut, e: Any, produced: set[Any]) -> bool:
     elif axes != tuple(sorted((*out.spatial_dims, out.batch_dim))) or _shape(e.outvars[0]) != (out.channels,):
         return False
     return dtype_name(e.outvars[0].aval) == "float32"
+
+
+def channel_reduction_ok(out: ConvOut, e: Any, produced: set[Any]) -> bool:
+    """A sum/max of an epilogue block over the channel dim alone, to one value per pixel, in f32."""
+    if e.primitive.name not in CHANNEL_REDUCTIONS:
+        return False
+    src = e.invars[0]
+    if src not in produced or out.role(_shape(src)) != "block":
+        return False
+    if tuple(int(a) for a in e.params["axes"]) != (out.channel_dim,):
+        return False
+    return out.role(_shape(e.outvars[0])) == "pixel" and dtype_name(e.outvars[0].aval) == "float32"
+
+
+def is_channel_reduction(out: ConvOut, e: Any) -> bool:
+    return e.primitive.name in CHANNEL_REDUCTIONS and tuple(int(a) for a in e.params["axes"]) == (
+        out.channel_dim,
+    )
 
 
 def reduces_batch(out: ConvOut, e: Any) -> bool:
@@ -135,7 +172,7 @@ def _eqn_ok(out: ConvOut, e: Any, *, owned: bool) -> bool:
     if name in EXCLUDED:
         return False
     roles = [out.role(_shape(v)) for v in e.outvars]
-    if None in roles or (owned and any(r != "block" for r in roles)):
+    if None in roles or (owned and any(r not in ("block", "pixel") for r in roles)):
         return False
     for v in e.invars:
         if not is_literal(v) and out.role(_shape(v)) is None:
@@ -145,6 +182,13 @@ def _eqn_ok(out: ConvOut, e: Any, *, owned: bool) -> bool:
         if out.role(_shape(src)) == "chan" and len(_shape(src)) == 1:
             # a (C,) vector must land on the channel dim (a W-long vector of the same length must not)
             return tuple(e.params["broadcast_dimensions"]) == (out.channel_dim,)
+        if out.role(_shape(src)) == "pixel":
+            # a per-pixel value keeps its dims in order around the channel dim (a (pixels, 1) column)
+            keep = [d for d in range(len(out.shape)) if d != out.channel_dim]
+            dims = tuple(int(d) for d in e.params["broadcast_dimensions"])
+            if len(_shape(src)) == len(keep):
+                return dims == tuple(keep)
+            return dims == tuple(range(len(out.shape)))
     return True
 
 
@@ -155,15 +199,21 @@ def epilogue_ok(part: Partition, region: Region, i: int, kind: str) -> bool:
     out = conv_out_of(conv)
     e = g.eqns[i]
     produced = part.produced_in(region)
-    reductions = [g.eqns[j] for j in region.owned if g.kind[j] == "reduce"]
+    reductions = [
+        g.eqns[j] for j in region.owned if g.kind[j] == "reduce" and not is_channel_reduction(out, g.eqns[j])
+    ]
     reduced = {v for r in reductions for v in r.outvars}
     if any(not is_literal(v) and v in reduced for v in e.invars):
         return False  # a reduction is accumulated over the grid: nothing in the kernel may read it
     if kind == "reduce":
         src = g.producer.get(e.invars[0])
+        if src not in region.owned:
+            return False
+        if is_channel_reduction(out, e):
+            return channel_reduction_ok(out, e, produced)  # complete within a step: a per-pixel value
         if any(reduces_batch(out, r) != reduces_batch(out, e) for r in reductions):
             return False  # one grid order for all of them: per sample, or over the whole batch
-        return (src in region.owned) and spatial_reduction_ok(out, e, produced)
+        return spatial_reduction_ok(out, e, produced)
     if kind not in ("elementwise", "absorbed"):
         return False
     if kind == "absorbed" and e.primitive.name not in LAYOUT_PRIMITIVES | {"convert_element_type"}:
@@ -201,6 +251,10 @@ class Epilogue:
     reductions: dict[Any, tuple[str, str]] = field(default_factory=dict)
     """Per reduced output var: (the reduced block's expression, the reduce primitive)."""
     batch_reduced: bool = False  # the reductions also sum over the batch: (C_out,) results, not (N, C_out)
+    channel_reduced: bool = False  # reduces over the channels: one block holds every channel (the whole dim)
+    pool_windows: tuple[int, ...] | None = (
+        None  # (rows, columns) windows of a pool fused after the conv (conv_pool)
+    )
 
 
 def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
@@ -225,6 +279,9 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
     n = 0
     reductions: dict[Any, tuple[str, str]] = {}
     batch_reduced = False
+    channel_reduced = False
+    pool_windows: tuple[int, ...] | None = None
+    split: Any = None  # the pooling split's output var
     for p in order:
         e = g.eqns[p]
         if e is conv_eqn:
@@ -239,6 +296,58 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
                 args.append(code[v])
         name = e.primitive.name
         ov = e.outvars[0]
+        if name == "reshape" and _shape(e.invars[0]) == out.shape:
+            from maxkernel.authors.offline.conv_pool import pool_split  # conv_pool imports this module
+
+            windows = pool_split(out, _shape(e.invars[0]), _shape(ov))
+            if windows is not None:
+                if pool_windows is not None:
+                    raise EmitError("two pools of one conv output")
+                pool_windows, split = windows, ov
+                code[ov] = args[0]  # the block itself; the window reduction does the split
+                continue
+        if split is not None and e.invars[0] is split:
+            from maxkernel.authors.offline.conv_pool import POOL_REDUCTIONS
+
+            assert pool_windows is not None
+            fold = POOL_REDUCTIONS[name]
+            *pd, ph, pw = (
+                pool_windows  # 3-D: the depth window is combined across planes (conv_kernel's carry)
+            )
+            lead = "rows" if not pd else "n_oh"  # 2-D: the block's rows; 3-D: one plane's rows
+            n += 1
+            local = f"ep{n}"
+            lines.append(f"{local} = {args[0]}.reshape({lead}, n_ow_p, {args[0]}.shape[-1])  # (rows, W, bo)")
+            if ph > 1:
+                lines.append(
+                    f"{local} = {fold}({local}.reshape({lead} // {ph}, {ph}, n_ow_p, {local}.shape[-1]), axis=1)  "
+                    f"# {ph}-row windows: a split of the leading axis"
+                )
+            if pw > 1:
+                lines.append(
+                    f"{local} = {fold}({local}.reshape({local}.shape[0], n_ow_p // {pw}, {pw}, {local}.shape[-1]), "
+                    f"axis=2)  # {pw}-column windows along the sublanes: float32 pooled block"
+                )
+            if pd and pd[0] > 1:
+                combine = "jnp.maximum" if name == "reduce_max" else "jnp.add"
+                lines += [
+                    f"{local} = jnp.where(lax.rem(plane, {pd[0]}) == 0, {local}, {combine}(carry, {local}))  # the "
+                    f"{pd[0]}-plane depth window so far",
+                    f"carry = {local}",
+                ]
+            code[ov] = local
+            continue
+        if is_channel_reduction(out, e):
+            fold = CHANNEL_REDUCTIONS[name]
+            n += 1
+            local = f"ep{n}"
+            lines.append(
+                f"{local} = {fold}({args[0]}, axis=-1, keepdims=True)  # float32 pixel: over the block's "
+                "channels, all of them (the block is the whole channel dim)"
+            )
+            code[ov] = local
+            channel_reduced = True
+            continue
         if name in SPATIAL_REDUCTIONS:
             reductions[ov] = (args[0], name)
             batch_reduced = reduces_batch(out, e)
@@ -249,8 +358,10 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
         expr = elementwise_expr(e, args, dtype_name(ov.aval), [dtype_name(v.aval) for v in e.invars], False)
         n += 1
         local = f"ep{n}"
-        lines.append(f"{local} = {expr}  # {dtype_name(ov.aval)} {out.role(_shape(ov))}")
+        lines.append(f"{local} = {expr}  # {dtype_name(ov.aval)} {out.role(_shape(ov)) or 'pooled'}")
         code[ov] = local
+    if any(v not in reductions and out.role(_shape(v)) == "pixel" for v in builder.outputs):
+        raise EmitError("a per-pixel value of the conv epilogue is needed outside the kernel")
     results = [None if v in reductions else code.get(v) for v in builder.outputs]
     return Epilogue(
         inputs=extra,
@@ -259,4 +370,6 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
         results=results,
         reductions=reductions,
         batch_reduced=batch_reduced,
+        channel_reduced=channel_reduced,
+        pool_windows=pool_windows,
     )

@@ -13,11 +13,16 @@ and reads `taps` copies of the input.
 The output width is padded to the sublane tile so the flattening is a free relayout; the extra columns
 read zero padding and are cropped. Strided, dilated and grouped convolutions keep the im2col path.
 
-When the input channels do not fill the MXU's depth (`MXU_DEPTH`: 256 on v6e and 7x, 128 before), the
-last spatial dim's taps are placed side by side along the channels in VMEM (`jnp.concatenate` of their
-windows, an im2col of `n_kw` taps that never leaves VMEM) and contracted in one matmul of depth
-`n_kw * C_in` against the weights reshaped to match: a 64-channel 3x3 conv pads each 64-deep tap matmul to
-256 on v6e (4x the MXU passes), three taps side by side pad 192 to 256.
+When the input channels do not fill the MXU's depth (`MXU_DEPTHS`: 128 on v5e and before, 256 on v6e and
+7x), the taps of the trailing spatial dims are placed side by side along the channels in VMEM
+(`jnp.concatenate` of their windows, an im2col that never leaves VMEM) and contracted in one matmul of
+depth `taps * C_in` against the weights reshaped to match (`merged_dims` picks how many dims: the least
+padded depth over both MXU depths): a 96-channel 3x3 conv pads each 96-deep tap matmul to 128 / 256 (9 x
+128 = 1152 / 9 x 256 = 2304 of depth), all nine taps side by side pad 864 to 896 / 1024.
+
+A depthwise conv (one filter per channel) runs on the VPU; a bf16 one converts its block to f32 once per
+step into VMEM scratch instead of converting each tap's window. Elementwise epilogues, spatial and channel
+reductions (conv_epilogue.py) and pools (conv_pool.py) run on the f32 accumulator before the one store.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue
+from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue, conv_out_of
+from maxkernel.authors.offline.conv_pool import pooled_shape
 from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name
 from maxkernel.authors.offline.kernels import SUBLANE, KernelBuilder, LowerError, nbytes
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
@@ -40,10 +46,43 @@ MXU_DEPTH = 256
 """The deepest MXU contraction among the target generations (v6e, 7x); a tap matmul whose depth (C_in) is
 not a multiple of it runs part of the systolic array idle on those chips."""
 
+MXU_DEPTHS = (128, 256)
+"""Contraction depths of the target MXUs (v5e and before: 128; v6e, 7x: 256). The merge depth is chosen for
+all of them at once: one kernel source serves every generation."""
 
-def merges_taps(c_in: int, depthwise: bool) -> bool:
-    """Contract the last dim's taps side by side (depth n_kw * C_in) instead of one C_in-deep matmul each."""
-    return not depthwise and c_in % MXU_DEPTH != 0
+MERGE_MIN_GAIN = 0.05
+"""Least fraction of padded MXU depth a deeper tap merge must remove to be worth its wider VMEM copy."""
+
+MERGED_PLANE_BYTES = 12 << 20
+"""Cap on the per-plane im2col temporary of a 3-D conv (one output plane's windows side by side). A 2-D
+conv's temporary grows with its row block, which the tuner sizes against the VMEM budget instead."""
+
+
+def padded_depth(c_in: int, ksz: tuple[int, ...], merged: int, mxu: int) -> int:
+    """MXU depth the taps cost when the last `merged` spatial dims' taps are contracted side by side: one
+    matmul per remaining tap, each `prod(merged taps) * C_in` deep, padded up to the MXU's depth."""
+    inner = math.prod(ksz[len(ksz) - merged :]) * c_in
+    return math.prod(ksz[: len(ksz) - merged]) * (-(-inner // mxu) * mxu)
+
+
+def merged_dims(c_in: int, ksz: tuple[int, ...], depthwise: bool, plane_bytes: int = 0) -> int:
+    """How many trailing spatial dims' taps to place side by side along the channels in VMEM (0: one
+    C_in-deep matmul per tap). Each merge removes MXU depth padding (a 96-channel 3x3 conv: 9 x 128 = 1152
+    on v5e and 9 x 256 = 2304 on v6e per tap, 3 x 384 / 3 x 512 for its W taps, 896 / 1024 for all nine
+    taps at once) at the price of copying the windows side by side (VPU/VMEM work, no HBM). A deeper merge
+    is taken when it cuts the padded depth summed over the target MXUs by at least `MERGE_MIN_GAIN` (a
+    320-channel conv gains 2% from nine taps over three, less than the wider copy costs on v6e); for a 3-D
+    conv (`plane_bytes`: one output plane's window bytes per channel of depth) the temporary must also fit."""
+    if depthwise:
+        return 0
+    best = 0
+    cost = [sum(padded_depth(c_in, ksz, m, d) for d in MXU_DEPTHS) for m in range(len(ksz) + 1)]
+    for m in range(1, len(ksz) + 1):
+        if plane_bytes and m > 1 and plane_bytes * math.prod(ksz[len(ksz) - m :]) * c_in > MERGED_PLANE_BYTES:
+            break
+        if cost[m] <= (1.0 - MERGE_MIN_GAIN) * cost[best]:
+            best = m
+    return best
 
 
 class ConvBuilder(KernelBuilder):
@@ -76,6 +115,12 @@ class ConvBuilder(KernelBuilder):
         else:
             grid_args, (ax_n, ax_r, ax_o) = "n_index, r_index, o_index", (0, 1, 2)
         out_refs = [f"o{k}_ref" for k in range(len(outs))]
+        # a pool fused after the conv (conv_pool): those outputs are the pooled blocks; a 3-D conv's depth
+        # window is combined across the planes of its block in the plane loop's carry
+        pool_windows = tuple(ep.pool_windows or (1,) * (len(e.invars[0].aval.shape) - 2))
+        ph, pw = pool_windows[-2:]
+        pooled_to = pooled_shape(conv_out_of(e), pool_windows) if ep.pool_windows else None
+        is_pooled = [tuple(int(d) for d in v.aval.shape) == pooled_to for v in outs]
         dn = p["dimension_numbers"]
         lhs_spec, rhs_spec, out_spec = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
         nsp = len(lhs_spec) - 2
@@ -113,10 +158,11 @@ class ConvBuilder(KernelBuilder):
         # with the block.
         per_plane = nsp == 3
         pad = "    " * (2 if per_plane else 1)
-        # taps along every spatial dim but the last run in a fori_loop (dynamic offsets on leading dims are
-        # free); only the last dim's taps, which shift the sublane axis, are unrolled: the kernel's code
-        # (and the Mosaic compile time) stays that of n_kw matmuls, not of every tap.
-        outer = sp[:-1]
+        # taps of the merged trailing dims (see `merged_dims`) are unrolled and their windows concatenated
+        # along the channels: one matmul of depth prod(merged taps) * C_in. Taps along the other dims run in
+        # fori_loops (dynamic offsets on leading dims are free) so the kernel's code (and the Mosaic compile
+        # time) stays that of one tap row; with no merge, the last dim's taps (which shift the sublane axis)
+        # are unrolled, one C_in-deep matmul each.
         first = "pl.ds(plane + k{a}, 1)" if per_plane else "pl.ds(k{a}, rows)"
         win = ", ".join(
             ["0", first.format(a=lead)]
@@ -126,48 +172,75 @@ class ConvBuilder(KernelBuilder):
         flat = " * ".join(["1" if per_plane else "rows"] + [f"n_o{a}" for a in sp[1:-1]] + [f"n_o{sp[-1]}_p"])
         tap_idx = ", ".join(f"k{a}" for a in sp)
         last = sp[-1]
-        # nested fori_loops over the outer tap offsets (no index arithmetic in the kernel), innermost the
-        # unrolled k{last} taps
-        lines = []
+        c_in_x = int(x.aval.shape[lhs_spec[1]])
+        ksz_x = tuple(int(w.aval.shape[d]) for d in rhs_spec[2:])
+        x_sp = [int(x.aval.shape[d]) for d in lhs_spec[2:]]
+        plane_px = math.prod(x_sp[i] + pads[i][0] + pads[i][1] - ksz_x[i] + 1 for i in range(1, nsp))
+        n_merged = merged_dims(
+            c_in_x, ksz_x, depthwise, plane_bytes=plane_px * x.aval.dtype.itemsize if per_plane else 0
+        )
+        merged = n_merged > 0
+        inner = sp[nsp - n_merged :] if merged else sp[-1:]
+        outer = sp[: nsp - len(inner)]
+        # a depthwise conv of a narrower dtype converts its halo'd block to f32 once per step into VMEM
+        # scratch, not each tap's window again (49 converts per input element for a 7x7 filter; the VPU
+        # then does a multiply and an add per tap)
+        staged = depthwise and not per_plane and x.aval.dtype.itemsize < 4
+        if staged:
+            sub = 8  # the windows are f32 slices of the staged block: 8-row sublane tiles, not bf16's 16
+        lines = (
+            [
+                "xs_ref[...] = x_ref[0].astype(jnp.float32)  # f32[rows + n_kh - 1, W padded, bo]: converted once"
+            ]
+            if staged
+            else []
+        )
         for k, a in enumerate(outer):
             lines.append(f"{'    ' * k}def taps_{a}(k{a}, acc):")
         depth_in = len(outer)
-        c_in_x = int(x.aval.shape[lhs_spec[1]])
-        merged = merges_taps(c_in_x, depthwise)
-        outer_idx = ", ".join(f"k{a}" for a in outer)
+        outer_idx = ", ".join(f"k{a}" for a in outer) or "..."
         if merged:
+            taps_of = " ".join(f"for k{a} in range(n_k{a})" for a in inner)
+            what = "".join(a.upper() for a in inner)
             lines.append(
-                f"{'    ' * depth_in}window = jnp.concatenate([x_ref[{win}] for k{last} in range(n_k{last})], "
-                f"axis=-1)  # the k{last} taps' shifted windows side by side: one (n_k{last} * C_in)-deep contraction"
+                f"{'    ' * depth_in}window = jnp.concatenate([x_ref[{win}] {taps_of}], axis=-1)  # the {what} "
+                f"taps' shifted windows side by side: one (taps * C_in)-deep contraction"
+            )
+            dot = (
+                f"jnp.dot(window.reshape({flat}, window.shape[-1]), w_ref[{outer_idx}], "
+                f"preferred_element_type=jnp.float32{prec_code})"
             )
             lines.append(
-                f"{'    ' * depth_in}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), "
-                f"w_ref[{outer_idx}], preferred_element_type=jnp.float32{prec_code})"
+                f"{'    ' * depth_in}{'acc += ' if outer else 'acc = '}{dot}"
+                + ("" if outer else f"  # f32[{flat}, bo]")
             )
         else:
             lines.append(f"{'    ' * depth_in}for k{last} in range(n_k{last}):")
+            src_win = f"xs_ref[{win.removeprefix('0, ')}]" if staged else f"x_ref[{win}]"
             lines.append(
-                f"{'    ' * (depth_in + 1)}window = x_ref[{win}]  # the tap's shifted window of the halo'd block"
+                f"{'    ' * (depth_in + 1)}window = {src_win}  # the tap's shifted window of the halo'd block"
             )
             if depthwise:  # one filter per channel: a VPU multiply-add per tap, no contraction for the MXU
                 lines.append(
-                    f"{'    ' * (depth_in + 1)}acc += window.reshape({flat}, window.shape[-1]).astype(jnp.float32) "
-                    f"* w_ref[{tap_idx}].astype(jnp.float32)  # (pixels, bo) * (1, bo)"
+                    f"{'    ' * (depth_in + 1)}acc += window.reshape({flat}, window.shape[-1])"
+                    f"{'' if staged else '.astype(jnp.float32)'} * w_ref[{tap_idx}].astype(jnp.float32)  "
+                    "# (pixels, bo) * (1, bo)"
                 )
             else:
                 lines.append(
                     f"{'    ' * (depth_in + 1)}acc += jnp.dot(window.reshape({flat}, window.shape[-1]), "
                     f"w_ref[{tap_idx}], preferred_element_type=jnp.float32{prec_code})"
                 )
-        lines.append(f"{'    ' * depth_in}return acc")
-        for k in range(len(outer) - 1, 0, -1):
+        if outer:
+            lines.append(f"{'    ' * depth_in}return acc")
+            for k in range(len(outer) - 1, 0, -1):
+                lines.append("")
+                lines.append(f"{'    ' * k}return lax.fori_loop(0, n_k{outer[k]}, taps_{outer[k]}, acc)")
             lines.append("")
-            lines.append(f"{'    ' * k}return lax.fori_loop(0, n_k{outer[k]}, taps_{outer[k]}, acc)")
-        lines.append("")
-        lines.append(
-            f"acc = lax.fori_loop(0, n_k{outer[0]}, taps_{outer[0]}, "
-            f"jnp.zeros(({flat}, w_ref.shape[-1]), jnp.float32))  # f32[{flat}, bo]"
-        )
+            lines.append(
+                f"acc = lax.fori_loop(0, n_k{outer[0]}, taps_{outer[0]}, "
+                f"jnp.zeros(({flat}, w_ref.shape[-1]), jnp.float32))  # f32[{flat}, bo]"
+            )
         if ep.lines:
             lines.append("# fused epilogue on the f32 accumulator: no HBM round trip of the conv result")
             lines.extend(ep.lines)
@@ -205,19 +278,25 @@ class ConvBuilder(KernelBuilder):
                     f"{o}[...] = {combine}({o}[...], {fold}(blk, axis=0, keepdims=True))",
                 ]
             elif per_plane:
-                lines.append(f"{o}[pl.ds(plane, 1)] = {r}.reshape(1, *{o}.shape[1:]).astype({o}.dtype)")
+                at = f"lax.div(plane, {pool_windows[0]})" if is_pooled[outs.index(v)] else "plane"
+                lines.append(f"{o}[pl.ds({at}, 1)] = {r}.reshape(1, *{o}.shape[1:]).astype({o}.dtype)")
             else:
                 lines.append(f"{o}[...] = {r}.reshape({o}.shape).astype({o}.dtype)")
         if init:
             init.append("")
         accumulate = "".join(f"{pad}{line}\n" if line else "\n" for line in lines)
+        carry0 = (
+            f"jnp.zeros((n_o{sp[1]} // {ph}, n_o{sp[-1]}_p // {pw}, w_ref.shape[-1]), jnp.float32)"
+            if ep.pool_windows and per_plane and pool_windows[0] > 1
+            else "0"
+        )  # the depth window of a 3-D pool so far
         if per_plane:
             body = (
                 ("".join(f"    {line}\n" if line else "\n" for line in init) if init else "")
                 + "    def one_plane(plane, carry):\n"
                 + accumulate
                 + "        return carry\n\n"
-                "    lax.fori_loop(0, rows, one_plane, 0)"
+                f"    lax.fori_loop(0, rows, one_plane, {carry0})"
             )
         else:
             body = ("".join(f"    {line}\n" if line else "\n" for line in init) + accumulate).rstrip("\n")
@@ -248,6 +327,17 @@ class ConvBuilder(KernelBuilder):
             f"pl.BlockSpec((None, rows, {', '.join([f'n_o{a}' for a in sp[1:-1]] + [f'n_o{sp[-1]}_p'])}, bo), "
             f"{s}_out_index_map)"
         )
+        pooled_mid = "".join(f"n_o{a} // {q}, " for a, q in zip(sp[1:-1], pool_windows[1:-1], strict=True))
+        pooled_dims = (
+            f"    pooled_dims = (n_b, n_o{lead}_p // {pool_windows[0]}, {pooled_mid}n_o{sp[-1]}_p // {pw}, n_out_p)  "
+            "# the pooled output\n"
+            if any(is_pooled)
+            else ""
+        )
+        pooled_block = (
+            f"pl.BlockSpec((None, rows // {pool_windows[0]}, {pooled_mid}n_o{sp[-1]}_p // {pw}, bo), "
+            f"{s}_out_index_map)"
+        )
         red_block = f"pl.BlockSpec((None, 1, bo), {s}_reduced_index_map)"
         if reduced:
             ep_maps += (
@@ -260,10 +350,13 @@ class ConvBuilder(KernelBuilder):
         out_shapes = ", ".join(
             f"jax.ShapeDtypeStruct(({'1' if batch_reduced else 'n_b'}, 1, n_out_p), jnp.float32)"
             if r is None
-            else f"jax.ShapeDtypeStruct(out_dims, {dtype_code(dtype_name(v.aval))})"
-            for v, r in zip(outs, ep.results, strict=True)
+            else f"jax.ShapeDtypeStruct({'pooled_dims' if pooled else 'out_dims'}, {dtype_code(dtype_name(v.aval))})"
+            for v, r, pooled in zip(outs, ep.results, is_pooled, strict=True)
         )
-        out_blocks = ", ".join(red_block if r is None else out_block for r in ep.results)
+        out_blocks = ", ".join(
+            red_block if r is None else pooled_block if pooled else out_block
+            for r, pooled in zip(ep.results, is_pooled, strict=True)
+        )
         out_sizes = ", ".join(f"n_o{a}" for a in sp)
         crops = "\n".join(
             (
@@ -272,6 +365,8 @@ class ConvBuilder(KernelBuilder):
                 else f"    out[{k}] = out[{k}][:, 0, :n_out]  # (N, C_out), summed over the spatial dims"
             )
             if r is None
+            else f"    out[{k}] = _crop(out[{k}], (n_b, {', '.join(f'n_o{a} // {q}' for a, q in zip(sp, pool_windows, strict=True))}, n_out))  # pooled"
+            if is_pooled[k]
             else f"    out[{k}] = {_transposed(f'_crop(out[{k}], (n_b, {out_sizes}, n_out))', tuple(from_cl))}"
             for k, r in enumerate(ep.results)
         )
@@ -284,8 +379,9 @@ class ConvBuilder(KernelBuilder):
         )
         ep_doc = ", then the fused epilogue before the one store" if ep.lines else ""
         w_merge = (
-            f"\n    wt = wt.reshape(*wt.shape[:-3], n_k{last} * n_c, n_out_p)  # the k{last} taps' rows stacked: "
-            f"matches their windows side by side"
+            f"\n    wt = wt.reshape({''.join(f'wt.shape[{i}], ' for i in range(nsp - n_merged))}{' * '.join(f'n_k{a}' for a in inner)} * n_c, "
+            f"n_out_p)  # the {''.join(a.upper() for a in inner)} taps' rows stacked: matches their windows side "
+            "by side"
             if merged
             else ""
         )
@@ -297,6 +393,12 @@ class ConvBuilder(KernelBuilder):
             else f"(n_b, n_out_p // bo, n_o{lead}_p // rows)"
             if reduced
             else f"(n_b, n_o{lead}_p // rows, n_out_p // bo)"
+        )
+        scratch = (
+            f"\n        scratch_shapes=[pltpu.VMEM((rows + n_k{lead} - 1, n_o{last}_p + n_k{last} - 1, bo), "
+            "jnp.float32)],  # the halo'd block in f32"
+            if staged
+            else ""
         )
         x_chan = "o_index * bo" if depthwise else "0"  # depthwise: channel block c of x feeds output block c
         x_kw = ", bo" if depthwise else ""
@@ -310,16 +412,16 @@ class ConvBuilder(KernelBuilder):
 
 
 def {s}_w_index_map({grid_args}):
-    return ({", ".join(["0"] * (nsp if merged else nsp + 1))}, o_index)
+    return ({", ".join(["0"] * (nsp + 1 - n_merged))}, o_index)
 
 
 def {s}_out_index_map({grid_args}):
     return (n_index, r_index, {", ".join(["0"] * (nsp - 1))}, o_index)
 {ep_maps}
 
-def {s}_kernel(x_ref, w_ref, {", ".join(ep_refs + out_refs)}, *, rows, {", ".join(f"n_k{a}" for a in sp)}, {
-            ", ".join(f"n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""
-        }n_o{sp[-1]}_p{red_kw}):
+def {s}_kernel(x_ref, w_ref, {", ".join(ep_refs + out_refs + (["xs_ref"] if staged else []))}, *, rows, {
+            ", ".join(f"n_k{a}" for a in sp)
+        }, {", ".join(f"n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""}n_o{sp[-1]}_p{red_kw}):
     """Sum over kernel taps of (shifted input window) x (tap weights), all from VMEM{ep_doc}."""
 {body}
 
@@ -337,10 +439,16 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 for i, a in enumerate(sp)
             )
         }
-    rows = _block(n_o{lead}, {c}BLOCK_ROWS, 1)
-    bo = _block(n_out, {c}BLOCK_O, 128)
+    rows = _block(n_o{lead}, {
+            f"_round_up({c}BLOCK_ROWS, {pool_windows[0]})" if pool_windows[0] > 1 else f"{c}BLOCK_ROWS"
+        }, {pool_windows[0]})
+    {
+            "bo = n_out  # every channel in one block (the whole dim): the epilogue reduces over them"
+            if ep.channel_reduced
+            else f"bo = _block(n_out, {c}BLOCK_O, 128)"
+        }
     n_o{lead}_p = _round_up(n_o{lead}, rows)
-    n_o{sp[-1]}_p = _round_up(n_o{sp[-1]}, {sub})
+    n_o{sp[-1]}_p = _round_up(n_o{sp[-1]}, {math.lcm(sub, pw)})
     n_out_p = _round_up(n_out, bo)
     # zero padding: the convolution's own, plus rows/columns up to whole blocks (cropped afterwards)
     x = jnp.pad(x, [(0, 0), {
@@ -355,7 +463,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
 {ep_prep}    out_dims = (n_b, {
             ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
         }, n_out_p)
-    out_shape = [{out_shapes}]  # ({
+{pooled_dims}    out_shape = [{out_shapes}]  # ({
             ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
         }, C_out padded)
     cost = pl.CostEstimate(
@@ -380,7 +488,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             pl.BlockSpec((*wt.shape[:-1], bo), {s}_w_index_map),{ep_specs}
         ],
         out_specs=[{out_blocks}],
-        out_shape=out_shape,
+        out_shape=out_shape,{scratch}
         compiler_params=pltpu.CompilerParams(
             dimension_semantics={semantics},
             vmem_limit_bytes={c}VMEM_LIMIT_BYTES,
@@ -404,7 +512,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             ParamSpec(
                 name=f"{c}BLOCK_ROWS",
                 role="leading",
-                align=1,
+                align=pool_windows[0],  # whole pooling windows per row block
                 extent=out_sp[0],
                 default=0,
                 doc=f"output rows along {sp[0].upper()} per grid step",
@@ -412,10 +520,12 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             ParamSpec(
                 name=f"{c}BLOCK_O",
                 role="lane",
-                align=128,
+                # a reduction over the channels needs them all in one block: the only block is the whole dim
+                align=c_out if ep.channel_reduced else 128,
                 extent=c_out,
-                default=0,
-                doc="output channels per step",
+                default=c_out if ep.channel_reduced else 0,
+                doc="output channels per step"
+                + (" (all of them: the epilogue reduces over the channels)" if ep.channel_reduced else ""),
             ),
         ]
         pr, po = (DimRef(kind="param", param=q.name, extent=q.extent) for q in params)
@@ -477,12 +587,13 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             *(
                 [
                     BufferSpec(
-                        what=f"the {sp[-1].upper()} taps' windows side by side (im2col of one tap row, in VMEM)",
+                        what=f"the {', '.join(a.upper() for a in inner)} taps' windows side by side (im2col of "
+                        f"{'one output plane' if per_plane else 'the row block'}, in VMEM)",
                         dims=[
-                            pr,
+                            DimRef(kind="full", extent=1) if per_plane else pr,
                             *mid,
                             DimRef(kind="full", extent=w_last),
-                            DimRef(kind="full", extent=ksz[-1] * c_in),
+                            DimRef(kind="full", extent=math.prod(ksz[nsp - n_merged :]) * c_in),
                         ],
                         itemsize=x.aval.dtype.itemsize,
                         copies=1,
@@ -490,6 +601,19 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                     )
                 ]
                 if merged
+                else []
+            ),
+            *(
+                [
+                    BufferSpec(
+                        what="the halo'd input block converted to f32 once per step",
+                        dims=[pr, DimRef(kind="full", extent=padded_sp[-1]), po],
+                        itemsize=4,
+                        copies=1,
+                        kind="scratch",
+                    )
+                ]
+                if staged
                 else []
             ),
             BufferSpec(
@@ -508,8 +632,10 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 f"{nsp}-D depthwise convolution as {taps} shifted VPU multiply-adds over halo'd row blocks in VMEM"
                 if depthwise
                 else (
-                    f"{nsp}-D convolution as {taps // ksz[-1]} matmuls of {ksz[-1]} shifted windows side by side "
-                    f"({ksz[-1]} x {c_in} deep) over halo'd row blocks in VMEM (no im2col in HBM)"
+                    f"{nsp}-D convolution as {taps // math.prod(ksz[nsp - n_merged :])} matmul(s) of "
+                    f"{math.prod(ksz[nsp - n_merged :])} shifted windows side by side "
+                    f"({math.prod(ksz[nsp - n_merged :])} x {c_in} deep) over halo'd row blocks in VMEM (no im2col "
+                    "in HBM)"
                 )
                 if merged
                 else f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)"
@@ -573,8 +699,12 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 "the block model sizes the input block as `rows` rows; the k-1 halo rows are not counted",
                 *(
                     [
-                        f"C_in={c_in} does not fill a {MXU_DEPTH}-deep MXU: the {ksz[-1]} taps along "
-                        f"{sp[-1].upper()} are concatenated along the channels in VMEM and contracted at once"
+                        f"C_in={c_in} does not fill a {MXU_DEPTH}-deep MXU: the "
+                        f"{math.prod(ksz[nsp - n_merged :])} taps along {', '.join(a.upper() for a in inner)} are "
+                        "concatenated along the channels in VMEM and contracted at once (depth padded "
+                        f"{' / '.join(str(padded_depth(c_in, tuple(ksz), n_merged, d)) for d in MXU_DEPTHS)} vs "
+                        f"{' / '.join(str(padded_depth(c_in, tuple(ksz), 0, d)) for d in MXU_DEPTHS)} per tap "
+                        f"on {' / '.join(str(d) for d in MXU_DEPTHS)}-deep MXUs)"
                     ]
                     if merged
                     else []

@@ -25,6 +25,7 @@ from typing import Any
 
 from maxkernel.authors.offline.axes import Axes, Conflict, Node
 from maxkernel.authors.offline.conv_epilogue import epilogue_ok as conv_epilogue_ok
+from maxkernel.authors.offline.conv_pool import absorb_pools
 from maxkernel.authors.offline.dataflow import Graph, is_literal, reduced_axes
 from maxkernel.authors.offline.families import FAMILY_OF, families_starting
 from maxkernel.authors.offline.online import online_sums
@@ -443,6 +444,8 @@ class Partition:
                 raise AssertionError(f"no kernel family takes a `{g.eqns[i].primitive.name}` equation")
         self._layout_only_regions_to_glue()
         self._float_sinks()
+        if self.opt.epilogue_reductions:
+            absorb_pools(self)  # a pool after a conv: the conv kernel writes the pooled block
 
     def _layout_only_regions_to_glue(self) -> None:
         """A map region that owns nothing but layout ops (a transpose of a result its producer's kernel
