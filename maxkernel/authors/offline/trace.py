@@ -835,10 +835,10 @@ def _counting_sort_permutation(keys: Any, bound: int) -> tuple[Any, Any]:
     dispatch), in about n x (bound + c + n/c) work instead of n². The keys, padded with `bound` (no key),
     are split into chunks of c; with `hot[ch, i, e] = (key == e)`:
 
-    * `inner` = the within-chunk inclusive count of each key (a masked prefix over c), `before[ch, e]` =
-      the occurrences of key e in earlier chunks (a masked prefix over the chunk totals), `start[e]` = the
-      keys' exclusive cumulative count; `rank = start[k] + before[ch, k] + inner[ch, i, k] - 1`, each term
-      picked by the one-hot (masked reductions over the keys);
+    * `occ[ch, i]` = how many earlier elements of the chunk hold the same key (c x c compares per chunk),
+      `before[ch, e]` = the occurrences of key e in earlier chunks (a masked prefix over the chunk totals),
+      `start[e]` = the keys' exclusive cumulative count; `rank = start[k] + before[ch, k] + occ`, the first
+      two picked by the one-hot (a masked reduction over the keys);
     * the inverse: position p holds key `e(p) = #{e: end[e] <= p}` as its `m`-th occurrence; its chunk is
       the last one with `before[ch, e(p)] <= m` (one row of `before`ᵀ gathered per p: a contiguous row copy,
       XLA glue) and within it the element whose (key, occurrence) code is `e(p) * c + (m - before)` (one
@@ -856,8 +856,15 @@ def _counting_sort_permutation(keys: Any, bound: int) -> tuple[Any, Any]:
     shape = (chunks, c, bound)
     hot_b = lax.eq(lax.broadcast_in_dim(k2, shape, (0, 1)), lax.broadcasted_iota(jnp.int32, shape, 2))
     hot = lax.convert_element_type(hot_b, jnp.int32)  # i32[chunks, c, bound]
-    inner = _glue_copy(_masked_prefix(hot, "cumsum", 1, False, strict=False))  # within-chunk, inclusive
-    totals = lax.reshape(lax.slice(inner, (0, c - 1, 0), shape), (chunks, bound))  # a copy: glue
+    totals = _glue_copy(lax.reduce(hot, np.int32(0), lax.add, (1,)))  # i32[chunks, bound]: per chunk
+    # occurrence of each key within its chunk: the earlier equal keys of the chunk (c x c compares per
+    # chunk; a prefix of the one-hot over c would be bound times that)
+    pair = (chunks, c, c)  # [ch, i, j]
+    k_j = lax.broadcast_in_dim(_glue_copy(k2), pair, (0, 2))
+    k_i = lax.broadcast_in_dim(k2, pair, (0, 1))
+    earlier = lax.le(lax.broadcasted_iota(jnp.int32, pair, 2), lax.broadcasted_iota(jnp.int32, pair, 1))
+    same = lax.convert_element_type(lax.bitwise_and(lax.eq(k_j, k_i), earlier), jnp.int32)
+    occ = lax.sub(lax.reduce(same, np.int32(0), lax.add, (2,)), jnp.ones((chunks, c), jnp.int32))
     before = _glue_copy(_masked_prefix(totals, "cumsum", 0, False, strict=True))  # i32[chunks, bound]
     last = (chunks - 1, 0)
     count = lax.add(
@@ -867,9 +874,6 @@ def _counting_sort_permutation(keys: Any, bound: int) -> tuple[Any, Any]:
     start = _glue_copy(_masked_prefix(count, "cumsum", 0, False, strict=True))  # i32[bound], exclusive
     end = _glue_copy(lax.add(start, count))
     offset = lax.add(lax.broadcast_in_dim(before, shape, (0, 2)), lax.broadcast_in_dim(start, shape, (2,)))
-    occ = lax.sub(
-        lax.reduce(lax.mul(hot, inner), np.int32(0), lax.add, (2,)), jnp.ones((chunks, c), jnp.int32)
-    )
     base = lax.reduce(lax.mul(hot, offset), np.int32(0), lax.add, (2,))  # i32[chunks, c]
     rank = _glue_copy(lax.slice(lax.reshape(lax.add(base, occ), (chunks * c,)), (0,), (n,)))  # i32[n]
     code = _glue_copy(
