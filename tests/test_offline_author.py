@@ -391,6 +391,30 @@ def test_unsupported_references_say_what_was_found(
         author.implement(ctx, plan)
 
 
+def test_a_plan_with_a_kernel_far_beyond_vmem_is_refused(tmp_path: Path, work: Path) -> None:
+    """An analysis whose program holds a kernel far past any TPU's VMEM (the old n x n argsort rank of a MoE
+    layer) gives an unsupported plan that names it: no candidate is written, so no judge compiles it."""
+    from maxkernel.authors.offline.spec import BufferSpec, DimRef
+
+    body, _, _ = CASES["elementwise_f32_odd"]
+    task = load_task(make_task(tmp_path, "too_big", body), work_dir=work)
+    author = OfflineAuthor()
+    ctx = AuthorContext(task=task, tpu=TPU, work_dir=work)
+    result = author.analyse(ctx, 0)
+    program = ProgramSpec.model_validate(result["program"])
+    assert author.plan(ctx).supported
+    square = [DimRef(kind="full", extent=1 << 16), DimRef(kind="full", extent=1 << 16)]
+    program.kernels[0].buffers.append(
+        BufferSpec(what="rank mask", dims=square, itemsize=4, copies=1, kind="temporary")
+    )
+    author._cache[(task.fingerprint, 0)] = {**result, "program": program.model_dump(mode="json")}
+    plan = author.plan(ctx)
+    assert not plan.supported and "far beyond any TPU's VMEM" in (plan.unsupported_reason or "")
+    assert program.kernels[0].name in (plan.unsupported_reason or "")
+    with pytest.raises(AuthorError):
+        author.implement(ctx, plan)
+
+
 def test_repair_shrinks_blocks_then_fuses_less(tmp_path: Path, work: Path) -> None:
     body, _, _ = CASES["matmul_logsumexp"]
     task = load_task(make_task(tmp_path, "repair_me", body), work_dir=work)

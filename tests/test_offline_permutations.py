@@ -152,3 +152,74 @@ def test_grouped_matmul_row_blocks_visit_only_their_groups(m, k, n, sizes, bm) -
     rhs = (rng.standard_normal((g, k, n)) * k**-0.5).astype(np.float32)
     check_interpreted(grouped, kernel, (lhs, rhs, np.array(sizes, np.int32)), atol=2e-2)
     _compiles(kernel, [((m, k), jnp.float32), ((g, k, n), jnp.float32), ((g,), jnp.int32)])
+
+
+def route_and_return(logits, y, top_k):
+    """MoE dispatch as references write it: argsort the flattened top-k expert ids (small-range integer
+    keys), gather the routed rows, scatter the results back through the order."""
+    top_w, top_i = lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    order = jnp.argsort(top_i.reshape(-1), stable=True)
+    routed = y[order // top_k] * 2.0 + 1.0
+    back = jnp.zeros_like(routed).at[order].set(routed).reshape(y.shape[0], top_k, y.shape[1])
+    return jnp.sum(back * top_w[..., None], axis=1)
+
+
+@pytest.mark.parametrize(
+    ("t", "e", "top_k"),
+    [
+        (512, 8, 2),  # aligned: 1024 routed pairs, past the length sorted by comparisons
+        (333, 5, 3),  # odd: 999 pairs over 5 experts, a chunk that does not divide
+    ],
+)
+def test_small_range_keys_sort_by_counting_in_linear_work(t, e, top_k, monkeypatch) -> None:
+    """top_k indices are keys in [0, e): the sort becomes a counting rank (one-hot cumulative counts) and a
+    chunked search for the inverse, with no n x n comparison anywhere (at 2^16 routed pairs that block
+    grew a compile past 12 GB and took the judge down)."""
+    from maxkernel.authors.offline import trace
+    from maxkernel.authors.offline.tuning import vmem_budget, vmem_estimate
+
+    counted = []
+    counting = trace._counting_sort_permutation
+    monkeypatch.setattr(trace, "_counting_sort_permutation", lambda k, b: counted.append(b) or counting(k, b))
+    d = 128
+    specs = [((t, e), "float32"), ((t, d), "float32")]
+    program, kernel = _module(
+        lambda lg, y: route_and_return(lg, y, top_k), [Config(dynamic=specs, static=[])], ["logits", "y"]
+    )
+    assert counted == [e]  # the bound came from top_k's index result
+    n = t * top_k
+    for k in program.kernels:  # no block or intermediate anywhere near n x n
+        assert all(p.extent < n * n // 4 for p in k.params)
+        assert vmem_estimate(k, {p.name: p.default for p in k.params}) <= vmem_budget(TPU)
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[: t // 3, 0] += 5.0  # a crowded expert: long runs of equal keys (stability matters)
+    y = rng.standard_normal((t, d)).astype(np.float32)
+    check_interpreted(lambda lg, yy: route_and_return(lg, yy, top_k), kernel, (logits, y), atol=1e-6)
+    if (
+        t % 128 == 0
+    ):  # the AOT compile once (30 kernels, two generations): the odd case differs only in padding
+        _compiles(kernel, [((t, e), jnp.float32), ((t, d), jnp.float32)])
+
+
+def test_a_kernel_far_beyond_vmem_is_refused_not_compiled() -> None:
+    """A kernel whose own VMEM figure is far past any TPU's VMEM (the old n x n argsort rank at 2^16 routed
+    pairs: 524808 MiB) is named by `oversized`, which the author's plan refuses at that fusion level instead
+    of handing the compiler something that grew past 12 GB; a kernel that fits is not named."""
+    from maxkernel.authors.offline.spec import BufferSpec, DimRef
+    from maxkernel.authors.offline.tuning import oversized
+
+    def by_key(keys, y):
+        return y[jnp.argsort(keys, stable=True)]
+
+    specs = [((256,), "int32"), ((256, 128), "float32")]
+    program = lower_program(trace_reference(by_key, [Config(dynamic=specs, static=[])], ["keys", "y"]), "t")
+    config = default_config(program, TPU)
+    assert oversized(program, config, TPU) == []
+    square = [DimRef(kind="full", extent=1 << 16), DimRef(kind="full", extent=1 << 16)]
+    program.kernels[0].buffers.append(
+        BufferSpec(what="rank mask", dims=square, itemsize=4, copies=1, kind="temporary")
+    )
+    found = oversized(program, config, TPU)
+    assert len(found) == 1 and program.kernels[0].name in found[0] and "MiB of VMEM" in found[0]

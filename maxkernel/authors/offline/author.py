@@ -36,6 +36,7 @@ from maxkernel.authors.offline.transforms import applicable, pick, ranked_space,
 from maxkernel.authors.offline.tuning import (
     default_config,
     kernel_values,
+    oversized,
     predicted_seconds,
     tuning_space,
     validate,
@@ -108,7 +109,18 @@ class OfflineAuthor:
         hints = list(hints or [])
         if level:
             hints.append(f"fusion level {level}: {LEVEL_NOTES[level]}")
-        if not result.get("ok"):
+        program, config = None, None
+        if result.get("ok"):
+            program = ProgramSpec.model_validate(result["program"])
+            config = default_config(program, ctx.tpu)
+            too_big = oversized(program, config, ctx.tpu)
+            if too_big:
+                # refused, not compiled: a compile of such a kernel can outgrow the evaluation's memory
+                result = {
+                    "ok": False,
+                    "unsupported": "a kernel far beyond any TPU's VMEM: " + "; ".join(too_big),
+                }
+        if not result.get("ok") or program is None or config is None:
             reason = result.get("task_error") or result.get("unsupported") or "unknown"
             text = (
                 f"# Plan: {ctx.task.task_id} — unsupported\n\nThe offline author cannot write a kernel for this "
@@ -123,9 +135,7 @@ class OfflineAuthor:
                 hints=hints,
                 data={"level": level, "internal_error": result.get("internal_error")},
             )
-        program = ProgramSpec.model_validate(result["program"])
         program.task_id = ctx.task.task_id
-        config = default_config(program, ctx.tpu)
         space = tuning_space(program, ctx.tpu)
         transform = transform_for(ctx.strategy)
         if transform is not None:

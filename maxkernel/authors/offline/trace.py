@@ -59,8 +59,8 @@ def _eval(
     jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], arg_facts: Sequence[str | None] | None = None
 ) -> list[Any]:
     """Re-trace `jaxpr` with the rewrites of `_apply`. `arg_facts`: what is known of each argument's value
-    beyond its type ("arange": a 1-D iota; "zeros": all zeros; "input": a program input), which a call's
-    body inherits."""
+    beyond its type ("arange": a 1-D iota; "zeros": all zeros; "input": a program input; "below:N": integers
+    in [0, N)), which a call's body inherits."""
     env: dict[Any, Any] = {}
     thunks: dict[Any, Callable[[], Any]] = {}
     facts: dict[Any, str] = {}  # vars whose value is known: "arange" (1-D iota) or "zeros"
@@ -92,9 +92,9 @@ def _eval(
         if split is not None:
             env[eqn.outvars[0]] = split
             continue
-        known = _value_fact(eqn, [fact_of(v) for v in eqn.invars])
-        if known is not None:
-            facts[eqn.outvars[0]] = known
+        for v, known in zip(eqn.outvars, _result_facts(eqn, [fact_of(v) for v in eqn.invars]), strict=False):
+            if known is not None:
+                facts[v] = known
         moved = casts.apply(eqn, read)
         if moved is not None:
             env[eqn.outvars[0]] = moved
@@ -228,6 +228,15 @@ class _CastMotion:
         return None
 
 
+def _result_facts(eqn: Any, in_facts: list[str | None]) -> list[str | None]:
+    """What is known of each of an equation's results: `_value_fact` for one result, and the bound of the
+    indices `top_k` returns ("below:N": integers in [0, N), N the length of the axis it picked from)."""
+    if eqn.primitive.name == "top_k" and len(eqn.outvars) == 2:
+        axis = int(eqn.params.get("axis", -1))
+        return [None, f"below:{int(eqn.invars[0].aval.shape[axis])}"]
+    return [_value_fact(eqn, in_facts)]
+
+
 def _value_fact(eqn: Any, in_facts: list[str | None]) -> str | None:
     """What is known of an equation's single result from its kind and its operands' facts."""
     name = eqn.primitive.name
@@ -239,6 +248,15 @@ def _value_fact(eqn: Any, in_facts: list[str | None]) -> str | None:
         return "zeros" if np.all(np.asarray(eqn.invars[0].val) == 0) else None
     if name in ("broadcast_in_dim", "convert_element_type", "reshape") and in_facts[:1] == ["zeros"]:
         return "zeros"
+    if name in ("argmax", "argmin"):
+        axis = int(eqn.params["axes"][0])
+        return f"below:{int(eqn.invars[0].aval.shape[axis])}"
+    below = in_facts[0] if in_facts and in_facts[0] and in_facts[0].startswith("below:") else None
+    if below and name in ("reshape", "copy", "copy_p", "squeeze", "expand_dims", "broadcast_in_dim"):
+        return below
+    if below and name == "convert_element_type" and np.issubdtype(eqn.outvars[0].aval.dtype, np.integer):
+        n = int(below.split(":")[1])
+        return below if n - 1 <= np.iinfo(eqn.outvars[0].aval.dtype).max else None
     if name == "convert_element_type" and in_facts[:1] == ["input"]:
         # a cast of an input is still read in place by a gather (the cast moves after it, onto the picked
         # elements): a take_along_axis of `logits.astype(f32)` stays one small gather of the bf16 input
@@ -283,7 +301,10 @@ def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -
         return [_conv_as_patches(ins[0], ins[1], eqn.params)]
     if name == "sort":
         REWRITTEN.add(name)
-        return _sort_as_rank(eqn, ins, [f == "arange" for f in in_facts])
+        bound = in_facts[0][len("below:") :] if in_facts[0] and in_facts[0].startswith("below:") else None
+        return _sort_as_rank(
+            eqn, ins, [f == "arange" for f in in_facts], key_bound=int(bound) if bound else None
+        )
     if name in ("scatter", "scatter-add", "scatter_add") and len(ins) == 3:
         REWRITTEN.add(name)
         rank = PERMUTATIONS.rank_of(ins[1])
@@ -737,15 +758,18 @@ def _take_rows(x: Any, idx: Any) -> Any:
     )
 
 
-def _sort_as_rank(eqn: Any, ins: list[Any], iota_operands: list[bool]) -> list[Any]:
+def _sort_as_rank(
+    eqn: Any, ins: list[Any], iota_operands: list[bool], *, key_bound: int | None = None
+) -> list[Any]:
     """A 1-D sort (`jnp.sort`, `jnp.argsort`, `lax.sort` with one key) as ranks: the stable position of
     element j is `#{i: k_i < k_j} + #{i < j: k_i == k_j}` (a comparison against every element and a sum --
     a masked reduction the kernel families run), the sorting permutation is the one-hot inverse of the
     ranks (`perm[p] = sum_j j * (rank_j == p)`, another masked reduction), and every operand is gathered by
     it. The ranks are remembered, so a scatter back through the permutation becomes a gather. A stable
     order is a valid answer for an unstable sort; NaN keys, and -0.0 against +0.0, are not ordered as
-    `lax.sort` orders them (its total order); validation on the task's inputs would show it."""
-    import jax.numpy as jnp
+    `lax.sort` orders them (its total order); validation on the task's inputs would show it. Integer keys
+    of a known small range (`key_bound`: top-k indices) are sorted by counting instead, in linear work: the
+    n² form at 2¹⁶ routed pairs is a kernel no compiler can hold."""
     from jax import lax
 
     p = eqn.params
@@ -753,8 +777,39 @@ def _sort_as_rank(eqn: Any, ins: list[Any], iota_operands: list[bool]) -> list[A
     if int(p.get("num_keys", 1)) != 1 or keys.ndim != 1 or any(x.shape != keys.shape for x in ins):
         raise Unsupported("a sort other than a 1-D sort by one key")
     n = int(keys.shape[0])
-    if n > SORT_MAX_LEN:
+    counting = key_bound is not None and SIZE_DECISIONS.decide(
+        "counting_sort", lambda: n > COUNTING_SORT_MIN_LEN and key_bound <= COUNTING_SORT_MAX_RANGE
+    )
+    if counting:
+        perm, rank = _counting_sort_permutation(keys, int(key_bound))
+    elif n > SORT_MAX_LEN:
         raise Unsupported(f"a sort of {n} elements (at most {SORT_MAX_LEN} as a rank computation)")
+    else:
+        perm, rank = _comparison_sort_permutation(keys)
+    PERMUTATIONS.add(perm, rank)
+    outs = []
+    for x, is_iota in zip(ins, iota_operands, strict=True):
+        if is_iota:  # argsort's second operand: sorting `arange(n)` gives the permutation itself
+            outs.append(lax.convert_element_type(perm, x.dtype) if x.dtype != perm.dtype else perm)
+            PERMUTATIONS.add(outs[-1], rank)
+        else:
+            outs.append(_take_rows(x, perm))
+    return outs
+
+
+COUNTING_SORT_MAX_RANGE = 1024
+"""Widest key range [0, R) sorted by counting (`_counting_sort_permutation`: n x R one-hot work)."""
+
+COUNTING_SORT_MIN_LEN = 512
+"""Shortest sort done by counting: below it the n² comparison form is as cheap and has fewer kernels."""
+
+
+def _comparison_sort_permutation(keys: Any) -> tuple[Any, Any]:
+    """(perm, rank) of a stable sort by comparing every pair: n² work, for short axes of any key."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    n = int(keys.shape[0])
     shape = (n, n)  # [j, i]: does element i sort before element j
     kj = lax.broadcast_in_dim(keys, shape, (0,))
     # the same keys along the other axis, through a copy (reversed twice: glue, which XLA folds away): one
@@ -772,15 +827,100 @@ def _sort_as_rank(eqn: Any, ins: list[Any], iota_operands: list[bool]) -> list[A
     hit = lax.eq(lax.broadcast_in_dim(rank, shape, (1,)), lax.broadcasted_iota(jnp.int32, shape, 0))  # [p, j]
     jj = lax.broadcasted_iota(jnp.int32, shape, 1)
     perm = lax.reduce(lax.select(hit, jj, jnp.zeros(shape, jnp.int32)), np.zeros((), np.int32), lax.add, (1,))
-    PERMUTATIONS.add(perm, rank)
-    outs = []
-    for x, is_iota in zip(ins, iota_operands, strict=True):
-        if is_iota:  # argsort's second operand: sorting `arange(n)` gives the permutation itself
-            outs.append(lax.convert_element_type(perm, x.dtype) if x.dtype != perm.dtype else perm)
-            PERMUTATIONS.add(outs[-1], rank)
-        else:
-            outs.append(_take_rows(x, perm))
-    return outs
+    return perm, rank
+
+
+def _counting_sort_permutation(keys: Any, bound: int) -> tuple[Any, Any]:
+    """(perm, rank) of a stable sort of integer keys known to lie in [0, bound) (top-k expert ids: MoE
+    dispatch), in about n x (bound + c + n/c) work instead of n². The keys, padded with `bound` (no key),
+    are split into chunks of c; with `hot[ch, i, e] = (key == e)`:
+
+    * `occ[ch, i]` = how many earlier elements of the chunk hold the same key (c x c compares per chunk),
+      `before[ch, e]` = the occurrences of key e in earlier chunks (a masked prefix over the chunk totals),
+      `start[e]` = the keys' exclusive cumulative count; `rank = start[k] + before[ch, k] + occ`, the first
+      two picked by the one-hot (a masked reduction over the keys);
+    * the inverse: position p holds key `e(p) = #{e: end[e] <= p}` as its `m`-th occurrence; its chunk is
+      the last one with `before[ch, e(p)] <= m` (one row of `before`ᵀ gathered per p: a contiguous row copy,
+      XLA glue) and within it the element whose (key, occurrence) code is `e(p) * c + (m - before)` (one
+      row of the chunk's codes gathered per p, matched by a masked sum).
+
+    Keys outside [0, bound) would give a wrong order; the bound comes from how the keys were made."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    n = int(keys.shape[0])
+    c = CUMULATIVE_CHUNK
+    chunks = -(-n // c)
+    keys = lax.pad(lax.convert_element_type(keys, jnp.int32), np.int32(bound), [(0, chunks * c - n, 0)])
+    k2 = lax.reshape(keys, (chunks, c))
+    shape = (chunks, c, bound)
+    hot_b = lax.eq(lax.broadcast_in_dim(k2, shape, (0, 1)), lax.broadcasted_iota(jnp.int32, shape, 2))
+    hot = lax.convert_element_type(hot_b, jnp.int32)  # i32[chunks, c, bound]
+    totals = _glue_copy(lax.reduce(hot, np.int32(0), lax.add, (1,)))  # i32[chunks, bound]: per chunk
+    # occurrence of each key within its chunk: the earlier equal keys of the chunk (c x c compares per
+    # chunk; a prefix of the one-hot over c would be bound times that)
+    pair = (chunks, c, c)  # [ch, i, j]
+    k_j = lax.broadcast_in_dim(_glue_copy(k2), pair, (0, 2))
+    k_i = lax.broadcast_in_dim(k2, pair, (0, 1))
+    earlier = lax.le(lax.broadcasted_iota(jnp.int32, pair, 2), lax.broadcasted_iota(jnp.int32, pair, 1))
+    same = lax.convert_element_type(lax.bitwise_and(lax.eq(k_j, k_i), earlier), jnp.int32)
+    occ = lax.sub(lax.reduce(same, np.int32(0), lax.add, (2,)), jnp.ones((chunks, c), jnp.int32))
+    before = _glue_copy(_masked_prefix(totals, "cumsum", 0, False, strict=True))  # i32[chunks, bound]
+    last = (chunks - 1, 0)
+    count = lax.add(
+        lax.reshape(lax.slice(before, last, (chunks, bound)), (bound,)),
+        lax.reshape(lax.slice(totals, last, (chunks, bound)), (bound,)),
+    )  # i32[bound]
+    start = _glue_copy(_masked_prefix(count, "cumsum", 0, False, strict=True))  # i32[bound], exclusive
+    end = _glue_copy(lax.add(start, count))
+    offset = lax.add(lax.broadcast_in_dim(before, shape, (0, 2)), lax.broadcast_in_dim(start, shape, (2,)))
+    base = lax.reduce(lax.mul(hot, offset), np.int32(0), lax.add, (2,))  # i32[chunks, c]
+    rank = _glue_copy(lax.slice(lax.reshape(lax.add(base, occ), (chunks * c,)), (0,), (n,)))  # i32[n]
+    code = _glue_copy(
+        lax.select(
+            lax.lt(k2, jnp.full((chunks, c), bound, jnp.int32)),
+            lax.add(lax.mul(k2, jnp.full((chunks, c), c, jnp.int32)), occ),
+            jnp.full((chunks, c), -1, jnp.int32),
+        )
+    )  # i32[chunks, c]: (key, occurrence in its chunk), -1 for padding
+    # inverse: key and occurrence of every sorted position p
+    p = lax.broadcasted_iota(jnp.int32, (n, bound), 0)
+    ends_b = lax.broadcast_in_dim(end, (n, bound), (1,))
+    done = lax.le(ends_b, p)  # [p, e]: key e's run ends at or before p
+    key_at = _glue_copy(lax.reduce(lax.convert_element_type(done, jnp.int32), np.int32(0), lax.add, (1,)))
+    start_at = lax.reduce_max(lax.select(done, ends_b, jnp.zeros((n, bound), jnp.int32)), (1,))
+    want = _glue_copy(lax.sub(lax.broadcasted_iota(jnp.int32, (n,), 0), start_at))  # i32[n]: m
+    rows = _take_rows(lax.transpose(before, (1, 0)), key_at)  # i32[n, chunks]: before[:, e(p)]
+    passed = lax.le(rows, lax.broadcast_in_dim(want, (n, chunks), (0,)))
+    chunk_at = _glue_copy(
+        lax.sub(
+            lax.reduce(lax.convert_element_type(passed, jnp.int32), np.int32(0), lax.add, (1,)),
+            jnp.ones((n,), jnp.int32),
+        )
+    )
+    seen_before = lax.reduce_max(lax.select(passed, rows, jnp.zeros((n, chunks), jnp.int32)), (1,))
+    target = _glue_copy(
+        lax.add(lax.mul(key_at, jnp.full((n,), c, jnp.int32)), lax.sub(want, seen_before))
+    )  # i32[n]
+    codes = _take_rows(code, chunk_at)  # i32[n, c]: the codes of p's chunk
+    hit = lax.eq(codes, lax.broadcast_in_dim(target, (n, c), (0,)))
+    within = lax.reduce(
+        lax.select(hit, lax.broadcasted_iota(jnp.int32, (n, c), 1), jnp.zeros((n, c), jnp.int32)),
+        np.int32(0),
+        lax.add,
+        (1,),
+    )
+    perm = lax.add(lax.mul(chunk_at, jnp.full((n,), c, jnp.int32)), within)
+    return perm, rank
+
+
+def _glue_copy(x: Any) -> Any:
+    """A copy (reversed twice along axis 0, which XLA folds away) that the partitioner sees as a new value:
+    read in place, a per-key or per-chunk vector would be one axis with the axis it is combined with, and
+    the masks between the two would vanish in the partition."""
+    from jax import lax
+
+    return lax.rev(lax.rev(x, (0,)), (0,))
 
 
 def _scatter_by_permutation(
@@ -1329,6 +1469,15 @@ def _candidates(integer: bool, atoms: list[Atom]) -> Any:
         # shadows a form above
         for a in dims:
             yield f"-{a.code} % {CUMULATIVE_CHUNK}", tuple(-int(x) % CUMULATIVE_CHUNK for x in a.values)
+        # how many chunks, and the padding to them, over routed pairs (a dim times an integer static: the
+        # counting sort of top-k expert ids) or a dim
+        spans = [(a.code, a.values) for a in dims] + [
+            (f"{a.code} * {b.code}", tuple(x * y for x, y in zip(a.values, b.values, strict=True)))
+            for a, b in itertools.product(dims, counts)
+        ]
+        for code, vals in spans:
+            yield f"-(-({code}) // {CUMULATIVE_CHUNK})", tuple(-(-int(x) // CUMULATIVE_CHUNK) for x in vals)
+            yield f"-({code}) % {CUMULATIVE_CHUNK}", tuple(-int(x) % CUMULATIVE_CHUNK for x in vals)
         return
     unary: list[tuple[str, Callable[[float], float]]] = [
         ("float({a})", lambda x: x),

@@ -405,6 +405,23 @@ def validate(program: ProgramSpec, config: TileConfig, tpu: list[str]) -> list[s
     return problems
 
 
+OVERSIZED_FACTOR = 4
+"""A kernel whose VMEM figure is more than this many times the smallest physical VMEM among the targets is
+out of reach, not merely over budget: no compiler can place it, and Mosaic/XLA may grow past any memory
+limit trying (a 2^16 x 2^16 comparison block of an argsort: 12 GB and still growing, the judge killed)."""
+
+
+def oversized(program: ProgramSpec, config: TileConfig, tpu: list[str]) -> list[str]:
+    """Kernels whose own VMEM figure at `config` is out of reach (see OVERSIZED_FACTOR), as reasons."""
+    limit = OVERSIZED_FACTOR * min(get_spec(t).vmem_bytes for t in tpu)
+    out = []
+    for k in program.kernels:
+        est = vmem_estimate(k, kernel_values(k, config))
+        if est > limit:
+            out.append(f"{k.name} needs {est / MiB:.0f} MiB of VMEM at its smallest blocks")
+    return out
+
+
 def tuning_space(
     program: ProgramSpec, tpu: list[str], *, per_kernel: int = 48, total: int = 64
 ) -> list[TileConfig]:
