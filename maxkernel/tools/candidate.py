@@ -260,14 +260,6 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     run_error = None
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         arrays = {name: z[name] for name in z.files}
-    # The judge drew a set at the larger shape only when the reference ran there within its memory budget.
-    drawn = input_name(len(val), 0, 0) in arrays
-    larger_run = None
-    if larger_exe is not None and larger is not None and drawn:
-        larger_inputs = [_typed(arrays[input_name(len(val), 0, k)], a) for k, a in enumerate(larger.dynamic)]
-        larger_run = _LargerRun(larger_exe, larger_params, larger_inputs)
-        if larger_params is True:  # plain interpretation: ordinary XLA ops, no shared interpreter state
-            larger_run.start()  # side by side with the validation sets (callbacks hold the GIL; XLA does not)
     for ci, cfg in enumerate(val):
         n_sets = int(payload["input_sets"][ci])
         for si in range(n_sets):
@@ -288,11 +280,19 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
                 outputs[output_name(ci, si, k)] = leaf
         if run_error:
             break
+    # The judge drew a set at the larger shape only when the reference ran there within its memory budget.
+    drawn = input_name(len(val), 0, 0) in arrays
     larger_error = larger_trace_error if drawn and run_error is None else None
-    if larger_run is not None and run_error is None:
-        larger_leaves, larger_error = larger_run.join()  # TPU interpret mode runs it only now, alone
-        for k, leaf in enumerate(larger_leaves):
-            outputs[output_name(len(val), 0, k)] = leaf
+    if larger_exe is not None and larger is not None and run_error is None and drawn:
+        inputs = [_typed(arrays[input_name(len(val), 0, k)], a) for k, a in enumerate(larger.dynamic)]
+        try:
+            with pltpu.force_tpu_interpret_mode(larger_params):
+                out = larger_exe.result()(*[jax.numpy.asarray(a) for a in inputs])
+                for k, leaf in enumerate(jax.tree_util.tree_leaves(out)):
+                    outputs[output_name(len(val), 0, k)] = np.asarray(leaf)
+        except Exception as exc:  # noqa: BLE001
+            _reset_interpret()
+            larger_error = f"{type(exc).__name__}: {_first_lines(str(exc))}"
     (run_dir / OUTPUTS_FILE).write_bytes(pack_arrays(outputs))
     seconds["correctness"] = time.perf_counter() - t0
     compiled = [c.seconds for c in [*executables, larger_exe] if c is not None and c.seconds is not None]
@@ -351,43 +351,6 @@ def _load_candidate(path: Path) -> Any:
     sys.modules["maxkernel_candidate"] = module
     exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 - this process exists for it
     return module
-
-
-class _LargerRun:
-    """The larger-shape check's one run. In Pallas's plain interpreter it is ordinary XLA code and runs on a
-    thread beside the validation sets (on the bundled kernel, 0.2-0.5 s taken off the critical path); in
-    TPU interpret mode it runs after them on the main thread, since the interpreter's simulated memory and
-    clocks are process-wide. Outputs are only used when every validation set ran."""
-
-    def __init__(self, exe: _BackgroundCompile, params: Any, inputs: list[np.ndarray]) -> None:
-        self._exe, self._params, self._inputs = exe, params, inputs
-        self._thread: threading.Thread | None = None
-        self._leaves: list[np.ndarray] = []
-        self._error: str | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import jax
-        from jax.experimental.pallas import tpu as pltpu
-
-        try:
-            with pltpu.force_tpu_interpret_mode(self._params):
-                out = self._exe.result()(*[jax.numpy.asarray(a) for a in self._inputs])
-                self._leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(out)]
-        except Exception as exc:  # noqa: BLE001 - whatever the candidate's program raises is its failure
-            if self._params is not True:
-                _reset_interpret()
-            self._leaves, self._error = [], f"{type(exc).__name__}: {_first_lines(str(exc))}"
-
-    def join(self) -> tuple[list[np.ndarray], str | None]:
-        if self._thread is None:
-            self._run()
-        else:
-            self._thread.join()
-        return self._leaves, self._error
 
 
 def _typed(a: np.ndarray, spec: ArraySpec) -> np.ndarray:
