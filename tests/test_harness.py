@@ -302,8 +302,9 @@ def test_a_broken_toolchain_is_an_infrastructure_failure_never_a_stored_verdict(
             {"dynamic": [{"shape": [8], "dtype": "float32"}], "atol": 1e-3, "rtol": 1e-3}
         )
     ]
-    checks, _ = judge._inspect_and_compile([b"not an export"], own, [], None)
+    checks, _, audit = judge._inspect_and_compile([b"not an export"], own, [], None)
     assert checks[0]["ok"] is False and "not a valid export" in checks[0]["reason"]
+    assert audit["error"] == "no TPU program"  # nothing to audit: a claimed estimate is then withheld
 
     def missing(_blob: object) -> None:
         raise ModuleNotFoundError("No module named 'flatbuffers'")

@@ -117,6 +117,22 @@ def test_correct_only_at_the_validation_size_is_caught_at_the_larger_shape(
     assert r.correctness.interpret_modes == ["tpu", "plain"]  # the plain interpreter catches it as well
 
 
+def test_a_forged_speed_estimate_is_withheld(task: KernelTask, tmp_path: Path) -> None:
+    """The block model runs in the candidate's process; this one rewrites it to report a thousandth of the
+    truth. The kernel itself is honest and correct, so it is accepted, but the judge's audit of the kernel
+    it shipped contradicts the claim: no estimate, no speedup, and a warning saying why."""
+    if not __import__("shutil").which("bwrap"):
+        pytest.skip("bubblewrap is not installed")
+    opts = OPTS.model_copy(update={"estimate": True, "tpu": ["v5e", "v6e"]})
+    r = evaluate(task, (HOSTILE / "forge_estimate.py").read_text(), opts, work_dir=tmp_path)
+    assert r.accepted, r.error
+    assert r.estimate is not None and r.estimate.estimated_seconds is None
+    assert r.estimate.estimated_speedup is None
+    assert all(g.estimated_speedup is None for g in r.estimate.by_generation.values())
+    assert r.estimate.reference_estimated_seconds  # the reference's side is the judge's: still there
+    assert any("estimate withheld" in w and "shipped" in w for w in r.warnings), r.warnings
+
+
 def test_huge_stderr_is_read_as_a_tail(task: KernelTask, tmp_path: Path) -> None:
     import resource
 

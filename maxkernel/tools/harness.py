@@ -703,7 +703,9 @@ def _verdict(
                      f"config {bad.config} input set {bad.input_set} ({bad.origin}): {bad.message}")  # fmt: skip
 
     if options.estimate:
-        result.estimate = _estimate_summary(options, programs.get("estimates"), judge, cached_ref)
+        result.estimate = _estimate_summary(
+            options, programs.get("estimates"), judge, cached_ref, result.warnings
+        )
     if options.timing:
         timing = judge.get("timing")
         if timing:
@@ -887,7 +889,11 @@ def _index(name: str) -> tuple[int, int]:
 
 
 def _estimate_summary(
-    options: EvalOptions, cand_ests: Any, judge: dict[str, Any], cached_ref: dict[str, float]
+    options: EvalOptions,
+    cand_ests: Any,
+    judge: dict[str, Any],
+    cached_ref: dict[str, float],
+    warnings: list[str] | None = None,
 ) -> EstimateSummary:
     """Per estimated generation: the candidate's block model (from its process: checked for type here)
     against the reference's compiler estimate (cached, else the judge's); the first is the headline."""
@@ -895,6 +901,11 @@ def _estimate_summary(
     judged = judge.get("reference_estimated_seconds")
     judged = judged if isinstance(judged, dict) else {}
     gens = estimate_generations(options)
+    withheld = _audit_claims(cand_ests, judge.get("kernel_audit"), gens)
+    if withheld:
+        cand_ests = {g: {"error": withheld} for g in gens}
+        if warnings is not None:
+            warnings.append(withheld)
     summaries = {g: _generation_summary(g, cand_ests.get(g), cached_ref.get(g, judged.get(g))) for g in gens}
     head = summaries[gens[0]]
     head.by_generation = {
@@ -910,6 +921,31 @@ def _estimate_summary(
     return head
 
 
+def _audit_claims(cand_ests: dict[str, Any], audit: Any, gens: list[str]) -> str | None:
+    """Why every claimed estimate is withheld (None: none is). The block model runs in the candidate's
+    process, so its figures are claims; the judge's audit of the shipped Mosaic kernels gives floors no
+    honest estimate goes below (`mosaic_audit`). One contradicted generation withholds them all: the
+    process that made them is not to be believed."""
+    from maxkernel.tools.mosaic_audit import ProgramAudit, contradiction
+    from maxkernel.tools.tpu_specs import get_spec
+
+    claimed = {g: c for g, c in cand_ests.items() if g in gens and isinstance(c, dict) and "error" not in c}
+    if not claimed:
+        return None
+    try:
+        trusted = ProgramAudit.model_validate(audit)
+    except ValueError:
+        trusted = ProgramAudit(error="the judge returned no audit")
+    for gen, claim in claimed.items():
+        reason = contradiction(claim, trusted, get_spec(gen))
+        if reason:
+            return (
+                "estimate withheld: the block-model figures reported by the candidate's process contradict the "
+                f"TPU program it shipped ({reason})"
+            )
+    return None
+
+
 def _generation_summary(gen: str, cand_est: Any, reference_s: Any) -> EstimateSummary:
     summary = EstimateSummary(generation=gen, method="")
     notes = []
@@ -917,7 +953,9 @@ def _generation_summary(gen: str, cand_est: Any, reference_s: Any) -> EstimateSu
         v = cand_est.get("estimated_seconds")
         summary.estimated_seconds = float(v) if isinstance(v, int | float) else None
         summary.bound = str(cand_est.get("bound"))[:40] if cand_est.get("bound") else None
-        summary.method = str(cand_est.get("method", ""))[:400] + " (computed in the candidate's process)"
+        summary.method = str(cand_est.get("method", ""))[:400] + (
+            " (computed in the candidate's process; not below the floors the judge read off the shipped kernels)"
+        )
         summary.detail_markdown = str(cand_est.get("detail_markdown", ""))[:20_000]
     elif isinstance(cand_est, dict):
         notes.append(str(cand_est["error"])[:400])

@@ -126,13 +126,14 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         base64.b64decode(p) if isinstance(p, str) else None for p in request.get("programs", [])
     ]
     try:
-        tpu_checks, compiles = _inspect_and_compile(programs, own, list(request.get("tpu", [])),
-                                                    request.get("expected_kernels"))  # fmt: skip
+        tpu_checks, compiles, audit = _inspect_and_compile(programs, own, list(request.get("tpu", [])),
+                                                           request.get("expected_kernels"))  # fmt: skip
     except ToolchainBroken as exc:
         return {"ok": False, "stage": "toolchain", "message": str(exc)}
     seconds["compile"] = time.perf_counter() - t0
     base["tpu_checks"] = tpu_checks
     base["tpu_compile"] = compiles
+    base["kernel_audit"] = audit
     if request.get("timing") and programs and programs[0] is not None:
         ctx.stage("timing")
         base["timing"] = _measure(ref, own[0], programs[0], payload, ctx.secret)
@@ -228,17 +229,22 @@ def _warm_tpu_compiler(gens: list[str]) -> None:
 
 def _inspect_and_compile(
     programs: list[bytes | None], own: list[InputConfig], gens: list[str], expected_kernels: int | None
-) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, Any]]:
+    """Per program: the Pallas-does-the-work check of what ships; per generation: its compile; and the
+    audit of the first (the task's own shapes, the one the candidate's estimate describes) that its claimed
+    estimate is checked against (`mosaic_audit`)."""
     import jax
     from jax import export
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
+    from maxkernel.tools.mosaic_audit import ProgramAudit, audit_tpu_program
     from maxkernel.tools.stablehlo_check import TpuProgramCheck, check_tpu_program
     from maxkernel.tools.tpu_specs import get_spec
 
     checks: list[dict[str, Any]] = []
     exported: list[Any] = []
+    audit = ProgramAudit(error="no TPU program").model_dump()
     for blob in programs:
         if blob is None:
             exported.append(None)
@@ -249,7 +255,10 @@ def _inspect_and_compile(
             if tuple(exp.platforms) != ("tpu",):
                 raise ValueError(f"lowered for {exp.platforms}, not for the TPU")
             exported.append(exp)
-            checks.append(check_tpu_program(exp.mlir_module(), expected_kernels).model_dump())
+            text = exp.mlir_module()
+            checks.append(check_tpu_program(text, expected_kernels).model_dump())
+            if len(exported) == 1:
+                audit = audit_tpu_program(text).model_dump()
         except Exception as exc:  # noqa: BLE001 - a malformed artifact is the candidate's failure
             _raise_if_toolchain(exc)
             exported.append(None)
@@ -278,7 +287,7 @@ def _inspect_and_compile(
                 break
         outcome.seconds = round(time.perf_counter() - t0, 3)
         compiles[gen] = outcome.model_dump()
-    return checks, compiles
+    return checks, compiles, audit
 
 
 class ToolchainBroken(Exception):

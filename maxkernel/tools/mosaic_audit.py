@@ -1,0 +1,422 @@
+"""What the shipped TPU program's kernels cost *at least*, read by the judge from the Mosaic kernels it
+compiles — the trusted counterpart of the block model, which needs the live jaxpr and so runs in the
+candidate's process.
+
+A candidate that rewrites `maxkernel.tools.estimate` (or `candidate.py`) inside its own process can report
+any estimate it likes: a model optimising against the harness would find that first, since rankings, the
+search and Fast₁ all read the estimate. The judge never imports candidate code, but it does hold the
+program that ships: the `jax.export` artifact whose `tpu_custom_call`s carry each kernel's serialized
+Mosaic module (grid, block windows, index maps as functions, the body). From it, with no candidate code
+and no jaxpr, this module counts per kernel:
+
+* grid steps (`iteration_bounds`), and how many are in `parallel` dimensions;
+* a floor on the HBM<->VMEM bytes the Pallas pipeline moves: each VMEM block window is fetched (or written
+  back) once plus once per change of its block index between consecutive steps, the index computed by
+  interpreting the kernel's own index-map function (`transform_indices`) over the grid with numpy; a map
+  this reader cannot evaluate (one that reads scalar prefetch, or an op it does not know) counts one
+  transfer; beyond `MAX_EXACT_STEPS` only the changes in the first steps count (the block model
+  extrapolates from the same prefix, so this stays below it);
+* a floor on MXU flops: `tpu.matmul`s that run on every step (top level of the body, or inside `scf.for`
+  loops with constant bounds); anything under `scf.if` (a `pl.when`) or a loop of unknown length counts 0.
+
+`floor_seconds` turns the counts into the least time any honest block-model estimate can report for a
+generation (bytes at the HBM rate, flops at the fastest MXU rate, the per-step overhead split over every
+TensorCore), and `contradiction` compares the candidate's claimed estimate with them: the harness withholds
+a claimed estimate the shipped program contradicts. Everything here is a lower bound by construction —
+an honest kernel never trips it — so it cannot rank kernels, only catch claims no kernel could make.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from maxkernel.tools.tpu_specs import PER_STEP_OVERHEAD_S, TpuSpec
+
+MAX_EXACT_STEPS: int = 1 << 22
+"""Same replay cap as the block model (`estimate.MAX_EXACT_STEPS`): changes are counted in this prefix only."""
+CHUNK_STEPS: int = 1 << 20
+MAX_KERNELS: int = 256
+TOLERANCE: float = 1e-6
+"""Relative slack for float rounding between the two sides' sums."""
+
+_BACKEND_CONFIG = re.compile(r'backend_config\s*=\s*"((?:[^"\\]|\\.)*)"')
+_HEX_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2})")
+_SHAPED = re.compile(r"^(?:memref|vector)<((?:\d+x)*)([a-zA-Z]\w*)")
+_LHS_CONTRACTING = re.compile(r"dot_dimension_numbers<\[([\d,\s]*)\]")
+_ITEMSIZE = {"f64": 8, "i64": 8, "f32": 4, "i32": 4, "ui32": 4, "bf16": 2, "f16": 2, "i16": 2, "ui16": 2,
+             "i8": 1, "ui8": 1, "i1": 1}  # fmt: skip
+_ITEMSIZE_FLOOR = 0.5  # an element type not listed (fp8 variants, int4): the smallest there is
+
+
+class KernelAudit(BaseModel):
+    """One Mosaic kernel of the shipped program, as the judge reads it (lower bounds)."""
+
+    name: str
+    grid: tuple[int, ...]
+    steps: int
+    parallel_steps: int = Field(description="product of the grid dimensions marked parallel")
+    hbm_bytes_floor: float = Field(description="auto-pipelined VMEM block traffic, at least")
+    mxu_flops_floor: float = Field(description="matmul flops that run on every step, at least")
+    unreplayed_windows: int = Field(0, description="windows whose index map could not be replayed (1 each)")
+
+
+class ProgramAudit(BaseModel):
+    """Every `tpu_custom_call` of one exported TPU program."""
+
+    kernels: list[KernelAudit] = Field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def steps(self) -> int:
+        return sum(k.steps for k in self.kernels)
+
+    @property
+    def hbm_bytes_floor(self) -> float:
+        return sum(k.hbm_bytes_floor for k in self.kernels)
+
+    @property
+    def mxu_flops_floor(self) -> float:
+        return sum(k.mxu_flops_floor for k in self.kernels)
+
+
+def floor_seconds(audit: ProgramAudit, spec: TpuSpec) -> float:
+    """The least time the block model can give these kernels on `spec`: per kernel, bytes at the HBM rate
+    or flops at the fastest MXU rate (whichever is larger), plus the per-step overhead shared by every
+    TensorCore of the device."""
+    rate = max(spec.device_peak_flops, spec.device_peak_int8_ops or 0.0)
+    cores = max(1, spec.tensorcores_per_device)
+    return sum(
+        max(k.hbm_bytes_floor / spec.device_hbm_bytes_per_s, k.mxu_flops_floor / rate)
+        + k.steps * PER_STEP_OVERHEAD_S / cores
+        for k in audit.kernels
+    )
+
+
+CLAIM_FIELDS = (
+    "estimated_seconds",
+    "est_pallas_seconds",
+    "est_pallas_hbm_bytes",
+    "est_mxu_flops",
+    "est_grid_steps",
+)
+
+
+def contradiction(claim: Any, audit: ProgramAudit, spec: TpuSpec) -> str | None:
+    """Why the candidate's claimed block-model estimate cannot describe the shipped program (None: it can)."""
+    if audit.error:
+        return f"the shipped TPU program could not be audited: {audit.error}"
+    if not isinstance(claim, dict):
+        return "the claimed estimate is not an object"
+    values: dict[str, float] = {}
+    for key in CLAIM_FIELDS:
+        v = claim.get(key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            return f"the claimed estimate lacks a valid {key}"
+        values[key] = float(v)
+    floor = floor_seconds(audit, spec)
+    checks = (
+        ("grid steps", values["est_grid_steps"], audit.steps, "{:.0f}"),
+        ("HBM bytes moved by its kernels", values["est_pallas_hbm_bytes"], audit.hbm_bytes_floor, "{:.4g}"),
+        ("MXU flops", values["est_mxu_flops"], audit.mxu_flops_floor, "{:.4g}"),
+        ("kernel seconds", values["est_pallas_seconds"], floor, "{:.4g}"),
+        ("seconds", values["estimated_seconds"], floor, "{:.4g}"),
+    )
+    for what, claimed, least, fmt in checks:
+        if claimed < least * (1 - TOLERANCE) - 1e-12:
+            return (
+                f"it claims {fmt.format(claimed)} {what} on {spec.name}; the shipped program's kernels need at "
+                f"least {fmt.format(least)}"
+            )
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reading the exported module
+# --------------------------------------------------------------------------------------------------------
+
+
+def kernel_bodies(stablehlo_text: str) -> list[bytes]:
+    """The serialized Mosaic module of every `tpu_custom_call` in a printed StableHLO module."""
+    bodies = []
+    for line in stablehlo_text.splitlines():
+        if "tpu_custom_call" not in line:
+            continue
+        m = _BACKEND_CONFIG.search(line)
+        if m is None:
+            raise ValueError("a tpu_custom_call without a readable backend_config")
+        config = json.loads(_HEX_ESCAPE.sub(lambda e: chr(int(e.group(1), 16)), m.group(1)))
+        body = (config.get("custom_call_config") or {}).get("body")
+        if not isinstance(body, str):
+            raise ValueError("a tpu_custom_call without a kernel body")
+        bodies.append(base64.b64decode(body))
+        if len(bodies) > MAX_KERNELS:
+            raise ValueError(f"more than {MAX_KERNELS} kernels")
+    return bodies
+
+
+def audit_tpu_program(stablehlo_text: str) -> ProgramAudit:
+    """Audit every kernel of an exported TPU program; a failure is reported in `error`, never raised."""
+    try:
+        return ProgramAudit(kernels=[audit_kernel(b) for b in kernel_bodies(stablehlo_text)])
+    except Exception as exc:  # noqa: BLE001 - what cannot be read is reported, and the claim withheld
+        return ProgramAudit(error=f"{type(exc).__name__}: {str(exc)[:400]}")
+
+
+def _parse_mosaic(body: bytes) -> Any:
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import tpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.passmanager import PassManager
+
+    ctx = jax_mlir.make_ir_context()
+    tpu.register_dialect(ctx)
+    with ctx, ir.Location.unknown():
+        ctx.allow_unregistered_dialects = True
+        module = ir.Module.parse(body)
+        # the serialized form is versioned ("stable_mosaic.*" op names); this turns it back into tpu/arith/scf
+        PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+    return module, ctx
+
+
+def _attr(op: Any, name: str) -> Any:
+    """An op's attribute, or an entry of a dictionary attribute; None when absent."""
+    attrs = op.attributes if hasattr(op, "attributes") else op
+    return attrs[name] if name in attrs else None
+
+
+def _ints(attr: Any) -> tuple[int, ...]:
+    """The integers of `array<i64: 4, 3>` or of `2 : i64`."""
+    if attr is None:
+        return ()
+    text = str(attr)
+    text = text.split(":", 1)[1] if text.startswith("array<") else text.split(":", 1)[0]
+    return tuple(int(x) for x in re.findall(r"-?\d+", text))
+
+
+def _symbol(attr: Any) -> str:
+    return str(attr).lstrip("@").strip('"')
+
+
+def audit_kernel(body: bytes) -> KernelAudit:
+    """One serialized Mosaic module: its kernel function and the index-map functions it names."""
+    module, ctx = _parse_mosaic(body)
+    with ctx:
+        funcs = {}
+        for op in module.body.operations:
+            op = op.operation
+            if op.name == "func.func":
+                funcs[_symbol(_attr(op, "sym_name"))] = op
+        kernels = [
+            f for f in funcs.values() if _attr(f, "window_params") is not None or _attr(f, "iteration_bounds")
+        ]
+        if len(kernels) != 1:
+            raise ValueError(f"expected one kernel function in a Mosaic module, found {len(kernels)}")
+        kernel = kernels[0]
+        grid = _ints(_attr(kernel, "iteration_bounds"))
+        steps = math.prod(grid) if grid else 1
+        semantics = re.findall(r"dimension_semantics<(\w+)>", str(_attr(kernel, "dimension_semantics") or ""))
+        parallel = math.prod(g for g, s in zip(grid, semantics, strict=False) if s == "parallel")
+        n_prefetch = (
+            int(_ints(_attr(kernel, "scalar_prefetch"))[0]) if _attr(kernel, "scalar_prefetch") else 0
+        )
+        block = kernel.regions[0].blocks[0]
+        args = list(block.arguments)
+        windows = _attr(kernel, "window_params")
+        window_list = list(windows) if windows is not None else []
+        operands = args[len(grid) + n_prefetch : len(grid) + n_prefetch + len(window_list)]
+        hbm = 0.0
+        unreplayed = 0
+        for window, arg in zip(window_list, operands, strict=False):
+            shape, dtype, space = _memref(str(arg.type))
+            if space != "vmem":
+                continue  # HBM/ANY operands move by hand; SMEM is not counted as HBM traffic here
+            transform = _attr(window, "transform_indices")
+            if transform is None:
+                continue
+            fn = funcs.get(_symbol(transform))
+            transfers = _transfers(fn, grid) if fn is not None else None
+            if transfers is None:
+                transfers, unreplayed = 1, unreplayed + 1
+            hbm += transfers * math.prod(shape) * _ITEMSIZE.get(dtype, _ITEMSIZE_FLOOR)
+        flops = _matmul_flops(block, {}) * steps
+        return KernelAudit(
+            name=_symbol(_attr(kernel, "sym_name")),
+            grid=grid,
+            steps=steps,
+            parallel_steps=parallel if semantics else 1,
+            hbm_bytes_floor=hbm,
+            mxu_flops_floor=flops,
+            unreplayed_windows=unreplayed,
+        )
+
+
+def _memref(type_text: str) -> tuple[tuple[int, ...], str, str]:
+    m = _SHAPED.match(type_text)
+    if m is None:
+        return (), "", ""
+    dims = tuple(int(d) for d in m.group(1).split("x") if d)
+    space = re.search(r"memory_space<(\w+)>", type_text)
+    return dims, m.group(2), space.group(1) if space else ""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Interpreting scalar index arithmetic (numpy, vectorised over grid steps)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _trunc_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if np.any(b == 0):
+        raise ZeroDivisionError
+    q = np.abs(a) // np.abs(b)
+    return np.where((a < 0) ^ (b < 0), -q, q)
+
+
+_CMP: dict[int, Callable[[Any, Any], Any]] = {
+    0: np.equal, 1: np.not_equal, 2: np.less, 3: np.less_equal, 4: np.greater, 5: np.greater_equal,
+    6: np.less, 7: np.less_equal, 8: np.greater, 9: np.greater_equal,
+}  # fmt: skip
+_BINARY: dict[str, Callable[[Any, Any], Any]] = {
+    "arith.addi": np.add,
+    "arith.subi": np.subtract,
+    "arith.muli": np.multiply,
+    "arith.divsi": _trunc_div,
+    "arith.divui": _trunc_div,
+    "arith.remsi": lambda a, b: a - b * _trunc_div(a, b),
+    "arith.remui": lambda a, b: a - b * _trunc_div(a, b),
+    "arith.floordivsi": lambda a, b: np.floor_divide(a, b) if not np.any(b == 0) else _trunc_div(a, b),
+    "arith.ceildivsi": lambda a, b: -np.floor_divide(-a, b) if not np.any(b == 0) else _trunc_div(a, b),
+    "arith.minsi": np.minimum,
+    "arith.maxsi": np.maximum,
+    "arith.minui": np.minimum,
+    "arith.maxui": np.maximum,
+    "arith.andi": np.bitwise_and,
+    "arith.ori": np.bitwise_or,
+    "arith.xori": np.bitwise_xor,
+    "arith.shli": np.left_shift,
+    "arith.shrsi": np.right_shift,
+    "arith.shrui": np.right_shift,
+}
+_CASTS = frozenset({"arith.index_cast", "arith.index_castui", "arith.extsi", "arith.extui", "arith.trunci"})
+
+
+def _eval_scalar(op: Any, env: dict[Any, Any]) -> list[Any] | None:
+    """The results of one scalar integer op given its operands' values in `env` (None: not evaluable)."""
+    name = op.name
+    if name == "arith.constant":
+        value = _attr(op, "value")
+        text = str(value)
+        m = re.fullmatch(r"(true|false|-?\d+)(?:\s*:\s*\w+)?", text.strip())
+        if m is None:
+            return None
+        token = m.group(1)
+        return [np.int64(1 if token == "true" else 0 if token == "false" else int(token))]
+    ins = []
+    for v in op.operands:
+        if v not in env:
+            return None
+        ins.append(env[v])
+    if name in _BINARY and len(ins) == 2:
+        return [
+            np.asarray(_BINARY[name](np.asarray(ins[0], np.int64), np.asarray(ins[1], np.int64)), np.int64)
+        ]
+    if name in _CASTS and len(ins) == 1:
+        return [ins[0]]
+    if name == "arith.cmpi" and len(ins) == 2:
+        pred = _ints(_attr(op, "predicate"))
+        fn = _CMP.get(pred[0]) if pred else None
+        if fn is None:
+            m = re.search(r"\b(eq|ne|slt|sle|sgt|sge|ult|ule|ugt|uge)\b", str(op))
+            names = ["eq", "ne", "slt", "sle", "sgt", "sge", "ult", "ule", "ugt", "uge"]
+            fn = _CMP[names.index(m.group(1))] if m else None
+        return None if fn is None else [np.asarray(fn(ins[0], ins[1]), np.int64)]
+    if name == "arith.select" and len(ins) == 3:
+        return [np.where(np.asarray(ins[0]) != 0, ins[1], ins[2])]
+    return None
+
+
+def _eval_function(fn: Any, args: list[np.ndarray]) -> list[np.ndarray] | None:
+    """Run an index-map function over vectors of grid indices; None when an op cannot be interpreted."""
+    block = fn.regions[0].blocks[0]
+    params = list(block.arguments)
+    if len(params) < len(args):
+        return None
+    env: dict[Any, Any] = dict(zip(params, args, strict=False))  # extra params: scalar prefetch, unknown
+    for op in block.operations:
+        op = op.operation
+        if op.name in ("func.return", "return"):
+            return [env[v] for v in op.operands] if all(v in env for v in op.operands) else None
+        out = _eval_scalar(op, env)
+        if out is None or len(out) != len(op.results):
+            return None
+        env.update(zip(op.results, out, strict=True))
+    return None
+
+
+def _grid_chunks(grid: tuple[int, ...], cap: int) -> Iterator[list[np.ndarray]]:
+    total = min(math.prod(grid) if grid else 1, cap)
+    for start in range(0, total, CHUNK_STEPS):
+        flat = np.arange(start, min(total, start + CHUNK_STEPS), dtype=np.int64)
+        yield [np.asarray(i, np.int64) for i in np.unravel_index(flat, grid)] if grid else [flat * 0]
+
+
+def _transfers(fn: Any, grid: tuple[int, ...]) -> int | None:
+    """1 + block-index changes between consecutive steps (last grid axis fastest), over at most
+    `MAX_EXACT_STEPS` steps; None when the map cannot be interpreted."""
+    changes = 0
+    prev = None
+    for idx in _grid_chunks(grid, MAX_EXACT_STEPS):
+        n = len(idx[0])
+        outs = _eval_function(fn, idx[: len(grid)])
+        if outs is None:
+            return None
+        cols = np.stack([np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,))
+                         for o in outs], axis=1) if outs else np.zeros((n, 0), np.int64)  # fmt: skip
+        seq = cols if prev is None else np.concatenate([prev[None, :], cols], axis=0)
+        if len(seq) > 1:
+            changes += int(np.any(seq[1:] != seq[:-1], axis=1).sum())
+        prev = cols[-1]
+    return 1 + changes
+
+
+# --------------------------------------------------------------------------------------------------------
+# Matmul flops that run on every step
+# --------------------------------------------------------------------------------------------------------
+
+
+def _matmul_flops(block: Any, env: dict[Any, Any]) -> float:
+    """Flops of the `tpu.matmul`s in `block` that always run, loops with constant bounds multiplied out."""
+    total = 0.0
+    for op in block.operations:
+        op = op.operation
+        name = op.name
+        if name == "tpu.matmul" and len(op.operands) >= 2 and op.results:
+            lhs, _ = _memref(str(op.operands[0].type))[:2]
+            out = _memref(str(op.results[0].type))[0]
+            m = _LHS_CONTRACTING.search(str(_attr(op, "dimension_numbers") or ""))
+            if m is None or not lhs or not out:
+                continue  # unknown layout: counts nothing (a floor)
+            dims = [int(d) for d in m.group(1).replace(",", " ").split()]
+            if any(d >= len(lhs) for d in dims):
+                continue
+            total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims)
+        elif name == "scf.for" and len(op.operands) >= 3 and op.regions:
+            bounds = [env.get(v) for v in list(op.operands)[:3]]
+            if any(b is None or np.ndim(b) for b in bounds) or int(bounds[2]) <= 0:
+                continue
+            trips = max(0, -(-(int(bounds[1]) - int(bounds[0])) // int(bounds[2])))
+            if trips:
+                total += trips * _matmul_flops(op.regions[0].blocks[0], env)
+        elif not op.regions:
+            out = _eval_scalar(op, env)
+            if out is not None and len(out) == len(op.results):
+                env.update(zip(op.results, out, strict=True))
+        # scf.if (pl.when), scf.while and other regions: may not run every step; nothing counted
+    return total
