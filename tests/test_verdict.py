@@ -32,6 +32,16 @@ def test_rejected_kernel_is_no_result() -> None:
     assert verdict(None)["outcome"] == "no result"
 
 
+def test_a_withheld_estimate_says_why_there_is_no_speedup() -> None:
+    r = _result(None, "memory")
+    assert r.estimate is not None
+    r.estimate.estimated_seconds = None
+    r.estimate.note = "estimate withheld: the block-model figures ... contradict the TPU program it shipped"
+    v = verdict(r)
+    assert v["outcome"] == "unknown" and v["speedup"] is None
+    assert "no measured or estimated speedup" in v["line"] and "withheld" in v["line"]
+
+
 def test_a_generation_where_the_kernel_is_slower_is_said_so() -> None:
     """One kernel serves every targeted generation: faster on the first and slower on another is a mixed
     verdict, said per generation with the reason, never a plain "faster"."""

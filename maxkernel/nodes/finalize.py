@@ -130,8 +130,9 @@ def verdict(best: EvalResult | None) -> dict[str, Any]:
     est = best.estimate
     bound = est.bound if est else None
     if speedup is None:
+        why_not = f" ({est.note})" if est and est.note else ""  # e.g. an estimate withheld by the harness
         return {"outcome": "unknown", "kind": None, "speedup": None, "bound": bound,
-                "line": "correct, but no measured or estimated speedup is available"}  # fmt: skip
+                "line": f"correct, but no measured or estimated speedup is available{why_not}"}  # fmt: skip
     if speedup > FASTER_CLEARLY:
         outcome = "faster"
     elif speedup > 1.0:
@@ -151,9 +152,7 @@ def verdict(best: EvalResult | None) -> dict[str, Any]:
     if outcome == "slower":
         line += f"; {_slower_reason(bound)}"
     out: dict[str, Any] = {"outcome": outcome, "kind": kind, "speedup": speedup, "bound": bound, "line": line}
-    others = (
-        {g: e for g, e in (est.by_generation if est else {}).items() if g != est.generation} if est else {}
-    )
+    others = {g: e for g, e in est.by_generation.items() if g != est.generation} if est else {}
     if kind == "estimated" and others:
         # One kernel serves every targeted generation: each one's estimate is part of the verdict, and a
         # generation where it is slower is said so, with the reason, even when the first one is faster.
