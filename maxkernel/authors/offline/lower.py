@@ -376,10 +376,9 @@ class Lowering:
         written into `computation` as a literal. Only small ones, and only when every traced configuration
         captured the same value: a constant built from the input shapes (`np.tril(np.ones((n, n)))`) has
         no single literal, and a big one belongs in the inputs, not in the module's text."""
-        used = {v for e in self.g.eqns for v in e.invars if not is_literal(v)} | self.g.out_set
         lines: list[str] = []
         for k, var in enumerate(self.g.constvars):
-            if var not in used:
+            if var not in self.names:  # no emitted kernel call, glue line or return reads it
                 continue
             values = [np.asarray(t.consts[k]) for t in self.traces.all]
             first = values[0]
@@ -455,7 +454,6 @@ class Lowering:
         body: list[str] = []
         glue_desc: list[str] = []
         counter = 0
-        body.extend(self.constant_lines())
         for kind, obj in ordered:
             if kind == "glue":
                 e = g.eqns[obj]
@@ -484,6 +482,7 @@ class Lowering:
                 rets.append(literal_code(v.val, dtype_name(v.aval)))
             else:
                 rets.append(self.name_of(v))
+        body = self.constant_lines() + body  # after the rest: only the constants some code reads
         sig = ", ".join(self.traces.arg_names)
         comp = [f"def computation({sig}):"]
         comp.append(f'    """{self._comp_doc(kernels)}"""')
