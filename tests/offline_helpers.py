@@ -29,3 +29,14 @@ def check_interpreted(fn, kernel, args, atol: float = 1e-5) -> None:
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), atol=atol, rtol=1e-5)
+
+
+def aot_compiles(kernel, specs, tpu: list[str]) -> None:
+    """Compile a generated `computation` ahead of time with the real Mosaic compiler for each generation
+    (`specs`: (shape, dtype) per argument); raises on any compiler error."""
+    from maxkernel.tools.estimate import topology_device
+
+    for gen in tpu:
+        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
+        avals = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in specs]
+        jax.jit(kernel).trace(*avals).lower().compile()

@@ -30,7 +30,7 @@ from maxkernel.authors.base import (
     TileConfig,
 )
 from maxkernel.authors.offline.partition import FUSION_LEVELS
-from maxkernel.authors.offline.render import plan_text, render
+from maxkernel.authors.offline.render import plan_text, render, undefined_names
 from maxkernel.authors.offline.spec import ProgramSpec
 from maxkernel.authors.offline.transforms import applicable, pick, ranked_space, transform_for
 from maxkernel.authors.offline.tuning import (
@@ -120,6 +120,11 @@ class OfflineAuthor:
                     "ok": False,
                     "unsupported": "a kernel far beyond any TPU's VMEM: " + "; ".join(too_big),
                 }
+            else:
+                try:
+                    checked_source(program, config, ctx.tpu)
+                except AuthorError as exc:  # refused at the plan: a less fused level may still lower
+                    result = {"ok": False, "unsupported": str(exc)}
         if not result.get("ok") or program is None or config is None:
             reason = result.get("task_error") or result.get("unsupported") or "unknown"
             text = (
@@ -253,7 +258,22 @@ class OfflineAuthor:
         return ProgramSpec.model_validate(plan.data["program"])
 
     def _draft(self, ctx: AuthorContext, program: ProgramSpec, config: TileConfig, notes: str) -> Draft:
-        return Draft(source=render(program, config, ctx.tpu), notes=notes, config=config)
+        return Draft(source=checked_source(program, config, ctx.tpu), notes=notes, config=config)
+
+
+def checked_source(program: ProgramSpec, config: TileConfig, tpu: list[str]) -> str:
+    """The module for one config, refused when it reads a name it never defines or imports. Every module
+    this author hands out (implement, each autotune config, each repair) comes through here: such a module
+    would pass the analysis and fail only when the line runs (`NameError: np`, once, on a TPU), so it is a
+    bug of the author's own lowering, reported as such rather than evaluated."""
+    source = render(program, config, tpu)
+    missing = undefined_names(source)
+    if missing:
+        raise AuthorError(
+            f"the generated module reads names it never defines or imports ({', '.join(missing)}) "
+            f"at {config.label()}: a gap in the offline author's lowering, not handed to the harness"
+        )
+    return source
 
 
 def _tried_configs(history: list[Attempt]) -> set[TileConfig]:

@@ -131,9 +131,12 @@ class Axes:
                         self.union(self._node(x, d), self._node(o, d))
             for d in range(len(out.aval.shape)):
                 self.union(self._node(outs[0], d), self._node(outs[1], d))
-            n = self._node(x, axis)
-            if n is not None:
-                self.reduced.add(n)
+            # both the input axis and the k winners must be whole in a block: every round picks across
+            # the whole input axis and writes one of the k slots (a k axis the kernel writes out as it is,
+            # e.g. the indices alone, was otherwise tiled like any output axis and refused)
+            for n in (self._node(x, axis), self._node(out, axis)):
+                if n is not None:
+                    self.reduced.add(n)
         elif name in (
             "reduce_sum",
             "reduce_max",

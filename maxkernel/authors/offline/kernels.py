@@ -573,6 +573,16 @@ class Builder(KernelBuilder):
     def view_classes(self, view: list[SpaceDim]) -> list[Node]:
         return [c for d in view for c in d.classes]
 
+    def kernel_output(self, var: Any) -> bool:
+        """Is `var` written by another kernel of the program? Its transpose into this kernel's view then
+        goes through `lax.optimization_barrier`: free on a TPU (a Pallas call's result has a fixed
+        row-major layout, nothing for XLA to fold the transpose into), but on a CPU, where the harness
+        runs kernels inlined by Pallas's plain interpreter, XLA otherwise folds the transpose into the
+        layout of the producer's dot, and XLA:CPU has no bf16 x bf16 -> f32 dot for that layout
+        (`Unsupported element type for DotThunk::Execute`, top-k gating's transposed router logits)."""
+        p = self.g.producer.get(var)
+        return p is not None and self.low.part.status[p] == "owned"
+
     def to_view_code(self, var: Any, view: list[SpaceDim], name: str) -> list[str]:
         """Lines that turn the value `name` (laid out as the jaxpr var) into its canonical view array."""
         lines: list[str] = []
@@ -595,7 +605,8 @@ class Builder(KernelBuilder):
         present = [classes[i] for i in nonunit]
         perm = sorted(range(len(present)), key=lambda j: order.index(present[j]))
         if perm != list(range(len(present))):
-            lines.append(f"{cur} = jnp.transpose({cur}, {tuple(perm)})")
+            src = f"lax.optimization_barrier({cur})" if self.kernel_output(var) else cur
+            lines.append(f"{cur} = jnp.transpose({src}, {tuple(perm)})")
         present = [present[j] for j in perm]
         # 3. per-class shape with 1s for absent classes, broadcast partially spanned dims, merge
         expanded = []

@@ -11,6 +11,8 @@ import re
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
+
 from maxkernel.authors.offline.dataflow import Graph, is_literal
 from maxkernel.authors.offline.emit import (
     EmitError,
@@ -29,6 +31,8 @@ from maxkernel.authors.offline.trace import Atom, Resolver, Traces, Unsupported,
 
 _OFFSET_FORM = re.compile(r" [-+] \d+$")
 """A grammar expression of the form `dim - k` / `dim + k` (see `trace._candidates`)."""
+MAX_CONSTANT_ELEMS = 4096
+"""The largest captured constant written into a module as a literal (4096 floats: ~40 KB of text)."""
 
 
 class Lowering:
@@ -366,6 +370,40 @@ class Lowering:
                 return True
         return any(v in self.part.region_inputs(r) for r in self.part.regions.values())
 
+    def constant_lines(self) -> list[str]:
+        """Arrays the reference captured (a `np.array` or `np.float32(...)` held in a closure or a module
+        global) are constvars of the jaxpr, read by kernels and glue under a generated name; each is
+        written into `computation` as a literal. Only small ones, and only when every traced configuration
+        captured the same value: a constant built from the input shapes (`np.tril(np.ones((n, n)))`) has
+        no single literal, and a big one belongs in the inputs, not in the module's text."""
+        lines: list[str] = []
+        for k, var in enumerate(self.g.constvars):
+            if var not in self.names:  # no emitted kernel call, glue line or return reads it
+                continue
+            values = [np.asarray(t.consts[k]) for t in self.traces.all]
+            first = values[0]
+            what = f"a constant array {_aval(var)} captured by the reference"
+            if any(
+                v.shape != first.shape or not np.array_equal(v, first, equal_nan=True) for v in values[1:]
+            ):
+                raise Unsupported(f"{what} differs between input configurations (build it from iota instead)")
+            if first.size > MAX_CONSTANT_ELEMS:
+                raise Unsupported(
+                    f"{what} has {first.size} elements; constants are written into the module only up to "
+                    f"{MAX_CONSTANT_ELEMS} (pass it as an input)"
+                )
+            dt = dtype_name(var.aval)
+            try:
+                items = [literal_code(x, dt) for x in first.reshape(-1)]
+                code = dtype_code(dt)
+            except EmitError as exc:
+                raise Unsupported(f"{what}: {exc}") from exc
+            flat = f"jnp.array([{', '.join(items)}], {code})"
+            shape = tuple(int(d) for d in first.shape)
+            expr = flat if len(shape) == 1 else f"{flat}.reshape({shape})"
+            lines.append(f"{self.name_of(var)} = {expr}  # {_aval(var)}, a constant of the reference")
+        return lines
+
     def order(self) -> list[tuple[str, Any]]:
         """Glue equations and regions in an order that respects every dependency (Kahn, by position)."""
         g, part = self.g, self.part
@@ -444,6 +482,7 @@ class Lowering:
                 rets.append(literal_code(v.val, dtype_name(v.aval)))
             else:
                 rets.append(self.name_of(v))
+        body = self.constant_lines() + body  # after the rest: only the constants some code reads
         sig = ", ".join(self.traces.arg_names)
         comp = [f"def computation({sig}):"]
         comp.append(f'    """{self._comp_doc(kernels)}"""')
