@@ -349,10 +349,22 @@ ALSO_JUDGED_ELSEWHERE = {
 }
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in ALSO_JUDGED_ELSEWHERE else n for n in CASES]
-)
-def test_family_is_accepted_by_the_harness(name: str, tasks_root: Path, work: Path) -> None:
+# The families are judged in two files so that `--dist loadfile` can put them on both workers: the
+# elementwise and row-wise ones here, the matmul, attention, conv and the rest in
+# test_offline_author_families.py (each case is a whole harness evaluation).
+ROW_FAMILIES = ("elementwise", "rowwise")
+
+
+def family_cases(here: bool) -> list:
+    """The CASES names judged in this file (`here`) or in the other one, the slow ones marked."""
+    return [
+        pytest.param(n, marks=pytest.mark.slow) if n in ALSO_JUDGED_ELSEWHERE else n
+        for n, (_, family, _) in CASES.items()
+        if (family in ROW_FAMILIES) == here
+    ]
+
+
+def check_family_is_accepted(name: str, tasks_root: Path, work: Path) -> None:
     body, family, atol = CASES[name]
     task = load_task(make_task(tasks_root, name, body, atol), work_dir=work)
     author = OfflineAuthor()
@@ -366,6 +378,11 @@ def test_family_is_accepted_by_the_harness(name: str, tasks_root: Path, work: Pa
     assert result.accepted, (result.error, draft.source)
     assert result.uses_pallas and result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)
+
+
+@pytest.mark.parametrize("name", family_cases(here=True))
+def test_family_is_accepted_by_the_harness(name: str, tasks_root: Path, work: Path) -> None:
+    check_family_is_accepted(name, tasks_root, work)
 
 
 @pytest.mark.parametrize(
