@@ -341,7 +341,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 ALSO_JUDGED_ELSEWHERE = {
     # causal attention at an odd sequence: test_attention_gqa.py's gqa_odd (causal, 200 tokens, same TPU shape)
     "causal_attention_odd_seq",
-    # non-causal attention: test_attention_unaligned.py; grouped heads: test_attention_gqa.py (both cases)
+    # non-causal attention: test_attention_unaligned.py; grouped heads: test_attention_gqa.py (gqa_odd)
     "gqa_attention",
     # a matmul with a row reduction of its output: test_offline_matmul_softmax.py (whole rows in VMEM), and
     # test_offline_online_lse.py's linear_logsumexp_f32 (streamed across N blocks)
