@@ -339,7 +339,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # Cases whose family and shape class another default test already takes through the real harness; they run
 # with `-m slow` (each is a whole evaluation, 40-100 s on a loaded 2-core machine):
 ALSO_JUDGED_ELSEWHERE = {
-    # causal attention at an odd sequence: test_attention_gqa.py's gqa_odd (causal, 200 tokens, same TPU shape)
+    # causal attention at an odd sequence: test_attention_gqa.py's gqa_odd (causal, 200 tokens; 2048 on TPU)
     "causal_attention_odd_seq",
     # non-causal attention: test_attention_unaligned.py; grouped heads: test_attention_gqa.py (gqa_odd)
     "gqa_attention",

@@ -77,8 +77,9 @@ def _task(root: Path, name: str) -> Path:
     return d
 
 
-# The default run judges colsum_unaligned (the same reference: M's last block overhangs, N is not a multiple of
-# 128) and the batched column max; colsum_aligned runs with `-m slow`: each case is a whole harness evaluation.
+# The default run judges colsum_unaligned (the same reference: M's last block overhangs, N is not a multiple
+# of 128) and the batched column max; colsum_aligned runs with `-m slow`: each case is a whole harness
+# evaluation.
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.slow) if n == "colsum_aligned" else n for n in CASES]
 )
