@@ -337,7 +337,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # Cases whose family and shape class another default test already takes through the real harness; they run
-# with `-m slow` (each is a whole evaluation, 40-100 s on a loaded 2-core machine):
+# with `-m slow` (each a whole evaluation: 39-49 s alone at a load of 12 on 2 cores):
 ALSO_JUDGED_ELSEWHERE = {
     # causal attention at an odd sequence: test_attention_gqa.py's gqa_odd (causal, 200 tokens; 2048 on TPU)
     "causal_attention_odd_seq",

@@ -156,9 +156,11 @@ def test_offline_author_searches_in_parallel(tmp_path: Path) -> None:
     check_outputs(tmp_path / "parallel" / "out")
 
 
-@pytest.mark.slow  # ~90 s: a second whole offline search; the default run keeps beam search's pruning and
-# expansion with the scripted model (test_beam_search_prunes_children_that_do_not_beat_their_parent) and the
-# offline author's strategy variants in a search (test_offline_author_searches_in_parallel)
+# A second whole offline search (76 s alone at a load of 10 on 2 cores) runs with `-m slow`; the default run
+# keeps beam search's pruning and expansion with the scripted model
+# (test_beam_search_prunes_children_that_do_not_beat_their_parent) and the offline author's strategy variants
+# in a search (test_offline_author_searches_in_parallel).
+@pytest.mark.slow
 def test_offline_author_beam_search(tmp_path: Path) -> None:
     final = _offline_search(tmp_path, "beam")
     tree = check_outputs(tmp_path / "beam" / "out")
