@@ -56,7 +56,12 @@ def _synthesize(name: str, work: Path) -> tuple[str, object]:
     return synthesize_once(_SYNTHESIZED, name, CASES[name], work)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# The default run judges the odd case (700 keys: two key blocks of 512, the last one padded);
+# lengths_aligned (the same kernel at 1024 keys, nothing padded) runs with `-m slow`: each case is a whole
+# harness evaluation.
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "lengths_aligned" else n for n in CASES]
+)
 def test_length_clamped_attention_is_correct_and_compiles(name: str, work: Path) -> None:
     source, task = _synthesize(name, work)
     assert "PrefetchScalarGridSpec" in source and "kv_last_ref[" in source

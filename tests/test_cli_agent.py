@@ -80,8 +80,10 @@ def test_wrong_resume_option_is_a_usage_error(tmp_path: Path) -> None:
 
 
 def test_kill_9_then_resume_reruns_no_finished_evaluation(tmp_path: Path) -> None:
+    # One round, as in test_postgres's kill test: its implementation and three tuned configs leave work to do
+    # after the second evaluation, when the kill comes; a second round only added evaluations nothing reads.
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "maxkernel.cli", "optimize", str(TASK), "--model", "offline", "--iterations", "2",
+    cmd = [sys.executable, "-m", "maxkernel.cli", "optimize", str(TASK), "--model", "offline", "--iterations", "1",
            "--tpu", "v5e", "--tune-configs", "3", "--out", str(out), "--thread-id", "kill-1", *files(tmp_path)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     store_path = tmp_path / "store.db"

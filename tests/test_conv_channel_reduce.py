@@ -11,16 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.experimental.pallas import tpu as pltpu
-
-import maxkernel.tools.tpu_specs  # noqa: F401 - lets compile-only libtpu load next to other processes
-from maxkernel.authors.offline.lower import lower_program
-from maxkernel.authors.offline.render import render, undefined_names
-from maxkernel.authors.offline.trace import Config, trace_reference
-from maxkernel.authors.offline.tuning import default_config
-from maxkernel.tools.estimate import topology_device
-
-TPU = ["v5e", "v6e"]
+from offline_helpers import check_interpreted, check_on_normal_inputs, compiles_at, conv_program, load_module
 
 
 def conv3d_softmax(x, w, b):
@@ -72,31 +63,14 @@ CASES = [
 
 @pytest.mark.parametrize(("fn", "names", "shapes"), CASES, ids=["conv3d_softmax", "depthwise_layernorm"])
 def test_channel_reduction_in_the_conv_epilogue(fn, names, shapes) -> None:
-    configs = [Config(dynamic=[(s, "bfloat16") for s in case], static=[]) for case in shapes]
-    program = lower_program(trace_reference(fn, configs, names, direct_conv=True), "t")
+    program = conv_program(fn, shapes, "bfloat16", names)
     assert [k.family for k in program.kernels] == ["conv"]  # no row-wise kernel reading the conv output back
     code = program.kernels[0].code
     assert "axis=-1, keepdims=True" in code and "bo = n_out  # every channel in one block" in code
-    src = render(program, default_config(program, TPU), TPU)
-    assert undefined_names(src) == []
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
-    kernel = ns["computation"]
+    _, kernel = load_module(program)
     rng = np.random.default_rng(11)
-    for case in shapes[1:]:
-        args = [jnp.asarray(0.5 * rng.standard_normal(s), jnp.bfloat16) for s in case]
-        with pltpu.force_tpu_interpret_mode():
-            got = kernel(*args)
-        want = fn(*args)
-        assert got.shape == want.shape and got.dtype == want.dtype
-        np.testing.assert_allclose(
-            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2
-        )
-    for gen in TPU:
-        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
-        for case in shapes[1:]:
-            avals = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in case]
-            jax.jit(kernel).trace(*avals).lower().compile()
+    check_on_normal_inputs(fn, kernel, shapes[1:], jnp.bfloat16, rng, atol=2e-2, rtol=2e-2)
+    compiles_at(kernel, shapes[1:], jnp.bfloat16)
 
 
 def test_a_per_pixel_value_needed_outside_keeps_the_row_wise_kernel() -> None:
@@ -115,13 +89,6 @@ def test_a_per_pixel_value_needed_outside_keeps_the_row_wise_kernel() -> None:
         return jax.nn.softmax(y, axis=-1), jnp.max(y, axis=-1)
 
     shapes = [((2, 16, 16, 64), (3, 3, 64, 128)), ((1, 5, 7, 3), (3, 3, 3, 5))]
-    configs = [Config(dynamic=[(s, "float32") for s in case], static=[]) for case in shapes]
-    program = lower_program(trace_reference(softmax_and_max, configs, ["x", "w"], direct_conv=True), "t")
-    src = render(program, default_config(program, TPU), TPU)
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
+    _, kernel = load_module(conv_program(softmax_and_max, shapes, "float32", ["x", "w"]))
     args = [jnp.asarray(np.random.default_rng(2).standard_normal(s), jnp.float32) for s in shapes[1]]
-    with pltpu.force_tpu_interpret_mode():
-        got = ns["computation"](*args)
-    for g, w in zip(got, softmax_and_max(*args), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+    check_interpreted(softmax_and_max, kernel, args, atol=1e-4, rtol=1e-4)

@@ -15,18 +15,11 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
+from offline_helpers import check_on_normal_inputs, compiles_at, conv_program, load_module
 
-import maxkernel.tools.tpu_specs  # noqa: F401 - lets compile-only libtpu load next to other processes
 from maxkernel.authors.offline.conv_epilogue import ConvOut
 from maxkernel.authors.offline.conv_pool import pool_split, window_axes
-from maxkernel.authors.offline.lower import lower_program
-from maxkernel.authors.offline.render import render, undefined_names
-from maxkernel.authors.offline.trace import Config, trace_reference
-from maxkernel.authors.offline.tuning import default_config
-from maxkernel.tools.estimate import estimate_pallas, topology_device
-
-TPU = ["v5e", "v6e"]
+from maxkernel.tools.estimate import estimate_pallas
 
 
 def conv_hardswish_avgpool(x, w, b):
@@ -115,14 +108,9 @@ CASES = [
     ("fn", "shapes"), CASES, ids=["avg_2x2", "max_rows", "softmax_max_2x2x2", "avg_2x2x2"]
 )
 def test_pool_in_the_conv_kernel(fn, shapes) -> None:
-    configs = [Config(dynamic=[(s, "bfloat16") for s in case], static=[]) for case in shapes]
-    program = lower_program(trace_reference(fn, configs, ["x", "w", "b"], direct_conv=True), "t")
+    program = conv_program(fn, shapes, "bfloat16")
     assert [k.family for k in program.kernels] == ["conv"]  # no row-wise pool kernel after it
-    src = render(program, default_config(program, TPU), TPU)
-    assert undefined_names(src) == []
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
-    kernel = ns["computation"]
+    _, kernel = load_module(program)
     # HBM: the input once (plus halo and weights) and the pooled output, never the full-size conv result
     big = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes[0]]
     (call,) = estimate_pallas(jax.make_jaxpr(kernel)(*big), "v5e").pallas_calls
@@ -134,20 +122,8 @@ def test_pool_in_the_conv_kernel(fn, shapes) -> None:
     )
     assert call.est_hbm_bytes < 1.5 * x_bytes + 0.5 * full_out_f32
     rng = np.random.default_rng(17)
-    for case in shapes[1:]:
-        args = [jnp.asarray(0.5 * rng.standard_normal(s), jnp.bfloat16) for s in case]
-        with pltpu.force_tpu_interpret_mode():
-            got = kernel(*args)
-        want = fn(*args)
-        assert got.shape == want.shape and got.dtype == want.dtype
-        np.testing.assert_allclose(
-            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=5e-2, rtol=2e-2
-        )
-    for gen in TPU:
-        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
-        for case in shapes[1:]:
-            avals = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in case]
-            jax.jit(kernel).trace(*avals).lower().compile()
+    check_on_normal_inputs(fn, kernel, shapes[1:], jnp.bfloat16, rng, atol=5e-2, rtol=2e-2)
+    compiles_at(kernel, shapes[1:], jnp.bfloat16)
 
 
 def test_pool_split_reads_windows_from_the_reshape() -> None:

@@ -77,7 +77,12 @@ def _task(root: Path, name: str) -> Path:
     return d
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# The default run judges colsum_unaligned (the same reference: M's last block overhangs, N is not a multiple
+# of 128) and the batched column max; colsum_aligned runs with `-m slow`: each case is a whole harness
+# evaluation.
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "colsum_aligned" else n for n in CASES]
+)
 def test_column_reduction_runs_in_the_matmul_epilogue(name: str, tmp_path: Path) -> None:
     _, _, small = CASES[name]
     task = load_task(_task(tmp_path / "tasks", name), work_dir=tmp_path)

@@ -10,18 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.experimental.pallas import tpu as pltpu
+from offline_helpers import (
+    TPU,
+    check_interpreted,
+    check_on_normal_inputs,
+    compiles_at,
+    conv_program,
+    load_module,
+)
 
-import maxkernel.tools.tpu_specs  # noqa: F401 - lets compile-only libtpu load next to other processes
 from maxkernel.authors.offline.conv_kernel import MXU_DEPTHS, merged_dims, padded_depth
-from maxkernel.authors.offline.lower import lower_program
-from maxkernel.authors.offline.render import render, undefined_names
 from maxkernel.authors.offline.spec import block_for
-from maxkernel.authors.offline.trace import Config, trace_reference
 from maxkernel.authors.offline.tuning import default_config
-from maxkernel.tools.estimate import estimate_pallas, topology_device
-
-TPU = ["v5e", "v6e"]
+from maxkernel.tools.estimate import estimate_pallas
 
 
 def conv_relu_f32(x, w):
@@ -40,8 +41,7 @@ SHAPES = [
 
 
 def _program():
-    configs = [Config(dynamic=[(x, "float32"), (w, "float32")], static=[]) for x, w in SHAPES]
-    return lower_program(trace_reference(conv_relu_f32, configs, ["x", "w"], direct_conv=True), "t")
+    return conv_program(conv_relu_f32, SHAPES, "float32", ["x", "w"])
 
 
 def test_channel_block_fills_the_widest_mxu_and_stays_correct() -> None:
@@ -52,11 +52,7 @@ def test_channel_block_fills_the_widest_mxu_and_stays_correct() -> None:
     block_rows = next(v for k, v in config.items() if k.endswith("block_rows"))
     assert block_o == 256  # not 128: v6e's 256-wide MXU would run at half rate
     assert 56 % block_for(56, block_rows, 1) == 0  # the run-time row block divides the rows: no padding
-    src = render(program, default_config(program, TPU), TPU)
-    assert undefined_names(src) == []
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
-    kernel = ns["computation"]
+    _, kernel = load_module(program)
     # the block model on v6e: no N padding of the tap matmuls
     (call,) = estimate_pallas(
         jax.make_jaxpr(kernel)(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES[0])), "v6e"
@@ -66,13 +62,8 @@ def test_channel_block_fills_the_widest_mxu_and_stays_correct() -> None:
     for xs, ws in SHAPES[1:]:
         x = jnp.asarray(rng.standard_normal(xs), jnp.float32)
         w = jnp.asarray(0.2 * rng.standard_normal(ws), jnp.float32)
-        with pltpu.force_tpu_interpret_mode():
-            got = kernel(x, w)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(conv_relu_f32(x, w)), atol=1e-4, rtol=1e-4)
-    for gen in TPU:
-        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
-        avals = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in SHAPES[1]]
-        jax.jit(kernel).trace(*avals).lower().compile()
+        check_interpreted(conv_relu_f32, kernel, (x, w), atol=1e-4, rtol=1e-4)
+    compiles_at(kernel, SHAPES[1:2], jnp.float32)
 
 
 def conv_bias_f32(x, w, b):
@@ -125,13 +116,9 @@ def test_taps_side_by_side_when_channels_do_not_fill_the_mxu() -> None:
     assert "jnp.concatenate" not in _program().kernels[0].code
     rng = np.random.default_rng(5)
     for fn, shapes, depth in MERGED_CASES:
-        configs = [Config(dynamic=[(s, "float32") for s in case], static=[]) for case in shapes]
-        program = lower_program(trace_reference(fn, configs, ["x", "w", "b"], direct_conv=True), "t")
+        program = conv_program(fn, shapes, "float32")
         assert program.kernels[0].family == "conv" and "jnp.concatenate" in program.kernels[0].code
-        src = render(program, default_config(program, TPU), TPU)
-        ns: dict = {}
-        exec(compile(src, "generated", "exec"), ns)
-        kernel = ns["computation"]
+        _, kernel = load_module(program)
         big = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes[0]]
         call = estimate_pallas(jax.make_jaxpr(kernel)(*big), "v6e").pallas_calls[0]
         k_pad = -(-depth // 256) * 256
@@ -140,15 +127,8 @@ def test_taps_side_by_side_when_channels_do_not_fill_the_mxu() -> None:
         assert call.est_mxu_padded_flops == pytest.approx(
             call.est_mxu_flops * (k_pad / depth) * (n_pad / n_out)
         )
-        for case in shapes[1:]:
-            args = [jnp.asarray(0.3 * rng.standard_normal(s), jnp.float32) for s in case]
-            with pltpu.force_tpu_interpret_mode():
-                got = kernel(*args)
-            np.testing.assert_allclose(np.asarray(got), np.asarray(fn(*args)), atol=1e-4, rtol=1e-4)
-        for gen in TPU:
-            sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
-            avals = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes[1]]
-            jax.jit(kernel).trace(*avals).lower().compile()
+        check_on_normal_inputs(fn, kernel, shapes[1:], jnp.float32, rng, scale=0.3, atol=1e-4, rtol=1e-4)
+        compiles_at(kernel, shapes[1:2], jnp.float32)
 
 
 @pytest.mark.parametrize(
@@ -184,30 +164,16 @@ def test_all_taps_side_by_side_bf16() -> None:
         ((1, 8, 16, 96), (3, 3, 96, 192), (192,)),
         ((2, 7, 9, 5), (3, 3, 5, 6), (6,)),
     ]
-    configs = [Config(dynamic=[(s, "bfloat16") for s in case], static=[]) for case in shapes]
-    program = lower_program(trace_reference(conv_bias_bf16, configs, ["x", "w", "b"], direct_conv=True), "t")
+    program = conv_program(conv_bias_bf16, shapes, "bfloat16")
     assert "for kh in range(n_kh) for kw in range(n_kw)" in program.kernels[0].code
-    src = render(program, default_config(program, TPU), TPU)
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
-    kernel = ns["computation"]
+    _, kernel = load_module(program)
     big = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes[0]]
     for gen, k_pad in (("v5e", 896), ("v6e", 1024)):
         call = estimate_pallas(jax.make_jaxpr(kernel)(*big), gen).pallas_calls[0]
         assert call.est_mxu_padded_flops == pytest.approx(call.est_mxu_flops * (k_pad / 864) * (256 / 192))
     rng = np.random.default_rng(7)
-    for case in shapes[1:]:
-        args = [jnp.asarray(0.5 * rng.standard_normal(s), jnp.bfloat16) for s in case]
-        with pltpu.force_tpu_interpret_mode():
-            got = kernel(*args)
-        np.testing.assert_allclose(
-            np.asarray(got, np.float32), np.asarray(conv_bias_bf16(*args), np.float32), atol=3e-2, rtol=3e-2
-        )
-    for gen in TPU:
-        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
-        for case in shapes[1:]:
-            avals = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in case]
-            jax.jit(kernel).trace(*avals).lower().compile()
+    check_on_normal_inputs(conv_bias_bf16, kernel, shapes[1:], jnp.bfloat16, rng, atol=3e-2, rtol=3e-2)
+    compiles_at(kernel, shapes[1:], jnp.bfloat16)
 
 
 def depthwise_bias_bf16(x, w, b):
@@ -233,30 +199,11 @@ def test_depthwise_bf16_converts_its_block_once() -> None:
         ((1, 8, 16, 128), (7, 7, 1, 128), (128,)),
         ((2, 5, 9, 256), (7, 7, 1, 256), (256,)),
     ]
-    configs = [Config(dynamic=[(s, "bfloat16") for s in case], static=[]) for case in shapes]
-    program = lower_program(
-        trace_reference(depthwise_bias_bf16, configs, ["x", "w", "b"], direct_conv=True), "t"
-    )
+    program = conv_program(depthwise_bias_bf16, shapes, "bfloat16")
     code = program.kernels[0].code
     assert "xs_ref[...] = x_ref[0].astype(jnp.float32)" in code and "window = xs_ref[" in code
     assert "n_ow_p = _round_up(n_ow, 8)" in code
-    src = render(program, default_config(program, TPU), TPU)
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
-    kernel = ns["computation"]
+    _, kernel = load_module(program)
     rng = np.random.default_rng(13)
-    for case in shapes[1:]:
-        args = [jnp.asarray(0.5 * rng.standard_normal(s), jnp.bfloat16) for s in case]
-        with pltpu.force_tpu_interpret_mode():
-            got = kernel(*args)
-        np.testing.assert_allclose(
-            np.asarray(got, np.float32),
-            np.asarray(depthwise_bias_bf16(*args), np.float32),
-            atol=2e-2,
-            rtol=2e-2,
-        )
-    for gen in TPU:
-        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
-        for case in shapes[1:]:
-            avals = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in case]
-            jax.jit(kernel).trace(*avals).lower().compile()
+    check_on_normal_inputs(depthwise_bias_bf16, kernel, shapes[1:], jnp.bfloat16, rng, atol=2e-2, rtol=2e-2)
+    compiles_at(kernel, shapes[1:], jnp.bfloat16)

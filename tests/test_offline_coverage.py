@@ -10,14 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from offline_helpers import check_interpreted, compiles
 
 import maxkernel.tools.tpu_specs  # noqa: F401 - lets compile-only libtpu load next to other processes
 from maxkernel.authors.offline.lower import lower_program
 from maxkernel.authors.offline.render import render, undefined_names
 from maxkernel.authors.offline.trace import Config, flatten, trace_reference
 from maxkernel.authors.offline.tuning import default_config
-from maxkernel.tools.estimate import topology_device
-from tests.offline_helpers import check_interpreted
 
 TPU = ["v5e", "v6e"]
 
@@ -33,13 +32,6 @@ def _module(fn, configs: list[Config], names: list[str]):
 
 def _cfg(*arrays: tuple[tuple[int, ...], str]) -> Config:
     return Config(dynamic=list(arrays), static=[])
-
-
-def _compiles(kernel, specs: list[tuple[tuple[int, ...], object]]) -> None:
-    for gen in TPU:
-        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
-        avals = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in specs]
-        jax.jit(kernel).trace(*avals).lower().compile()
 
 
 def linear_recurrence(states, decay):
@@ -67,7 +59,7 @@ def test_scan_with_a_carry_is_one_sequential_kernel() -> None:
         st = rng.standard_normal(shape).astype(np.float32)
         dec = rng.uniform(0.5, 1.0, shape[:3]).astype(np.float32)
         check_interpreted(linear_recurrence, kernel, (st, dec))
-    _compiles(kernel, [((6, 2, 4, 16, 128), jnp.float32), ((6, 2, 4), jnp.float32)])
+    compiles(kernel, [((6, 2, 4, 16, 128), jnp.float32), ((6, 2, 4), jnp.float32)])
 
 
 def reverse_running_max(x):
@@ -85,7 +77,7 @@ def test_reverse_scan_walks_backwards() -> None:
     rng = np.random.default_rng(1)
     for shape in [(8, 16, 128), (3, 5, 7)]:
         check_interpreted(reverse_running_max, kernel, (rng.standard_normal(shape).astype(np.float32),))
-    _compiles(kernel, [((8, 16, 128), jnp.float32)])
+    compiles(kernel, [((8, 16, 128), jnp.float32)])
 
 
 def chunk_decay(dt, a):
@@ -105,7 +97,7 @@ def test_cumsum_becomes_a_masked_reduction_inside_a_kernel() -> None:
         dt = rng.uniform(0, 0.1, s).astype(np.float32)
         a = -rng.uniform(0.5, 2, s[-1:]).astype(np.float32)
         check_interpreted(chunk_decay, kernel, (dt, a))
-    _compiles(kernel, [((16, 128, 8), jnp.float32), ((8,), jnp.float32)])
+    compiles(kernel, [((16, 128, 8), jnp.float32), ((8,), jnp.float32)])
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -128,7 +120,7 @@ def test_searchsorted_and_integer_cumsum_become_counts(side: str) -> None:
         (np.array([5, 32, 0], np.int32), (37, 5)),
     ]:
         check_interpreted(row_group, kernel, (sizes, rng.standard_normal(shape).astype(np.float32)))
-    _compiles(kernel, [((4,), jnp.int32), ((64, 128), jnp.float32)])
+    compiles(kernel, [((4,), jnp.int32), ((64, 128), jnp.float32)])
 
 
 def scatter_rows(x, idx, u, c):
@@ -163,7 +155,7 @@ def test_small_scatters_become_one_hot_reductions() -> None:
         x = rng.standard_normal(shape).astype(np.float32)
         u = rng.standard_normal((len(idx), shape[1])).astype(np.float32)
         check_interpreted(scatter_rows, kernel, (x, idx, u, c))
-    _compiles(
+    compiles(
         kernel,
         [((16, 128), jnp.float32), ((5,), jnp.int32), ((5, 128), jnp.float32), ((6,), jnp.int32)],
     )
@@ -209,7 +201,7 @@ def test_stride_one_convolutions_are_direct_kernels_without_im2col(fn, shapes, d
             x = jnp.asarray(rng.standard_normal(xs), dtype)
             w = jnp.asarray(0.2 * rng.standard_normal(ws), dtype)
             check_interpreted(fn, ns["computation"], (x, w), atol=atol)
-        _compiles(ns["computation"], [(shapes[0][0], jnp.dtype(dtype)), (shapes[0][1], jnp.dtype(dtype))])
+        compiles(ns["computation"], [(shapes[0][0], jnp.dtype(dtype)), (shapes[0][1], jnp.dtype(dtype))])
 
 
 def test_strided_convolutions_keep_the_patches_path() -> None:

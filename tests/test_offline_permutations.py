@@ -8,14 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from offline_helpers import check_interpreted, compiles
 
 import maxkernel.tools.tpu_specs  # noqa: F401 - lets compile-only libtpu load next to other processes
 from maxkernel.authors.offline.lower import lower_program
 from maxkernel.authors.offline.render import render, undefined_names
 from maxkernel.authors.offline.trace import Config, flatten, trace_reference
 from maxkernel.authors.offline.tuning import default_config
-from maxkernel.tools.estimate import topology_device
-from tests.offline_helpers import check_interpreted
 
 TPU = ["v5e", "v6e"]
 
@@ -27,13 +26,6 @@ def _module(fn, configs: list[Config], names: list[str]):
     ns: dict = {}
     exec(compile(src, "generated", "exec"), ns)
     return program, ns["computation"]
-
-
-def _compiles(kernel, specs) -> None:
-    for gen in TPU:
-        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
-        avals = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in specs]
-        jax.jit(kernel).trace(*avals).lower().compile()
 
 
 def _prims(fn, specs) -> set[str]:
@@ -59,7 +51,7 @@ def test_argsort_becomes_ranks_and_the_scatter_back_a_gather() -> None:
         keys = rng.integers(0, hi, ks).astype(np.int32)
         y = rng.standard_normal(ys).astype(np.float32)
         check_interpreted(dispatch_and_return, kernel, (keys, y), atol=1e-6)
-    _compiles(kernel, [((128,), jnp.int32), ((128, 128), jnp.float32)])
+    compiles(kernel, [((128,), jnp.int32), ((128, 128), jnp.float32)])
 
 
 def tgmm(lhs, rhs, group_sizes):
@@ -92,7 +84,7 @@ def test_per_group_masked_dots_become_one_ragged_contraction(m, k, n, sizes) -> 
     lhs = rng.standard_normal((m, k)).astype(np.float32)
     rhs = rng.standard_normal((m, n)).astype(np.float32)
     check_interpreted(tgmm, kernel, (lhs, rhs, np.array(sizes, np.int32)), atol=1e-4)
-    _compiles(kernel, [((m, k), jnp.float32), ((m, n), jnp.float32), ((g,), jnp.int32)])
+    compiles(kernel, [((m, k), jnp.float32), ((m, n), jnp.float32), ((g,), jnp.int32)])
 
 
 def linear_cross_entropy(h, w, labels):
@@ -116,7 +108,7 @@ def test_label_logit_is_picked_in_the_matmul_epilogue(t, d, v) -> None:
     w = jnp.asarray(rng.standard_normal((d, v)) * d**-0.5, jnp.bfloat16)
     labels = rng.integers(0, v, t).astype(np.int32)
     check_interpreted(linear_cross_entropy, kernel, (h, w, labels), atol=1e-3)
-    _compiles(kernel, [((t, d), jnp.bfloat16), ((d, v), jnp.bfloat16), ((t,), jnp.int32)])
+    compiles(kernel, [((t, d), jnp.bfloat16), ((d, v), jnp.bfloat16), ((t,), jnp.int32)])
 
 
 def grouped(lhs, rhs, group_sizes):
@@ -151,7 +143,7 @@ def test_grouped_matmul_row_blocks_visit_only_their_groups(m, k, n, sizes, bm) -
     lhs = rng.standard_normal((m, k)).astype(np.float32)
     rhs = (rng.standard_normal((g, k, n)) * k**-0.5).astype(np.float32)
     check_interpreted(grouped, kernel, (lhs, rhs, np.array(sizes, np.int32)), atol=2e-2)
-    _compiles(kernel, [((m, k), jnp.float32), ((g, k, n), jnp.float32), ((g,), jnp.int32)])
+    compiles(kernel, [((m, k), jnp.float32), ((g, k, n), jnp.float32), ((g,), jnp.int32)])
 
 
 def route_and_return(logits, y, top_k):
@@ -200,7 +192,7 @@ def test_small_range_keys_sort_by_counting_in_linear_work(t, e, top_k, monkeypat
     if (
         t % 128 == 0
     ):  # the AOT compile once (30 kernels, two generations): the odd case differs only in padding
-        _compiles(kernel, [((t, e), jnp.float32), ((t, d), jnp.float32)])
+        compiles(kernel, [((t, e), jnp.float32), ((t, d), jnp.float32)])
 
 
 def test_a_kernel_far_beyond_vmem_is_refused_not_compiled() -> None:

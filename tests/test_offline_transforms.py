@@ -80,7 +80,13 @@ def accepted_source(task_dir: Path, work: Path) -> str:
     return src
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# The cross-entropy cases run with `-m slow`: test_offline_online_lse.py takes the same cross-entropy
+# through the harness at the same aligned shape (ce_aligned, with the bf16 gather of the label's logit) and at
+# an odd vocabulary (ce_scaled_unaligned, the overhanging last block masked); the default run keeps the
+# online log-sum-exp at an odd shape here.
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("ce_") else n for n in CASES]
+)
 def test_online_logsumexp_is_one_streamed_pass(name: str, tmp_path: Path) -> None:
     body, shapes = CASES[name]
     task = load_task(make_task(tmp_path, name, body.replace("{shapes}", shapes)), work_dir=tmp_path)

@@ -136,25 +136,33 @@ def test_killed_search_resumes_without_rerunning_finished_branches(tmp_path: Pat
     check_outputs(tmp_path / "out")
 
 
-def test_offline_author_searches_parallel_and_beam(tmp_path: Path) -> None:
-    """The offline author maps strategies to concrete variants (the strategy's preferred tile config)."""
+def _offline_search(tmp_path: Path, algorithm: str) -> dict:
     graph = compile_search(sqlite_checkpointer(tmp_path / "checkpoints.sqlite"))
     ctx = Context(
         model="offline", tpu=["v5e"], store_path=str(tmp_path / "results.db"), work_dir=str(tmp_path / "w")
     )
-    par = graph.invoke(
-        inputs(tmp_path / "par", "parallel", tune_max_configs=2),
-        {"configurable": {"thread_id": "op"}},
+    return graph.invoke(
+        inputs(tmp_path / algorithm, algorithm, tune_max_configs=2),
+        {"configurable": {"thread_id": f"offline-{algorithm}"}},
         context=ctx,
     )
-    nodes = latest_nodes(par["nodes"])
+
+
+def test_offline_author_searches_in_parallel(tmp_path: Path) -> None:
+    """The offline author maps strategies to concrete variants (the strategy's preferred tile config)."""
+    final = _offline_search(tmp_path, "parallel")
+    nodes = latest_nodes(final["nodes"])
     assert all(n.accepted and n.score_kind == "estimated" for n in nodes)
-    check_outputs(tmp_path / "par" / "out")
-    beam = graph.invoke(
-        inputs(tmp_path / "beam", "beam", tune_max_configs=2),
-        {"configurable": {"thread_id": "ob"}},
-        context=ctx,
-    )
+    check_outputs(tmp_path / "parallel" / "out")
+
+
+# A second whole offline search (76 s alone at a load of 10 on 2 cores) runs with `-m slow`; the default run
+# keeps beam search's pruning and expansion with the scripted model
+# (test_beam_search_prunes_children_that_do_not_beat_their_parent) and the offline author's strategy variants
+# in a search (test_offline_author_searches_in_parallel).
+@pytest.mark.slow
+def test_offline_author_beam_search(tmp_path: Path) -> None:
+    final = _offline_search(tmp_path, "beam")
     tree = check_outputs(tmp_path / "beam" / "out")
     assert {n["depth"] for n in tree["nodes"]} == {0, 1}
-    assert beam["best"].accepted
+    assert final["best"].accepted
