@@ -132,3 +132,24 @@ def test_narrow_rows_take_larger_row_blocks() -> None:
     assert call.est_grid_steps <= rows // 1024, call.est_grid_steps  # was rows // 256 = 196 steps
     assert call.est_overhead_seconds < call.est_memory_seconds  # the pass over HBM, not the steps, dominates
     _compiles(kernel, BN_BIG, jnp.bfloat16)
+
+
+def channel_mean(t):
+    """A batch norm's mean over (N, H, W) of a 64-channel activation."""
+    return jnp.mean(t, axis=(0, 1, 2), keepdims=True)
+
+
+STATS_SHAPES = [[(32, 56, 56, 64)], [(1, 5, 7, 64)], [(2, 3, 9, 64)]]
+
+
+def test_streamed_reduction_over_short_lanes_reads_the_input_as_it_lies() -> None:
+    """The reduced (N, H, W) rows stay on sublanes and the 64 channels on lanes: putting the long reduced
+    axis on the lanes transposed the whole activation in HBM first, a read and a write more than the pass."""
+    program, kernel = _module(channel_mean, STATS_SHAPES, ["t"])
+    (spec,) = program.kernels
+    assert spec.family == "reduction"
+    assert "jnp.transpose" not in spec.code
+    rng = np.random.default_rng(2)
+    for (shape,) in STATS_SHAPES[1:]:
+        check_interpreted(channel_mean, kernel, [rng.standard_normal(shape).astype(np.float32)])
+    _compiles(kernel, STATS_SHAPES[0])
