@@ -103,3 +103,53 @@ def test_a_transpose_between_kernels_is_glue_not_a_copy_kernel(shapes) -> None:
     args[1] = rng.uniform(0.5, 1.0, shapes[1]).astype(np.float32)
     check_interpreted(stacked_states_read_back, kernel, args, atol=1e-4)
     _compiles(kernel, shapes)
+
+
+def batch_norm_apply(x, mean, rstd, gamma, beta):
+    """A batch norm's normalisation after a conv (NHWC, per-channel statistics), then ReLU."""
+    return jax.nn.relu((x - mean) * rstd * gamma + beta)
+
+
+BN_BIG = [(16, 56, 56, 64), (64,), (64,), (64,), (64,)]
+BN_ODD = [(1, 5, 7, 64), (64,), (64,), (64,), (64,)]
+
+
+def test_narrow_rows_take_larger_row_blocks() -> None:
+    """64 channels of bf16 are 128 bytes a row: 256-row blocks moved 32 KiB per step, and the per-step
+    overhead cost as much as the pass over HBM. The row block grows to ~1 MiB of input per step."""
+    program, kernel = _module(
+        batch_norm_apply, [BN_BIG, BN_ODD], ["x", "mean", "rstd", "gamma", "beta"], "bfloat16"
+    )
+    assert [k.family for k in program.kernels] == ["elementwise"]
+    rng = np.random.default_rng(1)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in BN_ODD]
+    check_interpreted(batch_norm_apply, kernel, args, atol=6e-2)
+    est = estimate_pallas(
+        jax.make_jaxpr(kernel)(*[jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in BN_BIG]), "v6e"
+    )
+    (call,) = est.pallas_calls
+    rows = 16 * 56 * 56
+    assert call.est_grid_steps <= rows // 1024, call.est_grid_steps  # was rows // 256 = 196 steps
+    assert call.est_overhead_seconds < call.est_memory_seconds  # the pass over HBM, not the steps, dominates
+    _compiles(kernel, BN_BIG, jnp.bfloat16)
+
+
+def channel_mean(t):
+    """A batch norm's mean over (N, H, W) of a 64-channel activation."""
+    return jnp.mean(t, axis=(0, 1, 2), keepdims=True)
+
+
+STATS_SHAPES = [[(32, 56, 56, 64)], [(1, 5, 7, 64)], [(2, 3, 9, 64)]]
+
+
+def test_streamed_reduction_over_short_lanes_reads_the_input_as_it_lies() -> None:
+    """The reduced (N, H, W) rows stay on sublanes and the 64 channels on lanes: putting the long reduced
+    axis on the lanes transposed the whole activation in HBM first, a read and a write more than the pass."""
+    program, kernel = _module(channel_mean, STATS_SHAPES, ["t"])
+    (spec,) = program.kernels
+    assert spec.family == "reduction"
+    assert "jnp.transpose" not in spec.code
+    rng = np.random.default_rng(2)
+    for (shape,) in STATS_SHAPES[1:]:
+        check_interpreted(channel_mean, kernel, [rng.standard_normal(shape).astype(np.float32)])
+    _compiles(kernel, STATS_SHAPES[0])

@@ -71,6 +71,9 @@ class AttentionBuilder(Builder):
         lfree = [ax.cls(lhs, d) for d in range(len(lhs.aval.shape)) if d not in contract and d not in batch]
         lfree = [c for c in lfree if c is not None]
         q_cls = lfree[-1:] if lfree else []
+        uses_positions = any(g.eqns[i].primitive.name == "iota" for i in self.region.eqns())
+        if not info.softmax and not uses_positions:
+            q_cls = self.mlp_rows(lfree) or q_cls
         grid = [c for c in rows if c not in q_cls]
         shared = self.shared_kv_rows(grid, lfree) if q_cls else []
         grid = [c for c in grid if c not in shared]
@@ -115,7 +118,6 @@ class AttentionBuilder(Builder):
                 "group x bq rows per key block"
             )
         if not info.softmax:
-            uses_positions = any(g.eqns[i].primitive.name == "iota" for i in self.region.eqns())
             self.family = "linear_attention" if uses_positions else "fused_mlp"
             self.stem = self.stem.replace("_attention", f"_{self.family}")
 
@@ -124,6 +126,17 @@ class AttentionBuilder(Builder):
         operand. Keeping them whole in the query block lets one fetched K/V block serve the whole group,
         instead of the grid refetching it once per query head. Only small groups: the score tile grows by
         the group size."""
+        ax = self.ax
+        kv_fp = self.kv_footprint()
+        free = {ax.find(c) for c in lfree}
+        shared = [c for c in grid if ax.find(c) in free and ax.find(c) not in kv_fp]
+        size = math.prod(max(ax.extents_all(c)) for c in shared) if shared else 1
+        if size <= 1 or size > MAX_GROUP_FOLD:
+            return []
+        return shared
+
+    def kv_footprint(self) -> set[Any]:
+        """The axes any K/V operand (the key side of a score dot, the value side of probs @ v) varies along."""
         g, ax = self.g, self.ax
         info = self.region.attention
         assert info is not None
@@ -133,12 +146,27 @@ class AttentionBuilder(Builder):
             kv_fp |= {ax.find(c) for c in ax.footprint(e.invars[1 - self.q_side(e)])}
         pv = g.eqns[info.pv_dot]
         kv_fp |= {ax.find(c) for c in ax.footprint(pv.invars[1 - info.probs_side])}
-        free = {ax.find(c) for c in lfree}
-        shared = [c for c in grid if ax.find(c) in free and ax.find(c) not in kv_fp]
-        size = math.prod(max(ax.extents_all(c)) for c in shared) if shared else 1
-        if size <= 1 or size > MAX_GROUP_FOLD:
-            return []
-        return shared
+        return kv_fp
+
+    def mlp_rows(self, lfree: list[Any]) -> list[Any]:
+        """The query-side row axes a chained-matmul (MLP) kernel tiles as one merged row dim: the longest
+        trailing run of the first dot's free axes that no K/V operand (the weights) varies along and that
+        every operand and result of the region spans all or none of. A ConvNeXt MLP over (N, H, W, C)
+        otherwise walks N x H grid steps of W rows each (7168 steps of 56 rows at 128 x 56 x 56, the step
+        overhead dominating); merged, its blocks are bq rows of N * H * W, and the view is a reshape of
+        contiguous leading dims (no copy where the row tile divides them)."""
+        ax = self.ax
+        kv_fp = self.kv_footprint()
+        best: list[Any] = []
+        for k in range(len(lfree) - 1, -1, -1):
+            run = lfree[k:]
+            found = {ax.find(c) for c in run}
+            if found & kv_fp or len(found) != len(run):
+                break
+            spans = ({ax.find(c) for c in ax.footprint(v)} & found for v in [*self.inputs, *self.outputs])
+            if all(not s or s == found for s in spans):
+                best = run
+        return best if len(best) > 1 else []
 
     def rows_lead(self) -> list[SpaceDim]:
         """The row dims before the query rows in every tile (the K/V group), empty without one."""

@@ -10,6 +10,13 @@ W_out, :]` of that block, flattens it to `(rows * W_out, C_in)` and multiplies i
 input once (plus (k-1)/rows for the halo, plus XLA's padded copy) and the output once, where im2col writes
 and reads `taps` copies of the input.
 
+XLA's padded copy (the conv's own zero padding plus whole row blocks) is still made in HBM, a read and a
+write of the input before the kernel (7-18% of the block model's time on the suite's convs). An element-offset
+block may read past the array's end (`pl.Element(n, padding=(0, high))` compiles for v5e and v6e), but Mosaic
+(libtpu 0.0.42.1) rejects low padding ("Low padding not supported yet"), which SAME needs at the top and
+left, and the padded part of a block is undefined (TPU interpret mode fills it with uninitialised values):
+absorbing the pad means zeroing the halo in VMEM, e.g. while a depthwise conv stages its block in f32.
+
 The output width is padded to the sublane tile so the flattening is a free relayout; the extra columns
 read zero padding and are cropped. Strided, dilated and grouped convolutions keep the im2col path.
 

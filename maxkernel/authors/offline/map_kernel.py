@@ -101,10 +101,17 @@ class MapBuilder(StreamedReductions):
         grid = groups[:start]
         if not reduced and len(tile) == 1 and len(tile[0]) > 1:
             tile = self._rows_and_lanes(tile[0])
-        # lanes want a long axis: move the longest tile group last when the natural last one is short
+        # lanes want a long axis: move the longest tile group last when the natural last one is short, unless
+        # a streamed reduction would pay for it with a transpose of an input in HBM (a batch norm's statistics
+        # over (N, H, W) of a 64-channel activation: the transpose read and wrote the whole activation again,
+        # where 64-lane blocks only leave half of each vreg idle in a pass bound by HBM anyway)
         if tile and ext(tile[-1]) < 128:
             longest = max(range(len(tile)), key=lambda k: ext(tile[k]) if tile[k][0] in reduced else 0)
-            if tile[longest][0] in reduced and ext(tile[longest]) > ext(tile[-1]):
+            if (
+                tile[longest][0] in reduced
+                and ext(tile[longest]) > ext(tile[-1])
+                and not (self.stream and self._transposes_an_input(tile, longest))
+            ):
                 tile.append(tile.pop(longest))
         if reduced and not self.stream:
             tile = self._long_sublanes(tile, io)
@@ -149,6 +156,16 @@ class MapBuilder(StreamedReductions):
             dims[0].axis = 0
         self.dims = dims
         self.space = Space("tile", [d for d in dims if d.role != "grid"])
+
+    def _transposes_an_input(self, tile: list[list[Node]], moved: int) -> bool:
+        """Would moving tile group `moved` last reorder the dims of some input (one that spans it and a
+        group after it), i.e. transpose that input in HBM before the kernel?"""
+        later = {c for grp in tile[moved + 1 :] for c in grp}
+        for v in self.inputs:
+            fp = self.ax.footprint(v)
+            if fp & set(tile[moved]) and fp & later:
+                return True
+        return False
 
     def _share_dead_axes(self) -> Axes:
         """Let an axis that a reduction consumes share its dim with an axis of the same extent that no value
