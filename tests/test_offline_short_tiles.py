@@ -23,8 +23,8 @@ from maxkernel.authors.offline.lower import lower_program
 from maxkernel.authors.offline.render import render, undefined_names
 from maxkernel.authors.offline.trace import Config, trace_reference
 from maxkernel.authors.offline.tuning import default_config
-from maxkernel.tools.estimate import estimate_pallas, topology_device
-from tests.offline_helpers import check_interpreted
+from maxkernel.tools.estimate import estimate_pallas
+from tests.offline_helpers import check_interpreted, compiles_at
 
 TPU = ["v5e", "v6e"]
 
@@ -40,13 +40,6 @@ def _module(fn, shapes: list[list[tuple[int, ...]]], names: list[str], dtype: st
     ns: dict = {}
     exec(compile(src, "generated", "exec"), ns)
     return program, ns["computation"]
-
-
-def _compiles(kernel, shapes: list[tuple[int, ...]], dtype=jnp.float32) -> None:
-    for gen in TPU:
-        sharding = jax.sharding.SingleDeviceSharding(topology_device(gen))
-        avals = [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in shapes]
-        jax.jit(kernel).trace(*avals).lower().compile()
 
 
 def discretise(x, dt, bias):
@@ -70,7 +63,7 @@ def test_short_trailing_tiles_block_the_leading_axis_too() -> None:
     (call,) = est.pallas_calls
     # one (40, 64) tile per step would walk all 2 x 1024 positions; slabs of them take a few dozen steps
     assert call.est_grid_steps <= 2 * 1024 // 16, call.est_grid_steps
-    _compiles(kernel, BIG)
+    compiles_at(kernel, [BIG], jnp.float32)
 
 
 def stacked_states_read_back(states, decay, c):
@@ -102,7 +95,7 @@ def test_a_transpose_between_kernels_is_glue_not_a_copy_kernel(shapes) -> None:
     args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     args[1] = rng.uniform(0.5, 1.0, shapes[1]).astype(np.float32)
     check_interpreted(stacked_states_read_back, kernel, args, atol=1e-4)
-    _compiles(kernel, shapes)
+    compiles_at(kernel, [shapes], jnp.float32)
 
 
 def batch_norm_apply(x, mean, rstd, gamma, beta):
@@ -131,7 +124,7 @@ def test_narrow_rows_take_larger_row_blocks() -> None:
     rows = 16 * 56 * 56
     assert call.est_grid_steps <= rows // 1024, call.est_grid_steps  # was rows // 256 = 196 steps
     assert call.est_overhead_seconds < call.est_memory_seconds  # the pass over HBM, not the steps, dominates
-    _compiles(kernel, BN_BIG, jnp.bfloat16)
+    compiles_at(kernel, [BN_BIG], jnp.bfloat16)
 
 
 def channel_mean(t):
@@ -152,4 +145,4 @@ def test_streamed_reduction_over_short_lanes_reads_the_input_as_it_lies() -> Non
     rng = np.random.default_rng(2)
     for (shape,) in STATS_SHAPES[1:]:
         check_interpreted(channel_mean, kernel, [rng.standard_normal(shape).astype(np.float32)])
-    _compiles(kernel, STATS_SHAPES[0])
+    compiles_at(kernel, [STATS_SHAPES[0]], jnp.float32)
