@@ -22,8 +22,8 @@ from maxkernel.authors.offline.lower import lower_program
 from maxkernel.authors.offline.trace import Config, trace_reference
 from maxkernel.authors.offline.tuning import default_config
 from maxkernel.tools.program_tree import same_program, skeleton, to_tree
-from tests.offline_helpers import check_interpreted
-from tests.test_offline_short_tiles import TPU, _compiles, _module
+from tests.offline_helpers import check_interpreted, compiles_at
+from tests.test_offline_short_tiles import TPU, _module
 
 
 def matmul_highest(a, b):
@@ -52,7 +52,7 @@ def test_unaligned_k_is_masked_in_kernel_not_padded_in_hbm(shapes) -> None:
     b = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
     # TPU interpret mode fills what a block reads past the array edge with NaN: unmasked, it would show
     check_interpreted(matmul_highest, kernel, (a, b), atol=1e-4)
-    _compiles(kernel, shapes)
+    compiles_at(kernel, [shapes], jnp.float32)
 
 
 def test_default_blocks_count_the_work_done_on_padding() -> None:
@@ -83,7 +83,7 @@ def test_unaligned_k_mask_on_bf16_operands() -> None:
     np.testing.assert_allclose(
         np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2
     )
-    _compiles(kernel, shapes, jnp.bfloat16)
+    compiles_at(kernel, [shapes], jnp.bfloat16)
 
 
 def test_one_program_whether_or_not_k_divides_its_block() -> None:
