@@ -733,8 +733,17 @@ def profile_cmd(
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
+    store: StoreOpt = DEFAULT_STORE,
+    allow_unsandboxed: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unsandboxed", help="evaluate the kernel even where bubblewrap is missing (see evaluate)"
+        ),
+    ] = False,
 ) -> None:
-    """Profile a kernel against its reference (on CPU: interpreted, labelled) and estimate TPU time."""
+    """Profile a kernel against its reference (on CPU: interpreted, labelled), with the TPU time estimates
+    the harness reaches for it (an evaluation: a store hit when `maxkernel evaluate` ran it before)."""
+    from maxkernel.tools.harness import EvalOptions
     from maxkernel.tools.profiling import profile_kernel
     from maxkernel.tools.tasks import TaskError, load_task
 
@@ -746,7 +755,10 @@ def profile_cmd(
     except TaskError as exc:
         raise fail_usage(str(exc)) from exc
     with console.status(f"profiling {kernel.name} on {kt.task_id} ..."):
-        report = profile_kernel(kt, kernel.read_text(), gens, work_dir)
+        report = profile_kernel(
+            kt, kernel.read_text(), gens, work_dir, store=open_store(store),
+            evaluate_options=EvalOptions(tpu=gens, allow_unsandboxed=allow_unsandboxed),
+        )  # fmt: skip
     if json_out:
         print(report.model_dump_json())
     else:

@@ -55,5 +55,5 @@ def profile(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         summary += "\n\n" + r.estimate.detail_markdown
     from maxkernel.tools.profiling import profile_summary  # imports JAX: only when a run profiles
 
-    trace = profile_summary(state.task, best.source_path, list(ctx.tpu), ctx.work_dir)
+    trace = profile_summary(state.task, best.source_path, list(ctx.tpu), ctx.work_dir, r)
     return {"trace_summary": trace + "\n\n" + summary}

@@ -302,43 +302,9 @@ def summarise(c: CorrectnessResult) -> None:
     c.max_rel_err = max(rels) if rels else None
 
 
-def estimate_summary(
-    ref: taskcode.Reference, candidate: Any, own: list[InputConfig], gen: str, cached_reference: float | None
-) -> EstimateSummary:
-    """TPU time estimates at the task's own shapes: the candidate's pallas_calls through the block model,
-    the reference through the TPU compiler's cost model (cached by the caller per task and generation).
-    Estimates only: nothing here ran on a TPU. Public: the profiler's worker job reports the same summary."""
-    import jax
-
-    from maxkernel.tools.estimate import estimate_pallas, estimate_xla
-
-    cfg = own[0]
-    specs = [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype)) for a in cfg.dynamic]
-    summary = EstimateSummary(generation=gen, method="")
-    notes = []
-    try:
-        cand = estimate_pallas(
-            jax.make_jaxpr(bind_static(candidate, cfg.static))(*specs), gen, cfg.index_values
-        )
-        summary.estimated_seconds = cand.estimated_seconds
-        summary.bound = cand.bound
-        summary.method = cand.method
-        summary.detail_markdown = cand.to_markdown()
-    except Exception as exc:  # noqa: BLE001 - an estimate failing must not fail an accepted kernel
-        notes.append(f"block model failed: {type(exc).__name__}: {exc}")
-    reference_s = cached_reference
-    if reference_s is None:
-        try:
-            reference_s = estimate_xla(bind_static(ref.computation, cfg.static), specs, gen).estimated_seconds
-        except Exception as exc:  # noqa: BLE001
-            notes.append(f"reference cost model failed: {type(exc).__name__}: {exc}")
-    return with_reference(summary, reference_s, notes)
-
-
 def with_reference(summary: EstimateSummary, reference_s: float | None, notes: list[str]) -> EstimateSummary:
-    """Complete a candidate's estimate with the reference's (the compiler's cost model) and the speedup,
-    the same way wherever the candidate's half came from (the profiler here, the harness from the
-    candidate's process)."""
+    """Complete a candidate's estimate (the harness's, from the candidate's process and audited) with the
+    reference's (the compiler's cost model, computed by the judge) and the speedup."""
     from maxkernel.tools.estimate import estimated_speedup
 
     summary.reference_estimated_seconds = reference_s

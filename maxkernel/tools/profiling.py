@@ -5,6 +5,13 @@ on the CPU, labelled as such. That shows where the interpreted program spends it
 which XLA ops around it), not TPU performance. TPU performance comes from the estimates: the block model
 of each pallas_call and the TPU compiler's cost model of the reference, per generation — estimates, named
 so. The capture runs in the sandbox like every other execution of candidate or task code.
+
+The estimates are the harness's, never the profiling process's: that process has loaded the candidate,
+which may have rewritten the block model or the compiler's cost model in it. The harness computes the
+reference's estimate in the judge and checks the candidate's block-model claim against the TPU program
+the candidate ships (`mosaic_audit`), withholding it when they disagree. The caller passes the
+evaluation it already has (the agent's profile node), or the profile evaluates the kernel (a store hit
+when it was evaluated before) and shows what the harness decided, a rejection included.
 """
 
 from __future__ import annotations
@@ -18,8 +25,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from maxkernel.tools.profile_trace import TraceSummary
-from maxkernel.tools.reference_cache import REFERENCE_ESTIMATES
-from maxkernel.tools.results import EstimateSummary
+from maxkernel.tools.results import EstimateSummary, EvalResult
 from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
 from maxkernel.tools.store import sha256_text
 from maxkernel.tools.tasks import KernelTask
@@ -30,7 +36,10 @@ class ProfileReport(BaseModel):
     task_id: str
     reference: TraceSummary | None = None
     candidate: TraceSummary | None = None
-    estimates: dict[str, EstimateSummary] = Field(default_factory=dict, description="per TPU generation")
+    estimates: dict[str, EstimateSummary] = Field(
+        default_factory=dict, description="per TPU generation: the harness's estimates (judged, audited)"
+    )
+    estimate_note: str | None = Field(None, description="why estimates are missing, or a rejection")
     error: str | None = None
 
     def to_markdown(self, *, detail: bool = True) -> str:
@@ -48,8 +57,13 @@ class ProfileReport(BaseModel):
         for summary in (self.candidate, self.reference):
             if summary is not None and detail:
                 lines += ["", summary.to_markdown()]
+        if self.estimate_note:
+            lines += ["", f"Estimates: {self.estimate_note}."]
         if self.estimates:
             lines += [
+                "",
+                "Estimated by the harness (the reference by the judge; the kernel's block model checked "
+                "against the TPU program it ships):",
                 "",
                 "| TPU | estimated candidate | estimated reference | estimated speedup | bound |",
                 "| --- | --- | --- | --- | --- |",
@@ -70,21 +84,26 @@ class ProfileReport(BaseModel):
 
 
 def profile_kernel(
-    task: KernelTask, source: str, tpu: list[str], work_dir: str | Path, *, repeats: int = 3
+    task: KernelTask,
+    source: str,
+    tpu: list[str],
+    work_dir: str | Path,
+    *,
+    repeats: int = 3,
+    evaluation: EvalResult | None = None,
+    evaluate_options: Any = None,
+    store: Any = None,
 ) -> ProfileReport:
+    """Trace the reference and the interpreted candidate (sandboxed), and attach the harness's estimates:
+    `evaluation` when the caller has it, else a harness evaluation of `source` (`evaluate_options`, default
+    `EvalOptions(tpu=tpu)`, through `store` when given)."""
     run_dir = fresh_run_dir(Path(work_dir) / "profiles", task.task_id)
     candidate_path = run_dir / "candidate.py"
     candidate_path.write_text(source)
-    # The reference's compiler estimate is one XLA compile per generation at the task's own shapes (seconds
-    # to a minute); the harness has usually just computed it for this task (`REFERENCE_ESTIMATES`, filled
-    # from the judge's signed result only), so the profile reuses it instead of compiling it again.
-    known = {gen: REFERENCE_ESTIMATES.get(task, gen) for gen in tpu}
     payload = {
         "task": task.model_dump(mode="json"),
         "candidate_path": str(candidate_path),
-        "tpu": tpu,
         "repeats": repeats,
-        "reference_estimates": {gen: s for gen, s in known.items() if s is not None},
     }
     outcome = run_sandboxed(
         "maxkernel.tools.profiling:profile_job",
@@ -95,7 +114,33 @@ def profile_kernel(
     )
     if not outcome.ok or outcome.value is None:
         return ProfileReport(task_id=task.task_id, error=f"{outcome.stage}: {outcome.error}")
-    return ProfileReport.model_validate(outcome.value)
+    report = ProfileReport.model_validate(outcome.value)
+    report.estimates = {}  # whatever that process said: only the harness's figures are shown
+    if evaluation is None:
+        from maxkernel.tools.harness import EvalOptions, evaluate
+
+        options = evaluate_options or EvalOptions(tpu=tpu)
+        evaluation = evaluate(task, source, options, store=store, work_dir=Path(work_dir))
+    report.estimates, report.estimate_note = harness_estimates(evaluation, tpu)
+    return report
+
+
+def harness_estimates(r: EvalResult, tpu: list[str]) -> tuple[dict[str, EstimateSummary], str | None]:
+    """Per generation, the estimates the harness reached for `r` (judge-side reference estimate, audited
+    block-model claim), and why there are none where there are none."""
+    e = r.estimate
+    if e is None:
+        why = f"{r.error.stage}: {r.error.message}" if r.error else "the evaluation made no estimate"
+        return {}, f"no estimate: the harness did not reach one ({why[:300]})"
+    out: dict[str, EstimateSummary] = {}
+    for gen in tpu:
+        g = e.by_generation.get(gen)
+        if gen == e.generation:
+            out[gen] = e.model_copy(update={"by_generation": {}})
+        elif g is not None:
+            out[gen] = EstimateSummary(generation=gen, method=e.method, **g.model_dump(exclude={"kind"}))
+    note = None if r.accepted else f"the harness rejected this kernel ({r.error.stage if r.error else '?'})"
+    return out, note
 
 
 class _Summaries:
@@ -122,8 +167,11 @@ class _Summaries:
 PROFILE_SUMMARIES = _Summaries()
 
 
-def profile_summary(task: KernelTask, source_path: str, tpu: list[str], work_dir: str | Path) -> str:
-    """Markdown for the reflect prompt and the report (the profile node's tool)."""
+def profile_summary(
+    task: KernelTask, source_path: str, tpu: list[str], work_dir: str | Path, evaluation: EvalResult
+) -> str:
+    """Markdown for the reflect prompt and the report (the profile node's tool): the traces only; the node
+    shows `evaluation`'s estimates (the harness's) next to it."""
     source = Path(source_path).read_text()
     gen = first_generation(tpu)
     key = sha256_text(json.dumps(["profile summary", task.fingerprint, sha256_text(source), gen]))
@@ -132,7 +180,8 @@ def profile_summary(task: KernelTask, source_path: str, tpu: list[str], work_dir
         return known
     # One traced run each: on CPU the trace shows where the interpreted program's time goes, which one run
     # tells as well as three, and interpreted kernels are slow.
-    report = profile_kernel(task, source, [gen], work_dir, repeats=1)
+    report = profile_kernel(task, source, [gen], work_dir, repeats=1, evaluation=evaluation)
+    report.estimates, report.estimate_note = {}, None
     summary = report.to_markdown(detail=False)
     if report.error is None:
         PROFILE_SUMMARIES.put(key, summary)
@@ -148,7 +197,7 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     from jax.experimental.pallas import tpu as pltpu
 
     from maxkernel.tools import taskcode
-    from maxkernel.tools.evaluation import bind_static, estimate_summary
+    from maxkernel.tools.evaluation import bind_static
     from maxkernel.tools.profile_trace import capture_trace, summarize_trace
     from maxkernel.tools.results import InputConfig
 
@@ -156,7 +205,6 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
     task = payload["task"]
     ctx.stage("task")
     ref = taskcode.Reference.of_task(task)
-    own = [InputConfig.model_validate(c) for c in task["configs"]]
     val = InputConfig.model_validate(task["validation_configs"][0])
     mode = task["validation_mode"]
     if mode == "shrink":
@@ -195,8 +243,4 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
         reference=summarize_trace(ref_dir, label="cpu (XLA reference)"),
         candidate=summarize_trace(cand_dir, label="cpu (Pallas TPU interpret)"),
     )
-    ctx.stage("estimate")
-    known = payload.get("reference_estimates") or {}
-    for gen in payload["tpu"]:
-        report.estimates[gen] = estimate_summary(ref, candidate, own, gen, known.get(gen))
     return report.model_dump(mode="json")
