@@ -84,6 +84,22 @@ def test_the_larger_check_falls_back_to_tpu_interpret_mode(
     assert r.correctness.interpret_compile == ["fast-compile", "fast-compile"]
 
 
+def test_a_program_the_plain_interpreter_lowers_but_cannot_run_is_rerun_in_tpu_interpret_mode(
+    data_dir: Path, session_work: Path
+) -> None:
+    """A correct kernel (bf16 matmul of another kernel's transposed output) that XLA:CPU cannot execute
+    under Pallas's plain interpreter (it folds the transpose into a bf16 x bf16 -> f32 dot it has no kernel
+    for) was rejected at the larger shape for the CPU's sake. The larger set now runs in the next mode,
+    and the result says which and why."""
+    task = load_task(data_dir / "tasks" / "transposed_bf16_matmul", work_dir=session_work)
+    r = run(task, "transposed_bf16_matmul.py", session_work, OPTS.model_copy(update={"estimate": False}))
+    assert r.accepted, r.error
+    assert r.correctness.larger is not None and r.correctness.larger.ok
+    assert r.correctness.interpret_modes == ["tpu", "tpu"]
+    assert "plain interpreter failed to run it" in r.correctness.larger_check
+    assert "DotThunk" in r.correctness.larger_check
+
+
 def test_larger_shape_is_grown_within_the_task_and_the_memory_budget(matmul_task: KernelTask) -> None:
     cfg, note = larger_config(matmul_task, OPTS)
     assert note == "" and cfg is not None

@@ -90,7 +90,7 @@ per memory access: on one input set at the larger shape, lowering + compile + ru
 suite's layernorm, softmax, sliding-window and GQA kernels). Backend -O0 ("fast-compile") is no good here:
 without its copy elision the loop copies whole buffers per grid step (9.3 s on flash attention). The
 plain interpreter lowers manual DMAs and semaphores too; a program it cannot lower (or that refuses it)
-falls back to TPU interpret mode (`larger_modes`)."""
+falls back to TPU interpret mode (`larger_modes`), and so does one that XLA:CPU fails to run once lowered."""
 
 
 def larger_modes(cfg: InputConfig) -> list[tuple[str, str]]:
@@ -179,6 +179,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     larger_exe = None
     larger_trace_error: str | None = None
     larger_choice, larger_params = None, None
+    larger_fallback: str | None = None  # why the larger set ran in a later mode than the one it lowered in
     try:
         for ci, cfg in enumerate(val):
             # Two separate traces of the same shapes: interpret mode (what runs here) and plain (what a TPU
@@ -200,22 +201,9 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
         return {"ok": False, "stage": "trace", "message": f"{type(exc).__name__}: {_first_lines(str(exc))}"}
     if larger is not None:  # the larger-shape check: traced and compiled now, run on the judge's one set
         try:
-            traced = None
-            for choice, (mode, compile_mode) in enumerate(larger_choices):
-                params = True if mode == "plain" else interpret  # True: Pallas's own (plain) interpreter
-                try:
-                    with pltpu.force_tpu_interpret_mode(params):
-                        traced = jax.jit(bind_static(candidate, larger.static)).trace(*_specs(larger))
-                        lowered = traced.lower()
-                except Exception:
-                    _reset_interpret()
-                    if choice == len(larger_choices) - 1:
-                        raise
-                    continue  # a program the plain interpreter cannot lower: the next mode
-                larger_exe = _BackgroundCompile(lowered, INTERPRET_COMPILE_OPTIONS.get(compile_mode, {}))
-                larger_choice, larger_params = choice, params
-                break
-            assert traced is not None
+            traced, larger_exe, larger_choice, larger_params = _lower_larger(
+                candidate, larger, larger_choices, 0, interpret
+            )
             plain = jax.jit(bind_static(candidate, larger.static)).trace(*_specs(larger))
             programs["larger"] = {
                 "interpret": to_tree(traced.jaxpr), "plain": to_tree(plain.jaxpr), "out": _out_specs(traced)
@@ -285,25 +273,73 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     larger_error = larger_trace_error if drawn and run_error is None else None
     if larger_exe is not None and larger is not None and run_error is None and drawn:
         inputs = [_typed(arrays[input_name(len(val), 0, k)], a) for k, a in enumerate(larger.dynamic)]
-        try:
-            with pltpu.force_tpu_interpret_mode(larger_params):
-                out = larger_exe.result()(*[jax.numpy.asarray(a) for a in inputs])
-                for k, leaf in enumerate(jax.tree_util.tree_leaves(out)):
-                    outputs[output_name(len(val), 0, k)] = np.asarray(leaf)
-        except Exception as exc:  # noqa: BLE001
-            _reset_interpret()
-            larger_error = f"{type(exc).__name__}: {_first_lines(str(exc))}"
+        while True:
+            try:
+                with pltpu.force_tpu_interpret_mode(larger_params):
+                    out = larger_exe.result()(*[jax.numpy.asarray(a) for a in inputs])
+                    for k, leaf in enumerate(jax.tree_util.tree_leaves(out)):
+                        outputs[output_name(len(val), 0, k)] = np.asarray(leaf)
+                break
+            except Exception as exc:  # noqa: BLE001
+                _reset_interpret()
+                larger_error = f"{type(exc).__name__}: {_first_lines(str(exc))}"
+                if larger_choice is None or larger_choice + 1 >= len(larger_choices):
+                    break
+            # The mode failed to run a program it lowered: XLA:CPU can lack a kernel for what it made of
+            # the plain interpreter's program (a transpose folded into a bf16 x bf16 -> f32 dot:
+            # "Unsupported element type for DotThunk::Execute"), which says nothing of the kernel. The next
+            # mode runs the same function at the same shapes; its outputs come from this process either way.
+            failed = f"{larger_choices[larger_choice][0]} interpreter failed to run it ({larger_error[:300]})"
+            try:
+                _t, larger_exe, larger_choice, larger_params = _lower_larger(
+                    candidate, larger, larger_choices, larger_choice + 1, interpret
+                )
+            except Exception as exc:  # noqa: BLE001
+                _reset_interpret()
+                larger_error = f"{failed}; then {type(exc).__name__}: {_first_lines(str(exc))}"
+                break
+            larger_fallback = failed
+            larger_error = None
     (run_dir / OUTPUTS_FILE).write_bytes(pack_arrays(outputs))
     seconds["correctness"] = time.perf_counter() - t0
     compiled = [c.seconds for c in [*executables, larger_exe] if c is not None and c.seconds is not None]
     seconds["interpret_compile"] = sum(compiled)  # overlapping the stages above: not part of their sum
     return {"ok": True, "run_error": run_error, "larger_error": larger_error, "seconds": seconds,
-            "larger_mode": larger_choice}  # fmt: skip
+            "larger_mode": larger_choice, "larger_fallback": larger_fallback}  # fmt: skip
 
 
 COMPILE_THREADS = 2
 """Interpret-mode programs compiled at once, in the background (XLA compiles without the GIL)."""
 _COMPILE_SLOTS = threading.BoundedSemaphore(COMPILE_THREADS)
+
+
+def _lower_larger(
+    candidate: Any, larger: InputConfig, choices: list[tuple[str, str]], start: int, interpret: Any
+) -> tuple[Any, _BackgroundCompile, int, Any]:
+    """Trace and lower the larger-shape program in the first mode from `start` that lowers it, and start
+    its compile: (traced, compile, choice, interpret params). The last mode's error is raised."""
+    import jax
+    from jax.experimental.pallas import tpu as pltpu
+
+    for choice in range(start, len(choices)):
+        mode, compile_mode = choices[choice]
+        params = True if mode == "plain" else interpret  # True: Pallas's own (plain) interpreter
+        try:
+            with pltpu.force_tpu_interpret_mode(params):
+                traced = jax.jit(bind_static(candidate, larger.static)).trace(*_specs(larger))
+                lowered = traced.lower()
+        except Exception:
+            _reset_interpret()
+            if choice == len(choices) - 1:
+                raise
+            continue  # a program the plain interpreter cannot lower: the next mode
+        return (
+            traced,
+            _BackgroundCompile(lowered, INTERPRET_COMPILE_OPTIONS.get(compile_mode, {})),
+            choice,
+            params,
+        )
+    raise ValueError("no interpret mode left for the larger-shape check")
 
 
 class _BackgroundCompile:

@@ -503,14 +503,17 @@ def _orchestrate(
     _interpret_cost_signal(result, interpret_s, judge_out.value.get("seconds"))
     result = _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
                       cached_ref, larger_note)  # fmt: skip
-    _say_how_interpreted(result, cand.payload, (cand_out.value or {}).get("larger_mode"))
+    reported = cand_out.value or {}
+    _say_how_interpreted(result, cand.payload, reported.get("larger_mode"), reported.get("larger_fallback"))
     return result
 
 
-def _say_how_interpreted(result: EvalResult, payload: dict[str, Any], larger_choice: Any) -> None:
+def _say_how_interpreted(
+    result: EvalResult, payload: dict[str, Any], larger_choice: Any, fallback: Any = None
+) -> None:
     """Which interpret mode and compile ran per program: the agent's choices (`payload`, its own data), and
-    for the larger check the one the candidate's process reports it lowered in (an index into the agent's
-    list; anything else records nothing)."""
+    for the larger check the one the candidate's process reports it ran in (an index into the agent's
+    list; anything else records nothing), with why it left the first when it says so (`fallback`)."""
     corr = result.correctness
     if corr is None:
         return
@@ -521,6 +524,8 @@ def _say_how_interpreted(result: EvalResult, payload: dict[str, Any], larger_cho
         mode, compile_mode = choices[larger_choice]
         corr.interpret_modes.append(mode)
         corr.interpret_compile.append(compile_mode)
+        if isinstance(fallback, str) and fallback and larger_choice > 0:
+            corr.larger_check += f"; ran in {mode} interpret mode: the {fallback[:400]}"
 
 
 def _interpret_cost_signal(result: EvalResult, interpret_s: float, judge_seconds: Any) -> None:
