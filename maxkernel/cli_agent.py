@@ -401,6 +401,14 @@ def optimize_cmd(
     model_tools: Annotated[
         int, typer.Option("--model-tools", min=0, help="tool calls (API look-up, draft check) per step")
     ] = 4,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            "--profile/--no-profile",
+            help="trace the best kernel on the CPU each round, for the model's reflection and the report's "
+            "Profile section (the offline author does not read it; the bench skips it for the offline author)",
+        ),
+    ] = True,
     ray: RayOpt = None,
 ) -> None:
     """Run the agent loop on a task and write the best correct kernel, result.json and report.md."""
@@ -426,6 +434,7 @@ def optimize_cmd(
         "request_timeout_s": request_timeout,
         "requests_per_second": requests_per_second,
         "model_tools": model_tools,
+        "profile": profile,
     }
     st, settings = _start_run(
         "agent", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir, describe=f"mode {mode}",
@@ -803,6 +812,9 @@ def search_cmd(
     store: StoreOpt = DEFAULT_STORE,
     work_dir: Annotated[Path, typer.Option("--work-dir", help="sandbox run dirs")] = Path(".maxkernel"),
     thread_id: Annotated[str | None, typer.Option("--thread-id", help="use this thread id")] = None,
+    profile: Annotated[
+        bool, typer.Option("--profile/--no-profile", help="trace each branch's best kernel (see optimize)")
+    ] = True,
     ray: RayOpt = None,
 ) -> None:
     """Search over optimisation strategies (parallel branches or a beam) and keep the best kernel."""
@@ -828,6 +840,7 @@ def search_cmd(
     st, settings = _start_run(
         "search", thread_id, task, out_dir, model, tpu, checkpoint_db, store, work_dir,
         describe=f"{algorithm} search", max_concurrency=max_concurrency, ray_address=address,
+        limits={"profile": profile},
     )  # fmt: skip
     ctx = _started_context(st, thread_id, settings)
     graph = _graph(checkpoint_db, "search")

@@ -42,6 +42,10 @@ def test_bench_writes_report_and_skips_finished_tasks(tmp_path: Path) -> None:
     with sqlite3.connect(out / "results.db") as db:
         assert db.execute("select count(*) from results").fetchone()[0] == 2
 
+    # The offline author never reads the profile step's trace: the bench skips it, and the report says so.
+    task_report = (out / "tasks" / "small_matmul" / "report.md").read_text()
+    assert "## Profile" not in task_report and "skipped the profile step" in task_report
+
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "2 already finished, 0 to run" in again.stderr
@@ -208,3 +212,17 @@ def test_candidates_rank_by_the_geomean_over_the_targeted_generations() -> None:
     old = TaskRow(task_id="t", correct=True, estimated_speedup=1.2, estimated_speedup_by_generation={"v5e": 1.2},
                   first_accepted_estimated_speedup=1.1)  # fmt: skip
     assert kept_first(old) is True  # a result.json from before: first generation against first generation
+
+
+def test_the_bench_skips_the_profile_trace_only_for_the_offline_author(tmp_path: Path) -> None:
+    """The profile step traces the best kernel on the CPU for a model to reflect on; the offline author
+    never reads it, so its bench runs pass --no-profile (~8% of a suite bench), a model's keep it."""
+    from maxkernel.bench import Bench, BenchSettings
+
+    def command(model: str, algorithm: str | None) -> list[str]:
+        settings = BenchSettings(suite=str(tmp_path), out_dir=str(tmp_path / "o"), model=model,
+                                 algorithm=algorithm)  # fmt: skip
+        return Bench(settings)._command(tmp_path / "task", "thread", tmp_path / "out")
+
+    assert "--no-profile" in command("offline", None) and "--no-profile" in command("offline", "parallel")
+    assert "--no-profile" not in command("openai:gpt-5", None)

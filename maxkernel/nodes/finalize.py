@@ -263,4 +263,6 @@ def render_report(state: AgentState, ctx: Context, result: dict[str, Any], best:
         lines.append(render_estimate(best))
     if state.trace_summary:
         lines += ["", "## Profile", "", state.trace_summary]
+    elif not ctx.profile:
+        lines += ["", "(no CPU profile: this run skipped the profile step, `--no-profile`)"]
     return "\n".join(lines) + "\n"
