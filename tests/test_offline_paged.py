@@ -104,6 +104,31 @@ def test_paged_kv_is_read_from_the_pool_and_correct() -> None:
         )
 
 
+def paged_decode_mha(q, k_pages, v_pages, page_table, lengths, sm_scale):
+    """One query head per K/V head and no length mask (every key of the table counts): the pages are read
+    through a plain grid (no length clamp) and no group rides in the query block."""
+    batch, heads, d = q.shape
+    _, page, kv_heads, _ = k_pages.shape
+    max_len = page_table.shape[1] * page
+    k = k_pages[page_table].reshape(batch, max_len, kv_heads, d)
+    v = v_pages[page_table].reshape(batch, max_len, kv_heads, d)
+    p = jax.nn.softmax(
+        jnp.einsum("bhd,blhd->bhl", q, k, preferred_element_type=jnp.float32) * sm_scale, axis=-1
+    )
+    o = jnp.einsum("bhl,blhd->bhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.astype(q.dtype) + 0 * lengths[:, None, None].astype(q.dtype)
+
+
+def test_paged_kv_without_lengths_or_groups_is_correct() -> None:
+    configs = [Config(dynamic=shapes(b, h, 1, p, n), static=[0.125]) for b, h, _, p, n in CONFIGS]
+    src, kernel = load(lower_program(trace_reference(paged_decode_mha, configs, NAMES), "t"), block_kv=64)
+    assert "lax.gather" not in src and "_page_index_map" in src
+    args = inputs(np.random.default_rng(8), 3, 2, 1, 5, 23)
+    check_interpreted(
+        lambda *a: paged_decode_mha(*a, 0.125), lambda *a: kernel(*a, 0.125), args, atol=2e-2, rtol=2e-2
+    )
+
+
 def test_without_paging_the_gather_stays_glue_and_is_correct() -> None:
     src, kernel = load(program(Options(paged=False)))
     assert "lax.gather" in src and "_page_index_map" not in src
