@@ -239,8 +239,10 @@ def abstract_inputs(ref: Reference, scale: str | None) -> list[tuple[list[ArrayS
     return [([spec_of(a) for a in dyn], list(st)) for dyn, st in zip(shapes, statics, strict=True)]
 
 
-SMALL_INT_ELEMENTS = 4096
-"""Integer inputs up to this size (group sizes, sequence lengths) are read by value for the block model."""
+SMALL_INT_ELEMENTS = 1 << 16
+"""Integer inputs up to this size (group sizes, sequence lengths, page tables) are read by value for the
+block model (the estimator propagates known arrays up to `estimate.MAX_KNOWN_ELEMENTS`, the same size): a
+32 x 256 page table left out made it price every paged K/V block as a fresh copy, past the lengths too."""
 
 
 def small_int_inputs(ref: Reference, scale: str | None) -> list[dict[int, Any]]:

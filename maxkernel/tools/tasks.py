@@ -99,9 +99,10 @@ def safe_task_id(raw: str) -> str:
     return cleaned or "task"
 
 
-DESCRIBE_VERSION = 2
-"""Bumped when describe_job's output gains a field (2: the own configs' small integer input values), so a
-cached description from before is not taken for a complete one."""
+DESCRIBE_VERSION = 3
+"""Bumped when describe_job's output gains a field (2: the own configs' small integer input values; 3: those
+up to 65536 elements, page tables included), so a cached description from before is not taken for a
+complete one."""
 
 
 def _fingerprint(files: list[Path], scale: str) -> str:

@@ -32,6 +32,7 @@ from maxkernel.authors.offline.kernels import (
     op_summary,
     precision_arg,
 )
+from maxkernel.authors.offline.paged import PagedAttention
 from maxkernel.authors.offline.spec import BufferSpec
 
 LAYOUT_PRIMS = (
@@ -49,7 +50,7 @@ MAX_GROUP_FOLD = 16
 """Most query heads folded into one block per K/V head: the score tile is group x bq x bkv f32 (x3 live)."""
 
 
-class AttentionBuilder(Builder):
+class AttentionBuilder(PagedAttention, Builder):
     """Flash attention: online softmax over key blocks, scores never leave VMEM."""
 
     family = "attention"
@@ -120,6 +121,7 @@ class AttentionBuilder(Builder):
         if not info.softmax:
             self.family = "linear_attention" if uses_positions else "fused_mlp"
             self.stem = self.stem.replace("_attention", f"_{self.family}")
+        self.plan_paged()
 
     def shared_kv_rows(self, grid: list[Any], lfree: list[Any]) -> list[Any]:
         """Query-only row axes (the heads of a K/V group): free on the query side, absent from every K and V
@@ -197,6 +199,8 @@ class AttentionBuilder(Builder):
     def scratch(self) -> list[tuple[str, str, list[SpaceDim | str]]]:
         info = self.region.attention
         lead: list[SpaceDim | str] = [*self.rows_lead()]
+        if self.page_heads is not None:  # one online-softmax state per head of a page (walked in the kernel)
+            lead.insert(0, self.page_heads)
         acc = [("acc_ref", "jnp.float32", [*lead, self.q, self.dv])]
         if info is not None and info.softmax:
             return [

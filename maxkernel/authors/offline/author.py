@@ -46,7 +46,7 @@ from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
 
 LEVEL_NOTES = (
     "full fusion: epilogues (with row reductions) in matmul kernels, flash attention, shared K loops",
-    "no row reductions in matmul epilogues (they get a row-wise kernel of their own)",
+    "no row reductions in matmul epilogues (they get a row-wise kernel of their own); paged K/V gathered by XLA",
     "no row reductions in epilogues, one matmul per kernel",
     "no attention fusion either: every matmul and every reduction in a kernel of its own",
 )
@@ -80,6 +80,7 @@ class OfflineAuthor:
                 "attention": opts.attention,
                 "multi_dot": opts.multi_dot,
                 "epilogue_reductions": opts.epilogue_reductions,
+                "paged": opts.paged,
             },
         }
         # A run dir of its own: search branches analyse the same task concurrently.

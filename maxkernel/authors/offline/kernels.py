@@ -174,6 +174,9 @@ class Builder(KernelBuilder):
         self.notes: list[str] = []
         self.transcendentals = 0.0
         self.schedule: StepSchedule | None = None  # set by a subclass that walks a data-driven grid
+        # grid dims held whole in every block that spans them and walked inside the kernel (grid extent 1):
+        # the heads of a paged K/V page, fetched once for all of them (see paged.py)
+        self.whole_grid: set[str] = set()
 
     # --- naming ---------------------------------------------------------------------------------------
     def local(self, var: Any) -> str:
@@ -852,7 +855,7 @@ class Builder(KernelBuilder):
         # wrapper
         w: list[str] = []
         extent_lines = self.extent_lines(in_vars)
-        wargs = ", ".join(names_in)
+        wargs = ", ".join(self.wrapper_params(names_in))
         ckw = sorted(self.call_kw)
         wsig = wargs + (", *, " + ", ".join(ckw) if ckw else "")
         w.append(f"def {self.stem}({wsig}):")
@@ -876,9 +879,14 @@ class Builder(KernelBuilder):
                     p = next(pp for pp in params if pp.name == d.param)
                     w.append(f"    {d.blk} = _block({d.ext}, {d.param}, {p.align})")
                 w.append(f"    {d.padded} = _round_up({d.ext}, {d.blk})")
+        w.extend("    " + line for line in self.block_size_lines())
         # canonical inputs, padded
         for v, nm in zip(in_vars, names_in, strict=True):
             view = self.input_view[v]
+            special = self.operand_lines(v, nm)
+            if special is not None:
+                w.extend("    " + line for line in special)
+                continue
             for line in self.to_view_code(v, view, nm):
                 w.append("    " + line)
             target = [
@@ -894,6 +902,8 @@ class Builder(KernelBuilder):
             (
                 f"{axis_dims[a].padded} // {axis_dims[a].blk}"
                 if axis_dims[a].role in ("tiled", "seq")
+                else "1"
+                if axis_dims[a].key in self.whole_grid
                 else axis_dims[a].ext
             )
             for a in grid_axes
@@ -902,7 +912,9 @@ class Builder(KernelBuilder):
         def block(view: list[SpaceDim], var: Any) -> str:
             ents = []
             for d in view:
-                if d.role == "grid":
+                if d.role == "grid" and d.key in self.whole_grid and self.spans(var, d):
+                    ents.append(d.ext)
+                elif d.role == "grid":
                     ents.append("None")
                 elif not self.spans(var, d):
                     ents.append("1")
@@ -911,7 +923,7 @@ class Builder(KernelBuilder):
             return f"({', '.join(ents)}{',' if len(ents) == 1 else ''})"
 
         in_specs = [
-            f"pl.BlockSpec({block(self.input_view[v], v)}, {map_of[nm]})"
+            self.operand_spec(v, nm, map_of) or f"pl.BlockSpec({block(self.input_view[v], v)}, {map_of[nm]})"
             for v, nm in zip(in_vars, names_in, strict=True)
         ]
         out_specs = []
@@ -956,9 +968,7 @@ class Builder(KernelBuilder):
         w.append("    cost = pl.CostEstimate(")
         w.append(f"        flops={self.flops_code()},")
         w.append(f"        transcendentals={self.transcendentals_code()},")
-        w.append(
-            f"        bytes_accessed=_nbytes({', '.join(names_in)}{', ' if names_in else ''}{'out_shape' if one else '*out_shape'}),"
-        )
+        w.append(f"        bytes_accessed={self.bytes_code(names_in, one)},")
         w.append("    )")
         w.append("    outs = pl.pallas_call(" if not one else "    out = pl.pallas_call(")
         w.append(f"        {partial},")
@@ -986,7 +996,9 @@ class Builder(KernelBuilder):
         w.append(f"            vmem_limit_bytes={self.cprefix}VMEM_LIMIT_BYTES,")
         w.append("        ),")
         w.append("        cost_estimate=cost,")
-        w.append(f"    )({', '.join([*(sched.prefetch if sched is not None else []), *names_in])})")
+        w.append(
+            f"    )({', '.join([*(sched.prefetch if sched is not None else []), *self.call_args(names_in)])})"
+        )
         results = []
         for i, (v, nm) in enumerate(zip(self.outputs, out_names, strict=True)):
             src = "out" if one else f"outs[{i}]"
@@ -1008,6 +1020,32 @@ class Builder(KernelBuilder):
         w.append(f"    return {', '.join(results)}")
         return "\n".join(w) + "\n"
 
+    def wrapper_params(self, names_in: list[str]) -> list[str]:
+        """The wrapper's positional parameters (one per region input unless a family reads one otherwise)."""
+        return names_in
+
+    def block_size_lines(self) -> list[str]:
+        """Wrapper lines after the block sizes (a family that adjusts one of them)."""
+        return []
+
+    def operand_lines(self, var: Any, name: str) -> list[str] | None:
+        """Wrapper lines that prepare an operand its own way, or None for the canonical view and padding."""
+        return None
+
+    def operand_spec(self, var: Any, name: str, map_of: dict[str, str]) -> str | None:
+        """An operand's in_specs entry (or entries, starred), or None for its one block spec."""
+        return None
+
+    def call_args(self, names_in: list[str]) -> list[str]:
+        """The pallas_call's operands after the scalar-prefetch tables."""
+        return names_in
+
+    def bytes_code(self, names_in: list[str], one: bool) -> str:
+        """pl.CostEstimate's bytes_accessed: every operand and output once."""
+        return (
+            f"_nbytes({', '.join(names_in)}{', ' if names_in else ''}{'out_shape' if one else '*out_shape'})"
+        )
+
     def kernel_spec(self, lay: Layout, code: str) -> KernelSpec:
         """The spec the tuner and the block model read."""
         grid_axes, axis_dims, in_vars = lay.grid_axes, lay.axis_dims, lay.in_vars
@@ -1022,7 +1060,7 @@ class Builder(KernelBuilder):
             grid=[
                 GridAxis(
                     name=f"{axis_dims[a].key}_index",
-                    extent=self.group_extent(axis_dims[a]),
+                    extent=1 if axis_dims[a].key in self.whole_grid else self.group_extent(axis_dims[a]),
                     param=axis_dims[a].param if axis_dims[a].role in ("tiled", "seq") else None,
                     semantics="arbitrary" if axis_dims[a].role == "seq" else "parallel",
                     align=self.align_of(axis_dims[a]),
@@ -1095,7 +1133,9 @@ class Builder(KernelBuilder):
         def dims_of(view: list[SpaceDim], var: Any) -> list[DimRef]:
             refs = []
             for d in view:
-                if d.role == "grid" or not self.spans(var, d):
+                if d.role == "grid" and d.key in self.whole_grid and self.spans(var, d):
+                    refs.append(DimRef(kind="full", extent=self.group_extent(d)))
+                elif d.role == "grid" or not self.spans(var, d):
                     refs.append(DimRef(kind="unit"))
                 elif d.role in ("tiled", "seq") and d.param:
                     refs.append(

@@ -453,6 +453,7 @@ class Lowering:
         kernels: list[KernelSpec] = []
         body: list[str] = []
         glue_desc: list[str] = []
+        glue_lines: set[int] = set()  # indices into body
         counter = 0
         for kind, obj in ordered:
             if kind == "glue":
@@ -467,6 +468,7 @@ class Lowering:
                 lhs = ", ".join(outs) if len(outs) > 1 else outs[0]
                 body.append(f"{lhs} = {expr}  # {_aval(e.outvars[0])}")
                 glue_desc.append(e.primitive.name)
+                glue_lines.add(len(body) - 1)
                 continue
             region: Region = obj
             builder = builder_for(region.kind)(self, region, counter, n_k)
@@ -482,6 +484,7 @@ class Lowering:
                 rets.append(literal_code(v.val, dtype_name(v.aval)))
             else:
                 rets.append(self.name_of(v))
+        body, glue_desc = _drop_dead_glue(body, glue_lines, glue_desc, rets)
         body = self.constant_lines() + body  # after the rest: only the constants some code reads
         sig = ", ".join(self.traces.arg_names)
         comp = [f"def computation({sig}):"]
@@ -511,6 +514,7 @@ class Lowering:
                 "attention": self.options.attention,
                 "multi_dot": self.options.multi_dot,
                 "epilogue_reductions": self.options.epilogue_reductions,
+                "paged": self.options.paged,
             },
         )
 
@@ -534,6 +538,29 @@ class Lowering:
                 continue
             out.append(f"{e.primitive.name} -> {_aval(e.outvars[0])}")
         return out
+
+
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def _drop_dead_glue(
+    body: list[str], glue_lines: set[int], glue_desc: list[str], rets: list[str]
+) -> tuple[list[str], list[str]]:
+    """Drop glue whose results nothing reads: a kernel that reads a gather's source itself (paged K/V)
+    leaves the gather unused, and an unused gather is still an HBM copy in the program the estimate and
+    the reader see. Returns the kept lines and the primitive names of the glue kept."""
+    live = set(rets)
+    keep = [True] * len(body)
+    for k in range(len(body) - 1, -1, -1):
+        code = body[k].split("  # ", 1)[0]
+        lhs, _, rhs = code.partition(" = ")
+        defs = {n.strip() for n in lhs.split(",")}
+        if k in glue_lines and not defs & live:
+            keep[k] = False
+            continue
+        live |= set(_NAME.findall(rhs))
+    kept_glue = [d for k, d in zip(sorted(glue_lines), glue_desc, strict=True) if keep[k]]
+    return [line for k, line in enumerate(body) if keep[k]], kept_glue
 
 
 def _aval(v: Any) -> str:
@@ -561,4 +588,6 @@ def lower_program(traces: Traces, task_id: str = "", options: Options | None = N
 
 
 def _less_fused(a: Options, b: Options) -> bool:
-    return all(getattr(a, f) <= getattr(b, f) for f in ("attention", "multi_dot", "epilogue_reductions"))
+    return all(
+        getattr(a, f) <= getattr(b, f) for f in ("attention", "multi_dot", "epilogue_reductions", "paged")
+    )

@@ -50,13 +50,14 @@ class Options:
     attention: bool = True
     multi_dot: bool = True
     epilogue_reductions: bool = True
+    paged: bool = True  # attention reads paged K/V straight from the pool (paged.py)
 
 
 FUSION_LEVELS: tuple[Options, ...] = (
     Options(),
-    Options(attention=True, multi_dot=True, epilogue_reductions=False),
-    Options(attention=True, multi_dot=False, epilogue_reductions=False),
-    Options(attention=False, multi_dot=False, epilogue_reductions=False),
+    Options(attention=True, multi_dot=True, epilogue_reductions=False, paged=False),
+    Options(attention=True, multi_dot=False, epilogue_reductions=False, paged=False),
+    Options(attention=False, multi_dot=False, epilogue_reductions=False, paged=False),
 )
 """From most to least fused; analysis falls down this ladder when a fused region does not fit."""
 
