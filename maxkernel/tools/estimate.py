@@ -83,6 +83,14 @@ ignores precision (4096^3 f32 on v5e: 1061.6 us at DEFAULT, HIGH and HIGHEST ali
 `estimate_xla` adds the extra passes of HIGH/HIGHEST dots itself: both sides of a speedup then pay for the
 same precision, at the same rate per pass."""
 
+TRANSCENDENTAL_VPU_OPS: dict[str, int] = {"erfc": 60, "erf_inv": 37, "logistic": 3}
+"""VPU ops per element that the TPU compiler spends on a transcendental besides its EUP op, read from
+`cost_analysis()` of a one-op f32 program (libtpu 0.0.42.1, the same on v5e and v6e): erfc is a 60-flop
+polynomial around one exp, erf_inv 37 flops and two transcendentals, logistic three flops around one
+exp; exp, log, tanh, erf, log1p, expm1, sqrt, rsqrt, pow, sin, cos, atan2 and cbrt count one transcendental
+and no flops. A kernel's equation is charged the same (`_body_work`), so the reference (whose compiler flop
+count holds the polynomial, see `_reference_compute_floor`) and the kernel pay for the same work."""
+
 MAX_KNOWN_ELEMENTS: int = 1 << 16
 """Integer arrays up to this size are tracked by value through the XLA ops between kernels (so a kernel's
 scalar prefetch, e.g. group sizes or their cumulative offsets, is known when the inputs are)."""
@@ -103,7 +111,9 @@ ASSUMPTIONS: dict[str, str] = {
     "vpu_rate": f"{VALU_VREG_OPS_PER_CYCLE} vreg ops/cycle x {VREG_ELEMENTS} elements, clock implied by the "
     "compiler's transcendental rate at one vreg per cycle - assumption; each value counted in whole (8, 128) "
     "vreg tiles (its last two dims padded), so lane-sparse columns cost what the VPU spends on them",
-    "eup_rate": "transcendentals at the compiler cost model's rate (tpu_specs.compiler_transcendentals_per_s)",
+    "eup_rate": "transcendentals at the compiler cost model's rate (tpu_specs.compiler_transcendentals_per_s); "
+    "erfc, erf_inv and logistic also pay the VPU ops the compiler spends around their EUP op "
+    "(TRANSCENDENTAL_VPU_OPS)",
     "overlap": "DMA, MXU, VPU and EUP overlap perfectly except the pipeline prologue/epilogue (first "
     "step's input blocks, last output write-back): time = max(memory, compute + exposed DMA) + steps x "
     "overhead",
@@ -122,7 +132,9 @@ ASSUMPTIONS: dict[str, str] = {
     "per step",
     "reference": "XLA reference = the compiler's optimal_seconds; when that is bytes alone, re-priced with each "
     "top-level op's operands and result once (as kernels are); plus extra passes of HIGH/HIGHEST f32 dots "
-    "and convs",
+    "and convs; never below its own compute at the kernel's rates (MXU at its dots' passes, elementwise ops "
+    "at the VPU rate, transcendentals at the EUP rate), since the compiler prices elementwise work at the "
+    "MXU peak",
     "xla_ops": "ops outside pallas_call cost (input + output bytes) / HBM bandwidth, no fusion modelled; a "
     "gather or dynamic_slice reads only what it picks (at most its output's bytes of its operand)",
     "control_flow": "cond = most expensive branch; scan = body x length; while = body x trip count when it "
@@ -151,8 +163,8 @@ class XlaEstimate(BaseModel):
     est_bytes_accessed: float | None
     est_transcendentals: float | None
     estimated_seconds: float | None = Field(
-        description="optimal_seconds plus est_precision_surcharge_seconds plus est_loop_extra_seconds: the "
-        "reference's estimated time."
+        description="optimal_seconds plus est_precision_surcharge_seconds plus est_loop_extra_seconds, raised "
+        "to est_compute_floor_seconds where that is higher: the reference's estimated time."
     )
     est_compiler_seconds: float | None = Field(
         default=None, description="cost_analysis()['optimal_seconds'] as the compiler reports it."
@@ -173,6 +185,19 @@ class XlaEstimate(BaseModel):
         description="Iterations of loops (lax.map / scan / fori_loop / while) beyond those the compiler's "
         "model priced: it prices a while body once per program, so (trips - priced) x the body's own "
         "estimate (the body compiled as a program of its own, nested loops included) is added.",
+    )
+    est_compute_floor_seconds: float | None = Field(
+        default=None,
+        description="The reference's own compute priced the way the block model prices a kernel's: max of its "
+        "dots' MXU time (each at the passes its precision asks for, dims padded to the MXU), its elementwise "
+        "work at the block model's VPU rate (the compiler's own flop count less its dots'; loop-free "
+        "programs only) and its transcendentals at the EUP rate. The compiler's model prices elementwise work "
+        "at the MXU peak; this floor keeps a kernel and its reference on one VPU rate. None: not computed.",
+    )
+    est_compute_floor_extra_seconds: float = Field(
+        default=0.0,
+        description="How far est_compute_floor_seconds lies above the compiler-based figure (optimal_seconds "
+        "+ surcharge + loop iterations): what was added to estimated_seconds.",
     )
     est_cycles_total: int | None = Field(description="Sum of `estimated_cycles` over fusions in the HLO.")
     est_cycles_by_fusion: dict[str, int]
@@ -455,9 +480,22 @@ def _estimate_xla(
             "The program contains custom calls; for a Pallas kernel with pl.CostEstimate the compiler's "
             "figures are that CostEstimate echoed back, not an independent estimate."
         )
+    floor: float | None = None
+    floor_extra = 0.0
+    if traced is not None and optimal is not None and not custom_targets:
+        floor, floor_note = _reference_compute_floor(traced.jaxpr, raw, spec)
+        base = optimal + surcharge + loop_extra
+        if floor > base:
+            floor_extra = floor - base
+            notes.append(
+                f"{floor_extra * 1e6:.2f} us added: the reference's own compute ({floor_note}) needs "
+                f"{floor * 1e6:.2f} us at the rates the block model charges kernels, above the compiler-based "
+                f"{base * 1e6:.2f} us (its model prices elementwise work at the MXU peak)"
+            )
     method = f"TPU compiler cost model (libtpu AOT compile for {spec.topology}, device {device.device_kind})"
     method += " + precision surcharge" if surcharge else ""
     method += " + loop iterations" if loop_extra else ""
+    method += " + compute floor" if floor_extra else ""
     return XlaEstimate(
         method=method,
         gen=spec.name,
@@ -466,11 +504,13 @@ def _estimate_xla(
         est_flops=raw.get("flops"),
         est_bytes_accessed=raw.get("bytes accessed"),
         est_transcendentals=raw.get("transcendentals"),
-        estimated_seconds=optimal + surcharge + loop_extra if optimal is not None else None,
+        estimated_seconds=optimal + surcharge + loop_extra + floor_extra if optimal is not None else None,
         est_compiler_seconds=compiler_optimal,
         est_once_bytes=once_bytes,
         est_precision_surcharge_seconds=surcharge,
         est_loop_extra_seconds=loop_extra,
+        est_compute_floor_seconds=floor,
+        est_compute_floor_extra_seconds=floor_extra,
         est_cycles_total=sum(cycles.values()) if cycles else None,
         est_cycles_by_fusion=cycles,
         opaque_custom_calls=custom_targets,
@@ -656,6 +696,82 @@ def _precision_surcharge(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float) -> f
             for sub in sub_jaxprs(eqn):
                 total += _precision_surcharge(sub, spec, mult)
     return total
+
+
+def _reference_mxu(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float) -> tuple[float, float, bool]:
+    """(MXU seconds at each dot's XLA pass count, one-pass flops as the compiler counts them, control flow).
+
+    MXU seconds count every loop iteration (scan lengths, counted while trips; an unknown trip count once)
+    and a cond's cheapest branch; the flops are 2*M*N*K per dot, unpadded and once per program, which is
+    how the compiler's `flops` counts them in a program without loops or conds (the third value says
+    whether there were any: then the compiler's flops cannot be split into dots and the rest)."""
+    mxu = flops = 0.0
+    loops = False
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            one = _dot_work(eqn, spec, passes=1)
+            mxu += _xla_passes(eqn) * one.mxu_seconds * mult
+            flops += one.mxu_flops
+        elif name == "conv_general_dilated":
+            mxu += _xla_passes(eqn) * _conv_flops(eqn) / spec.device_peak_flops * mult
+            flops += _conv_flops(eqn)
+        elif name in ("scan", "while"):
+            loops = True
+            if name == "scan":
+                body, trips = as_jaxpr(eqn.params["jaxpr"])[0], float(eqn.params["length"])
+            else:
+                body, trips = (
+                    as_jaxpr(eqn.params["body_jaxpr"])[0],
+                    float(loop_pricing.jaxpr_loop_trips(eqn) or 1),
+                )
+            sub_mxu, sub_flops, _ = _reference_mxu(body, spec, mult * trips)
+            mxu, flops = mxu + sub_mxu, flops + sub_flops
+        elif name == "cond":  # one branch runs: the cheapest, so the floor stays a floor
+            sub_mxu, sub_flops, sub_loops = min(
+                (_reference_mxu(as_jaxpr(b)[0], spec, mult) for b in eqn.params["branches"]),
+                key=lambda r: r[0],
+            )
+            mxu, flops, loops = mxu + sub_mxu, flops + sub_flops, True
+        elif name != "pallas_call":
+            for sub in sub_jaxprs(eqn):
+                sub_mxu, sub_flops, sub_loops = _reference_mxu(sub, spec, mult)
+                mxu, flops, loops = mxu + sub_mxu, flops + sub_flops, loops or sub_loops
+    return mxu, flops, loops
+
+
+def _reference_compute_floor(
+    jaxpr: jex_core.Jaxpr, raw: dict[str, float], spec: TpuSpec
+) -> tuple[float, str]:
+    """Seconds the reference's own compute takes at the block model's rates, and what bounds it.
+
+    The compiler's `optimal_seconds` is a roofline of its flops at the MXU peak, its bytes and its
+    transcendentals: elementwise work is priced as if the MXU did it (a loop-free chain of 3 x 1024 uint32
+    maps over 1024 x 1024 elements came out at exactly flops / 197 TFLOP/s on v5e and at its byte time on
+    v6e). The block model charges the same work in a kernel at its VPU rate, 64x (v5e) to 256x (v6e) slower,
+    so a kernel doing the reference's own elementwise work (threefry dropout bits, an erfc polynomial)
+    looked slower than the reference by up to that factor. Here the reference pays what a kernel would: its
+    elementwise ops (the compiler's flop count less its dots' flops, transcendentals excluded, counted
+    unpadded: a lower bound) at `_vpu_rate`, its dots at the passes their precision asks for, its
+    transcendentals at the EUP rate, overlapped perfectly (max, as `_pallas_call_estimate` overlaps a
+    kernel's units). With loops (a body's flops counted once) or conds (every branch counted), the
+    compiler's flops do not say what runs, so only the MXU and EUP terms are used."""
+    mxu, dot_flops, loops = _reference_mxu(jaxpr, spec, 1.0)
+    trans = raw.get("transcendentals") or 0.0
+    elementwise = 0.0 if loops else max(0.0, (raw.get("flops") or 0.0) - dot_flops - trans)
+    terms = {
+        "MXU": mxu,
+        "VPU": elementwise / _vpu_rate(spec),
+        "EUP": trans / spec.compiler_transcendentals_per_s,
+    }
+    unit = max(terms, key=lambda k: terms[k])
+    what = (
+        f"{unit}-bound: MXU {mxu * 1e6:.2f} us, {elementwise:.3g} elementwise ops {terms['VPU'] * 1e6:.2f} us"
+    )
+    what += f", {trans:.3g} transcendentals {terms['EUP'] * 1e6:.2f} us"
+    if loops:
+        what += "; elementwise work under loops or conds not counted"
+    return terms[unit], what
 
 
 def pallas_call_name(eqn: jex_core.JaxprEqn) -> str:
@@ -858,7 +974,9 @@ def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, facts: _StepFacts | None = 
         elif name in FREE_IN_KERNEL:
             continue
         elif name in TRANSCENDENTAL:
-            w.transcendentals += sum(_vreg_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ()))
+            elements = sum(_vreg_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ()))
+            w.transcendentals += elements
+            w.vpu_ops += TRANSCENDENTAL_VPU_OPS.get(name, 0) * elements
         elif name in REDUCTIONS:
             w.vpu_ops += sum(_vreg_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ()))
         else:
