@@ -91,6 +91,13 @@ exp; exp, log, tanh, erf, log1p, expm1, sqrt, rsqrt, pow, sin, cos, atan2 and cb
 and no flops. A kernel's equation is charged the same (`_body_work`), so the reference (whose compiler flop
 count holds the polynomial, see `_reference_compute_floor`) and the kernel pay for the same work."""
 
+RANDOM_BITS_VPU_OPS: int = 115
+"""VPU ops per 32-bit word of `random_bits` on a threefry key (partitionable counters, JAX 0.10's default):
+`jax.random.bits(key, (1024, 1024)) ^ x` costs 116 flops per element in `cost_analysis()` on v5e and v6e
+(libtpu 0.0.42.1), the xor one of them. A reference's `random_bits` is one equation; a kernel computes the
+same bits as the ~115 uint32 maps of threefry2x32's 20 rounds, each charged by the block model, so this is
+what the reference's side is charged for them (`_reference_work`)."""
+
 MAX_KNOWN_ELEMENTS: int = 1 << 16
 """Integer arrays up to this size are tracked by value through the XLA ops between kernels (so a kernel's
 scalar prefetch, e.g. group sizes or their cumulative offsets, is known when the inputs are)."""
@@ -190,9 +197,9 @@ class XlaEstimate(BaseModel):
         default=None,
         description="The reference's own compute priced the way the block model prices a kernel's: max of its "
         "dots' MXU time (each at the passes its precision asks for, dims padded to the MXU), its elementwise "
-        "work at the block model's VPU rate (the compiler's own flop count less its dots'; loop-free "
-        "programs only) and its transcendentals at the EUP rate. The compiler's model prices elementwise work "
-        "at the MXU peak; this floor keeps a kernel and its reference on one VPU rate. None: not computed.",
+        "ops (counted from its jaxpr, unpadded) at the block model's VPU rate and its transcendentals at the "
+        "EUP rate. The compiler's model prices elementwise work at the MXU peak; this floor keeps a kernel "
+        "and its reference on one VPU rate. None: not computed.",
     )
     est_compute_floor_extra_seconds: float = Field(
         default=0.0,
@@ -483,7 +490,7 @@ def _estimate_xla(
     floor: float | None = None
     floor_extra = 0.0
     if traced is not None and optimal is not None and not custom_targets:
-        floor, floor_note = _reference_compute_floor(traced.jaxpr, raw, spec)
+        floor, floor_note = _reference_compute_floor(traced.jaxpr, spec)
         base = optimal + surcharge + loop_extra
         if floor > base:
             floor_extra = floor - base
@@ -698,51 +705,57 @@ def _precision_surcharge(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float) -> f
     return total
 
 
-def _reference_mxu(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float) -> tuple[float, float, bool]:
-    """(MXU seconds at each dot's XLA pass count, one-pass flops as the compiler counts them, control flow).
+_XLA_NO_VPU_WORK = FREE_IN_XLA | frozenset(
+    "broadcast_in_dim transpose convert_element_type iota copy copy_p slice dynamic_slice dynamic_update_slice "
+    "concatenate pad gather rev squeeze expand_dims random_seed random_wrap random_unwrap random_fold_in "
+    "random_split".split()
+)
+"""Reference equations `_reference_work` charges no VPU ops: layout and data movement that XLA folds into
+its fusions' indexing or prices as bytes, and scalar key handling. Leaving them out keeps the reference's
+compute floor a floor (a kernel's broadcasts and casts are charged, as the values sit in its vregs)."""
 
-    MXU seconds count every loop iteration (scan lengths, counted while trips; an unknown trip count once)
-    and a cond's cheapest branch; the flops are 2*M*N*K per dot, unpadded and once per program, which is
-    how the compiler's `flops` counts them in a program without loops or conds (the third value says
-    whether there were any: then the compiler's flops cannot be split into dots and the rest)."""
-    mxu = flops = 0.0
-    loops = False
+
+def _reference_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float = 1.0) -> _Work:
+    """The reference's compute counted with the block model's rules, for `_reference_compute_floor`.
+
+    Dots pay the MXU passes XLA runs for their precision (`_xla_passes`; dims padded as a kernel's are),
+    convolutions their flops at the same peak; maps their output elements, reductions their input
+    elements, transcendentals one EUP op plus `TRANSCENDENTAL_VPU_OPS`, `random_bits` `RANDOM_BITS_VPU_OPS`
+    per word - all unpadded (a kernel's values are counted in whole vregs), so the reference is never
+    over-charged. Loops count every iteration (a while with no counter form once); where an equation holds
+    several jaxprs (cond branches, custom-derivative rules) only the cheapest is counted."""
+    w = _Work()
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "dot_general":
-            one = _dot_work(eqn, spec, passes=1)
-            mxu += _xla_passes(eqn) * one.mxu_seconds * mult
-            flops += one.mxu_flops
+            w.add(_dot_work(eqn, spec, passes=_xla_passes(eqn)), mult)
         elif name == "conv_general_dilated":
-            mxu += _xla_passes(eqn) * _conv_flops(eqn) / spec.device_peak_flops * mult
-            flops += _conv_flops(eqn)
+            w.mxu_seconds += _xla_passes(eqn) * _conv_flops(eqn) / spec.device_peak_flops * mult
         elif name in ("scan", "while"):
-            loops = True
             if name == "scan":
                 body, trips = as_jaxpr(eqn.params["jaxpr"])[0], float(eqn.params["length"])
             else:
-                body, trips = (
-                    as_jaxpr(eqn.params["body_jaxpr"])[0],
-                    float(loop_pricing.jaxpr_loop_trips(eqn) or 1),
-                )
-            sub_mxu, sub_flops, _ = _reference_mxu(body, spec, mult * trips)
-            mxu, flops = mxu + sub_mxu, flops + sub_flops
-        elif name == "cond":  # one branch runs: the cheapest, so the floor stays a floor
-            sub_mxu, sub_flops, sub_loops = min(
-                (_reference_mxu(as_jaxpr(b)[0], spec, mult) for b in eqn.params["branches"]),
-                key=lambda r: r[0],
-            )
-            mxu, flops, loops = mxu + sub_mxu, flops + sub_flops, True
-        elif name != "pallas_call":
-            for sub in sub_jaxprs(eqn):
-                sub_mxu, sub_flops, sub_loops = _reference_mxu(sub, spec, mult)
-                mxu, flops, loops = mxu + sub_mxu, flops + sub_flops, loops or sub_loops
-    return mxu, flops, loops
+                body = as_jaxpr(eqn.params["body_jaxpr"])[0]
+                trips = float(loop_pricing.jaxpr_loop_trips(eqn) or 1)
+            w.add(_reference_work(body, spec, mult * trips))
+        elif name == "pallas_call" or name in _XLA_NO_VPU_WORK:
+            continue
+        elif subs := sub_jaxprs(eqn):
+            w.add(min((_reference_work(sub, spec, mult) for sub in subs), key=lambda x: x.cost_key(spec)))
+        elif name == "random_bits":
+            w.vpu_ops += RANDOM_BITS_VPU_OPS * sum(_size(v.aval) for v in eqn.outvars) * mult
+        elif name in TRANSCENDENTAL:
+            elements = sum(_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ()))
+            w.transcendentals += elements * mult
+            w.vpu_ops += TRANSCENDENTAL_VPU_OPS.get(name, 0) * elements * mult
+        elif name in REDUCTIONS:
+            w.vpu_ops += sum(_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ())) * mult
+        else:
+            w.vpu_ops += sum(_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ())) * mult
+    return w
 
 
-def _reference_compute_floor(
-    jaxpr: jex_core.Jaxpr, raw: dict[str, float], spec: TpuSpec
-) -> tuple[float, str]:
+def _reference_compute_floor(jaxpr: jex_core.Jaxpr, spec: TpuSpec) -> tuple[float, str]:
     """Seconds the reference's own compute takes at the block model's rates, and what bounds it.
 
     The compiler's `optimal_seconds` is a roofline of its flops at the MXU peak, its bytes and its
@@ -750,27 +763,22 @@ def _reference_compute_floor(
     maps over 1024 x 1024 elements came out at exactly flops / 197 TFLOP/s on v5e and at its byte time on
     v6e). The block model charges the same work in a kernel at its VPU rate, 64x (v5e) to 256x (v6e) slower,
     so a kernel doing the reference's own elementwise work (threefry dropout bits, an erfc polynomial)
-    looked slower than the reference by up to that factor. Here the reference pays what a kernel would: its
-    elementwise ops (the compiler's flop count less its dots' flops, transcendentals excluded, counted
-    unpadded: a lower bound) at `_vpu_rate`, its dots at the passes their precision asks for, its
-    transcendentals at the EUP rate, overlapped perfectly (max, as `_pallas_call_estimate` overlaps a
-    kernel's units). With loops (a body's flops counted once) or conds (every branch counted), the
-    compiler's flops do not say what runs, so only the MXU and EUP terms are used."""
-    mxu, dot_flops, loops = _reference_mxu(jaxpr, spec, 1.0)
-    trans = raw.get("transcendentals") or 0.0
-    elementwise = 0.0 if loops else max(0.0, (raw.get("flops") or 0.0) - dot_flops - trans)
+    looked slower than the reference by up to that factor. Here the reference pays what a kernel would
+    (`_reference_work`), its units overlapped perfectly (max, as a kernel's are). The count comes from the
+    jaxpr, not from the compiler's flops: those include dots counted by rules of their own (a batched bf16
+    matmul + softmax on v6e reported 2.8e11 flops more than its dots' 2*M*N*K), which at the VPU rate
+    would have charged the reference 30x its time."""
+    w = _reference_work(jaxpr, spec)
     terms = {
-        "MXU": mxu,
-        "VPU": elementwise / _vpu_rate(spec),
-        "EUP": trans / spec.compiler_transcendentals_per_s,
+        "MXU": w.mxu_seconds,
+        "VPU": w.vpu_ops / _vpu_rate(spec),
+        "EUP": w.transcendentals / spec.compiler_transcendentals_per_s,
     }
     unit = max(terms, key=lambda k: terms[k])
     what = (
-        f"{unit}-bound: MXU {mxu * 1e6:.2f} us, {elementwise:.3g} elementwise ops {terms['VPU'] * 1e6:.2f} us"
+        f"{unit}-bound: MXU {terms['MXU'] * 1e6:.2f} us, {w.vpu_ops:.3g} elementwise ops {terms['VPU'] * 1e6:.2f} "
+        f"us, {w.transcendentals:.3g} transcendentals {terms['EUP'] * 1e6:.2f} us"
     )
-    what += f", {trans:.3g} transcendentals {terms['EUP'] * 1e6:.2f} us"
-    if loops:
-        what += "; elementwise work under loops or conds not counted"
     return terms[unit], what
 
 
