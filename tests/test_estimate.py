@@ -632,3 +632,22 @@ def test_erfc_in_a_kernel_pays_the_polynomial_xla_pays() -> None:
     assert erfc.est_vpu_elementwise_ops == 60 * 512 * 256
     ref = estimate_xla(jax.lax.erfc, [spec], "v5e")
     assert ref.est_flops == pytest.approx(60 * 512 * 256)  # the compiler's own count the table copies
+
+
+def test_a_highest_dot_fused_with_its_epilogue_pays_all_six_passes() -> None:
+    """The precision surcharge counts a dot's own output bytes as already paid; when XLA fuses the
+    epilogue (tanh, then a max over rows) that output never reaches HBM, and the surcharge came short of the
+    six passes (fused_bmm_tanh_max on v6e: 734 us against 898 us of MXU work). The compute floor holds
+    the reference to its full MXU time, which is what a kernel running the same dot pays."""
+    a = ((4, 2048, 512), jnp.float32)
+    c = ((4, 512, 1024), jnp.float32)
+
+    def fn(x, y):
+        prod = jnp.einsum("bmk,bkn->bmn", x, y, precision=jax.lax.Precision.HIGHEST)
+        return jnp.max(jnp.tanh(prod), axis=1)
+
+    est = estimate_xla(fn, [a, c], "v6e")
+    six_passes = 6 * 2 * 4 * 2048 * 512 * 1024 / get_spec("v6e").device_peak_flops
+    assert est.est_compute_floor_seconds == pytest.approx(six_passes, rel=0.01)
+    assert est.estimated_seconds >= six_passes
+    assert est.est_compute_floor_extra_seconds > 0  # the surcharge alone came short

@@ -88,8 +88,11 @@ TRANSCENDENTAL_VPU_OPS: dict[str, int] = {"erfc": 60, "erf_inv": 37, "logistic":
 `cost_analysis()` of a one-op f32 program (libtpu 0.0.42.1, the same on v5e and v6e): erfc is a 60-flop
 polynomial around one exp, erf_inv 37 flops and two transcendentals, logistic three flops around one
 exp; exp, log, tanh, erf, log1p, expm1, sqrt, rsqrt, pow, sin, cos, atan2 and cbrt count one transcendental
-and no flops. A kernel's equation is charged the same (`_body_work`), so the reference (whose compiler flop
-count holds the polynomial, see `_reference_compute_floor`) and the kernel pay for the same work."""
+and no flops. A kernel's equation is charged the same (`_body_work`), and the reference's too
+(`_reference_work`), so both pay for the same work. What Mosaic does (its LLO dump, v5e): erf is one
+`llo.verf`, as the compiler counts it; logistic is vneg / vmul / vadd around vexp and vrecip; erf_inv is
+37 vector ALU ops (vselect, vmul, vadd, vsub, vcmp, vabs) around vsqrt and vln1p - the compiler's count
+exactly; erfc has no Pallas TPU lowering, so a kernel meets it only if it was never compiled."""
 
 RANDOM_BITS_VPU_OPS: int = 115
 """VPU ops per 32-bit word of `random_bits` on a threefry key (partitionable counters, JAX 0.10's default):
