@@ -492,10 +492,14 @@ def _estimate_xla(
         )
     floor: float | None = None
     floor_extra = 0.0
+    floor_note = ""
     if traced is not None and optimal is not None and not custom_targets:
-        floor, floor_note = _reference_compute_floor(traced.jaxpr, spec)
+        try:
+            floor, floor_note = _reference_compute_floor(traced.jaxpr, spec)
+        except Exception as exc:  # noqa: BLE001 - the floor is a refinement; say so and keep the figure
+            notes.append(f"compute floor not computed: {type(exc).__name__}: {exc}")
         base = optimal + surcharge + loop_extra
-        if floor > base:
+        if floor is not None and floor > base:
             floor_extra = floor - base
             notes.append(
                 f"{floor_extra * 1e6:.2f} us added: the reference's own compute ({floor_note}) needs "
