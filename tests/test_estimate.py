@@ -651,3 +651,22 @@ def test_a_highest_dot_fused_with_its_epilogue_pays_all_six_passes() -> None:
     assert est.est_compute_floor_seconds == pytest.approx(six_passes, rel=0.01)
     assert est.estimated_seconds >= six_passes
     assert est.est_compute_floor_extra_seconds > 0  # the surcharge alone came short
+
+
+def test_random_bits_cost_the_reference_what_the_compiler_counts() -> None:
+    """A reference's `random_bits` is one equation; the compiler expands it into threefry's rounds (116
+    flops per word with the xor below). The floor charges the reference RANDOM_BITS_VPU_OPS per word, the
+    count a kernel computing the same bits is charged op by op, so the two sides pay for the same rounds."""
+    from maxkernel.tools.estimate import RANDOM_BITS_VPU_OPS, _vpu_rate
+
+    n = 1024 * 1024
+    est = estimate_xla(
+        lambda x: jax.random.bits(jax.random.key(3), x.shape, jnp.uint32) ^ x,
+        [((1024, 1024), jnp.uint32)],
+        "v5e",
+    )
+    assert est.est_flops == pytest.approx((RANDOM_BITS_VPU_OPS + 1) * n, rel=0.01)
+    assert est.est_compute_floor_seconds == pytest.approx(
+        (RANDOM_BITS_VPU_OPS + 1) * n / _vpu_rate(get_spec("v5e"))
+    )
+    assert est.estimated_seconds == pytest.approx(est.est_compute_floor_seconds)
