@@ -670,3 +670,18 @@ def test_random_bits_cost_the_reference_what_the_compiler_counts() -> None:
         (RANDOM_BITS_VPU_OPS + 1) * n / _vpu_rate(get_spec("v5e"))
     )
     assert est.estimated_seconds == pytest.approx(est.est_compute_floor_seconds)
+
+
+def test_a_scatter_add_floor_counts_its_updates_not_the_array() -> None:
+    """XLA scatters in place: the VPU work is the updates. Counted by the array it returns, a 64-row
+    scatter-add into 65536 rows would charge the reference 1000x its work; counted through its combiner
+    jaxpr alone, nothing."""
+    from maxkernel.tools.estimate import _vpu_rate
+
+    est = estimate_xla(
+        lambda big, idx, upd: big.at[idx].add(upd),
+        [((1 << 16, 128), jnp.float32), ((64,), jnp.int32), ((64, 128), jnp.float32)],
+        "v5e",
+    )
+    ops = est.est_compute_floor_seconds * _vpu_rate(get_spec("v5e"))
+    assert 64 * 128 <= ops <= 2 * 64 * 128

@@ -747,6 +747,10 @@ def _reference_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float = 1.0) -> 
             w.add(_reference_work(body, spec, mult * trips))
         elif name == "pallas_call" or name in _XLA_NO_VPU_WORK:
             continue
+        elif name.startswith("scatter") and len(eqn.invars) >= 3:
+            # in place: the work is the updates (operand, indices, updates), not the whole operand it returns;
+            # before the nested-jaxpr case, which would price its scalar combiner only
+            w.vpu_ops += _size(eqn.invars[2].aval) * mult
         elif subs := sub_jaxprs(eqn):
             w.add(min((_reference_work(sub, spec, mult) for sub in subs), key=lambda x: x.cost_key(spec)))
         elif name == "random_bits":
