@@ -308,7 +308,9 @@ def with_reference(summary: EstimateSummary, reference_s: float | None, notes: l
     from maxkernel.tools.estimate import estimated_speedup
 
     summary.reference_estimated_seconds = reference_s
-    summary.method += "; reference: TPU compiler cost model (optimal_seconds)"
+    summary.method += (
+        "; reference: TPU compiler cost model (optimal_seconds, with the corrections estimate_xla notes)"
+    )
     if summary.estimated_seconds is not None and reference_s is not None:
         try:
             summary.estimated_speedup = estimated_speedup(reference_s, summary.estimated_seconds)
