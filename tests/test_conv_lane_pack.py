@@ -16,6 +16,7 @@ from offline_helpers import TPU, check_on_normal_inputs, compiles_at, conv_progr
 
 from maxkernel.authors.offline.conv_kernel import lane_pack, packed_taps
 from maxkernel.authors.offline.tuning import default_config
+from maxkernel.tools.checks import check_pallas_does_work
 from maxkernel.tools.estimate import estimate_pallas
 
 
@@ -125,6 +126,10 @@ def test_packed_conv_is_correct_on_odd_shapes_and_compiles(fn, shapes, pack, dty
         _, kernel = load_module(program, config)
         check_on_normal_inputs(fn, kernel, shapes[1:], dtype, np.random.default_rng(5), atol=tol, rtol=tol)
     compiles_at(kernel, shapes[1:], jnp.dtype(dtype))
+    # the packing outside the kernel (reshapes, the banded weights, the folds) is what the harness allows there
+    big = [jax.ShapeDtypeStruct(s, jnp.dtype(dtype)) for s in shapes[0]]
+    check, _ = check_pallas_does_work(jax.make_jaxpr(kernel)(*big))
+    assert check.ok, check.reason
 
 
 def test_channel_reductions_keep_one_column_per_row() -> None:

@@ -406,8 +406,8 @@ class ConvBuilder(KernelBuilder):
             ep_maps += f"\n\ndef {s}_scalar_index_map({grid_args}):\n    return (0, 0)\n"
         ep_prep = "".join(
             (
-                f"    {a} = jnp.tile(_pad_to(jnp.reshape({n}, (1, -1)), (1, n_out_p)), (1, pack))  # per-channel "
-                "epilogue operand, once per packed column\n"
+                f"    {a} = jnp.concatenate([_pad_to(jnp.reshape({n}, (1, -1)), (1, n_out_p))] * pack, axis=-1)  # "
+                "per-channel epilogue operand, once per packed column\n"
                 if packed
                 else f"    {a} = _pad_to(jnp.reshape({n}, (1, -1)), (1, n_out_p))  # per-channel epilogue operand\n"
             )
@@ -545,10 +545,11 @@ def {s}_lane_packed_weights(wt, pack, n_groups):
     adjacent output columns side by side. Input column j * pack + q of a window group feeds output column p
     of the packed row through tap j * pack + q - p (zero where that is no tap).\"\"\"
     n_taps = wt.shape[-3]
-    zero = jnp.zeros_like(wt[..., 0, :, :])
-    cols = [
-        jnp.stack(
-            [wt[..., t - p, :, :] if 0 <= t - p < n_taps else zero for t in range(n_groups * pack)], axis=-3
+    zero = jnp.zeros_like(wt[..., :1, :, :])
+    cols = [  # concatenations only (jnp.stack is a primitive of its own, not layout, to the Pallas check)
+        jnp.concatenate(
+            [wt[..., t - p : t - p + 1, :, :] if 0 <= t - p < n_taps else zero for t in range(n_groups * pack)],
+            axis=-3,
         )
         for p in range(pack)
     ]
