@@ -29,7 +29,8 @@ def test_narrow_output_channels_are_packed_only_where_no_mxu_loses() -> None:
     assert lane_pack(64, 128, (3, 3), False)[0] == 1
     assert lane_pack(256, 256, (3, 3), False)[0] == 1
     assert lane_pack(64, 64, (3, 3), True)[0] == 1  # depthwise: VPU work, no MXU width to fill
-    assert lane_pack(64, 64, (3, 3), False, allowed=False)[0] == 1
+    assert lane_pack(64, 64, (3, 3), False, choices=(1,))[0] == 1  # a pool over W allows only its window
+    assert lane_pack(32, 32, (3, 3), False, choices=(1, 2))[0] == 2
     # two adjacent outputs of a 3-wide filter read 4 input columns: 2 groups of 2; a 1-wide filter 1 group
     assert (
         packed_taps((3, 3), 2) == (3, 2)
@@ -81,6 +82,40 @@ def conv3d_batch_moments(x, w, b):
     return jnp.clip((y - mean) * lax.rsqrt(var + 1e-5), -1.0, 1.0)
 
 
+def conv_softmax(x, w, b):
+    """A softmax over the channels: each packed column's max and sum over its own lane group."""
+    y = lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=lax.Precision.HIGHEST
+    )
+    return jax.nn.softmax(y + b, axis=-1)
+
+
+def conv3d_bias_softmax_maxpool_bf16(x, w, b):
+    """The suite's task: 3-D, bf16 in/out, softmax over the channels, a 2x2x2 max pool whose W window is the
+    packing (a max across a row's two lane groups)."""
+    y = lax.conv_general_dilated(
+        x,
+        w,
+        (1, 1, 1),
+        "SAME",
+        dimension_numbers=("NDHWC", "DHWIO", "NDHWC"),
+        preferred_element_type=jnp.float32,
+    ) + b.astype(jnp.float32)
+    y = jax.nn.softmax(y, axis=-1)
+    n, d, h, wd, c = y.shape
+    return jnp.max(y.reshape(n, d // 2, 2, h // 2, 2, wd // 2, 2, c), axis=(2, 4, 6)).astype(x.dtype)
+
+
+def conv_bias_hardswish_avgpool(x, w, b):
+    """2-D: a 2x2 average pool on packed rows (the W window sums a row's two lane groups)."""
+    y = lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=lax.Precision.HIGHEST
+    )
+    y = jax.nn.hard_swish(y + b)
+    n, h, wd, c = y.shape
+    return jnp.mean(y.reshape(n, h // 2, 2, wd // 2, 2, c), axis=(2, 4))
+
+
 # per case: the shapes the packing is decided at (traced only, like a task's own), then odd validation
 # shapes run in interpret mode; the pack the first shapes must get; dtype; tolerance
 CASES = [
@@ -104,6 +139,27 @@ CASES = [
         2,
         "bfloat16",
         1e-2,
+    ),
+    (
+        conv_softmax,
+        [((2, 32, 64, 64), (3, 3, 64, 64), (64,)), ((2, 5, 11, 8), (3, 3, 8, 64), (64,))],
+        2,
+        "float32",
+        1e-5,
+    ),
+    (
+        conv_bias_hardswish_avgpool,
+        [((2, 32, 64, 64), (3, 3, 64, 64), (64,)), ((2, 6, 10, 8), (3, 3, 8, 64), (64,))],
+        2,
+        "float32",
+        1e-4,
+    ),
+    (
+        conv3d_bias_softmax_maxpool_bf16,
+        [((2, 8, 32, 64, 32), (3, 3, 3, 32, 64), (64,)), ((2, 4, 6, 10, 8), (3, 3, 3, 8, 64), (64,))],
+        2,
+        "bfloat16",
+        2e-2,
     ),
     (
         conv3d_batch_moments,
@@ -130,17 +186,6 @@ def test_packed_conv_is_correct_on_odd_shapes_and_compiles(fn, shapes, pack, dty
     big = [jax.ShapeDtypeStruct(s, jnp.dtype(dtype)) for s in shapes[0]]
     check, _ = check_pallas_does_work(jax.make_jaxpr(kernel)(*big))
     assert check.ok, check.reason
-
-
-def test_channel_reductions_keep_one_column_per_row() -> None:
-    """A softmax over the channels reads across a row's lanes: packing would mix two columns' channels."""
-
-    def conv_softmax(x, w, b):
-        y = lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        return jax.nn.softmax(y + b, axis=-1)
-
-    program = conv_program(conv_softmax, [((2, 16, 32, 64), (3, 3, 64, 64), (64,))], "float32")
-    assert program.kernels[0].family == "conv" and "lane_packed_weights" not in program.kernels[0].code
 
 
 def test_block_model_sees_the_packed_matmul() -> None:

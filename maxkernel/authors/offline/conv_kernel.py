@@ -34,8 +34,9 @@ groups of `pack` input columns, and the weights become a block-banded `(groups *
 matrix (column p of a packed row takes input column q of group j through tap `j * pack + q - p`). Each matmul
 row yields `pack` columns; the epilogue and its spatial reductions work on the packed rows (the mask of padded
 columns reads the column from the lane), and the wrapper folds the `pack` partial reductions and reshapes
-the output back for free. Not where the epilogue reduces over the channels or pools (both would need
-segmented lanes).
+the output back for free. A reduction over the channels (a softmax) reduces each column's lane group and
+broadcasts it back over the group; a pool takes packing only when its W window is the packing (the window
+is then a max or sum across a row's lane groups, and the pooled block comes out unpacked).
 
 A depthwise conv (one filter per channel) runs on the VPU; a bf16 one converts its block to f32 once per
 step into VMEM scratch instead of converting each tap's window. Elementwise epilogues, spatial and channel
@@ -118,7 +119,7 @@ def lane_pack(
     ksz: tuple[int, ...],
     depthwise: bool,
     plane_bytes: int = 0,
-    allowed: bool = True,
+    choices: tuple[int, ...] = LANE_PACKS,
 ) -> tuple[int, int]:
     """(pack, merged dims): how many adjacent output columns to compute side by side in one matmul row, and
     the tap merge (`merged_dims`) at that packing.
@@ -130,9 +131,10 @@ def lane_pack(
     `pack`-fold, the contraction by (pack + k - 1) / k per row of taps. Taken when it lowers the padded MXU
     work summed over the target MXUs by at least `MERGE_MIN_GAIN` and raises it on none (one source serves
     every generation: 64 -> 128 channels is 1.7x less work on v5e and 2x on v6e for a 64-channel 3x3 conv; a
-    128-channel conv packed to 256 would be 2x better on v6e but 1.2x worse on v5e, so it stays unpacked)."""
+    128-channel conv packed to 256 would be 2x better on v6e but 1.2x worse on v5e, so it stays unpacked).
+    `choices`: the packings the epilogue allows (a pool over W needs its window to be the packing)."""
     base_merge = merged_dims(c_in, ksz, depthwise, plane_bytes)
-    if not allowed or depthwise:
+    if depthwise:
         return 1, base_merge
 
     def work(pack: int, merged: int) -> list[float]:
@@ -144,7 +146,7 @@ def lane_pack(
 
     base = work(1, base_merge)
     best, best_merge, best_cost = 1, base_merge, sum(base)
-    for pack in LANE_PACKS[1:]:
+    for pack in sorted(set(choices) - {1}):
         if pack * c_out > max(MXU_DEPTHS):
             break
         merged = merged_dims(pack * c_in, packed_taps(ksz, pack), depthwise, plane_bytes // pack)
@@ -240,18 +242,23 @@ class ConvBuilder(KernelBuilder):
         ksz_x = tuple(int(w.aval.shape[d]) for d in rhs_spec[2:])
         x_sp = [int(x.aval.shape[d]) for d in lhs_spec[2:]]
         plane_px = math.prod(x_sp[i] + pads[i][0] + pads[i][1] - ksz_x[i] + 1 for i in range(1, nsp))
-        # adjacent output columns side by side along the lanes (see `lane_pack`): only where nothing in the
-        # epilogue looks across channels or columns (a channel reduction or a pool would need segmented lanes)
-        packable = not (depthwise or ep.channel_reduced or ep.pool_windows)
+        # adjacent output columns side by side along the lanes (see `lane_pack`); a pool over W takes its
+        # window as the packing (the window is then a max/sum across a row's lane groups), or none
+        choices = ((1, pw) if pw > 1 else (1,)) if ep.pool_windows else LANE_PACKS
         pack, n_merged = lane_pack(
             c_in_x,
             int(w.aval.shape[rhs_spec[0]]),
             ksz_x,
             depthwise,
             plane_bytes=plane_px * x.aval.dtype.itemsize if per_plane else 0,
-            allowed=packable,
+            choices=choices,
         )
         packed = pack > 1
+        if packed:  # the epilogue again, on rows of `pack` columns (channel reductions by lane group)
+            try:
+                ep = build_epilogue(self, e, [f"e{k}_ref" for k in range(n_extra)], pack=pack)
+            except EmitError as exc:
+                raise LowerError(str(exc)) from exc
         # names the kernel body uses for the last spatial dim's tap count and window width: with packing,
         # taps and columns come in groups of `pack` columns (the packed input's W axis)
         k_of = {a: f"n_k{a}_g" if packed and a == last else f"n_k{a}" for a in sp}
@@ -379,7 +386,9 @@ class ConvBuilder(KernelBuilder):
             init.append("")
         accumulate = "".join(f"{pad}{line}\n" if line else "\n" for line in lines)
         carry0 = (
-            f"jnp.zeros((n_o{sp[1]} // {ph}, n_o{sp[-1]}_p // {pw}, w_ref.shape[-1]), jnp.float32)"
+            f"jnp.zeros((n_o{sp[1]} // {ph}, {ow if packed else f'n_o{last}_p // {pw}'}, "
+            f"w_ref.shape[-1]{' // pack' if packed else ''}), "
+            "jnp.float32)"
             if ep.pool_windows and per_plane and pool_windows[0] > 1
             else "0"
         )  # the depth window of a 3-D pool so far
@@ -445,11 +454,9 @@ class ConvBuilder(KernelBuilder):
                 f"    return ({'0' if batch_reduced else 'n_index'}, 0, o_index)  # the same block for every "
                 f"{'batch and ' if batch_reduced else ''}row step: an accumulator\n"
             )
-        red_kw = f", n_valid_{lead}, n_valid_{sp[-1]}" + (", pack" if packed else "") if reduced else ""
-        red_args = (
-            f", n_valid_{lead}=n_o{lead}, n_valid_{sp[-1]}=n_o{sp[-1]}" + (", pack=pack" if packed else "")
-            if reduced
-            else ""
+        red_kw = (f", n_valid_{lead}, n_valid_{sp[-1]}" if reduced else "") + (", pack" if packed else "")
+        red_args = (f", n_valid_{lead}=n_o{lead}, n_valid_{sp[-1]}=n_o{sp[-1]}" if reduced else "") + (
+            ", pack=pack" if packed else ""
         )
         out_shapes = ", ".join(
             f"jax.ShapeDtypeStruct(({'1' if batch_reduced else 'n_b'}, 1, {'pack * n_out_p' if packed else 'n_out_p'}), "
