@@ -362,20 +362,21 @@ class ConvBuilder(KernelBuilder):
                 col_ok = (
                     # lane l of column group g holds column g * pack + l // C_out: valid while that is below
                     # n_valid, i.e. while l < (n_valid - g * pack) * C_out (no integer division on vectors)
-                    f"(lax.broadcasted_iota(jnp.int32, blk.shape, blk.ndim - 1) < (n_valid_{last} - pack * "
-                    f"lax.broadcasted_iota(jnp.int32, blk.shape, blk.ndim - 2)) * (blk.shape[-1] // pack))"
+                    f"lax.broadcasted_iota(jnp.int32, part.shape, 1) < (n_valid_{last} - pack * "
+                    f"lax.broadcasted_iota(jnp.int32, part.shape, 0)) * (part.shape[-1] // pack)"
                     if packed
-                    else f"(lax.broadcasted_iota(jnp.int32, blk.shape, blk.ndim - 2) < n_valid_{last})"
+                    else f"lax.broadcasted_iota(jnp.int32, part.shape, 0) < n_valid_{last}"
                 )
-                if not any(line.startswith("valid = ") for line in lines):  # one mask for every reduction
-                    lines += [
-                        "# padded rows/columns (the conv of zero padding, not zero after the epilogue) do not count",
-                        f"valid = ({first_row} + lax.broadcasted_iota(jnp.int32, blk.shape, 0) < n_valid_{lead}) & "
-                        + col_ok,
-                    ]
+                # padded rows/columns (the conv of zero padding, not zero after the epilogue) do not count.
+                # Rows: masked only when the last row block has padded ones (rows and n_valid are static);
+                # columns: after the fold over the rows, on one (W, C) slab instead of the whole block
                 lines += [
-                    f"blk = jnp.where(valid, blk, {ident}).reshape(-1, blk.shape[-1])",
-                    f"{o}[...] = {combine}({o}[...], {fold}(blk, axis=0, keepdims=True))",
+                    f"if n_valid_{lead} % rows:  # padded {'planes' if per_plane else 'rows'} in the last row block",
+                    f"    blk = jnp.where({first_row} + lax.broadcasted_iota(jnp.int32, blk.shape, 0) < "
+                    f"n_valid_{lead}, blk, {ident})",
+                    f"part = {fold}(blk, axis=tuple(range(blk.ndim - 2)))  # ({'column groups' if packed else 'W'}, C)",
+                    f"part = jnp.where({col_ok}, part, {ident})",
+                    f"{o}[...] = {combine}({o}[...], {fold}(part, axis=0, keepdims=True))",
                 ]
             elif per_plane:
                 at = f"lax.div(plane, {pool_windows[0]})" if is_pooled[outs.index(v)] else "plane"
