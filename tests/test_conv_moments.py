@@ -126,7 +126,7 @@ def test_norm_statistics_come_from_the_conv_pass(fn, shapes) -> None:
     # output for its statistics (a group norm sums each group's channels in two tiny row-wise kernels)
     assert program.kernels[-1].family == "elementwise"
     assert all(k.family == "rowwise" for k in program.kernels[1:-1]) and len(program.kernels) <= 4
-    assert "arbitrary" in conv.code and conv.code.count("jnp.sum(blk, axis=0, keepdims=True)") == 2
+    assert "arbitrary" in conv.code and conv.code.count("jnp.sum(part, axis=0, keepdims=True)") == 2
     default = default_config(program, TPU)
     rng = np.random.default_rng(3)
     for config in [default, default.replace(block_rows=2)]:

@@ -257,8 +257,12 @@ class Epilogue:
     )
 
 
-def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
-    """Emit the region's equations after the conv, in program order, on the accumulator `acc`."""
+def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str], pack: int = 1) -> Epilogue:
+    """Emit the region's equations after the conv, in program order, on the accumulator `acc`.
+
+    `pack` > 1: each row of the block holds `pack` adjacent output columns (conv_kernel.lane_pack), every
+    channel of each in its own lane group; a channel reduction then reduces each group and broadcasts the
+    result back over it, and a pool's W window (which must be `pack` columns) combines a row's groups."""
     part, region = builder.part, builder.region
     g = part.g
     out = conv_out_of(conv_eqn)
@@ -315,15 +319,25 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
                 pool_windows  # 3-D: the depth window is combined across planes (conv_kernel's carry)
             )
             lead = "rows" if not pd else "n_oh"  # 2-D: the block's rows; 3-D: one plane's rows
+            if pack > 1 and pw != pack:
+                raise EmitError("a pool whose W window is not the lane packing")
+            cols = "n_ow_g" if pack > 1 else "n_ow_p"  # packed: groups of `pack` columns
             n += 1
             local = f"ep{n}"
-            lines.append(f"{local} = {args[0]}.reshape({lead}, n_ow_p, {args[0]}.shape[-1])  # (rows, W, bo)")
+            lines.append(f"{local} = {args[0]}.reshape({lead}, {cols}, {args[0]}.shape[-1])  # (rows, W, bo)")
             if ph > 1:
                 lines.append(
-                    f"{local} = {fold}({local}.reshape({lead} // {ph}, {ph}, n_ow_p, {local}.shape[-1]), axis=1)  "
+                    f"{local} = {fold}({local}.reshape({lead} // {ph}, {ph}, {cols}, {local}.shape[-1]), axis=1)  "
                     f"# {ph}-row windows: a split of the leading axis"
                 )
-            if pw > 1:
+            if pack > 1:
+                combine = "jnp.maximum" if name == "reduce_max" else "jnp.add"
+                lines.append(
+                    f"{local} = functools.reduce({combine}, [{local}[..., q * ({local}.shape[-1] // pack) : (q + 1) "
+                    f"* ({local}.shape[-1] // pack)] for q in range(pack)])  # {pw}-column windows: the lane groups "
+                    "of a packed row, float32 pooled block"
+                )
+            elif pw > 1:
                 lines.append(
                     f"{local} = {fold}({local}.reshape({local}.shape[0], n_ow_p // {pw}, {pw}, {local}.shape[-1]), "
                     f"axis=2)  # {pw}-column windows along the sublanes: float32 pooled block"
@@ -341,10 +355,19 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str]) -> Epilogue:
             fold = CHANNEL_REDUCTIONS[name]
             n += 1
             local = f"ep{n}"
-            lines.append(
-                f"{local} = {fold}({args[0]}, axis=-1, keepdims=True)  # float32 pixel: over the block's "
-                "channels, all of them (the block is the whole channel dim)"
-            )
+            if pack > 1:
+                group = f"({local}.shape[-1] // pack)"
+                lines += [
+                    f"{local} = {args[0]}",
+                    f"{local} = jnp.concatenate([jnp.broadcast_to({fold}({local}[:, q * {group} : (q + 1) * {group}], "
+                    f"axis=-1, keepdims=True), ({local}.shape[0], {group})) for q in range(pack)], axis=-1)  # float32 "
+                    "pixel: over each packed column's channels (a lane group), broadcast back over the group",
+                ]
+            else:
+                lines.append(
+                    f"{local} = {fold}({args[0]}, axis=-1, keepdims=True)  # float32 pixel: over the block's "
+                    "channels, all of them (the block is the whole channel dim)"
+                )
             code[ov] = local
             channel_reduced = True
             continue

@@ -27,6 +27,17 @@ depth `taps * C_in` against the weights reshaped to match (`merged_dims` picks h
 padded depth over both MXU depths): a 96-channel 3x3 conv pads each 96-deep tap matmul to 128 / 256 (9 x
 128 = 1152 / 9 x 256 = 2304 of depth), all nine taps side by side pad 864 to 896 / 1024.
 
+When the output channels leave most of the MXU's width idle (64 channels: half of v5e's 128-wide MXU, a
+quarter of v6e's 256), `lane_pack` may put `pack` adjacent output columns side by side along the lanes: the
+input is reshaped `(..., W, C_in) -> (..., W / pack, pack * C_in)` (free in HBM), the W taps then come in
+groups of `pack` input columns, and the weights become a block-banded `(groups * pack * C_in, pack * C_out)`
+matrix (column p of a packed row takes input column q of group j through tap `j * pack + q - p`). Each matmul
+row yields `pack` columns; the epilogue and its spatial reductions work on the packed rows (the mask of padded
+columns reads the column from the lane), and the wrapper folds the `pack` partial reductions and reshapes
+the output back for free. A reduction over the channels (a softmax) reduces each column's lane group and
+broadcasts it back over the group; a pool takes packing only when its W window is the packing (the window
+is then a max or sum across a row's lane groups, and the pooled block comes out unpacked).
+
 A depthwise conv (one filter per channel) runs on the VPU; a bf16 one converts its block to f32 once per
 step into VMEM scratch instead of converting each tap's window. Elementwise epilogues, spatial and channel
 reductions (conv_epilogue.py) and pools (conv_pool.py) run on the f32 accumulator before the one store.
@@ -35,7 +46,7 @@ reductions (conv_epilogue.py) and pools (conv_pool.py) run on the f32 accumulato
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue, conv_out_of
 from maxkernel.authors.offline.conv_pool import pooled_shape
@@ -90,6 +101,62 @@ def merged_dims(c_in: int, ksz: tuple[int, ...], depthwise: bool, plane_bytes: i
         if cost[m] <= (1.0 - MERGE_MIN_GAIN) * cost[best]:
             best = m
     return best
+
+
+LANE_PACKS = (1, 2, 4)
+"""How many adjacent output columns one matmul row may hold (see `lane_pack`)."""
+
+
+def packed_taps(ksz: tuple[int, ...], pack: int) -> tuple[int, ...]:
+    """Kernel sizes with the last dim's taps in groups of `pack` input columns: `pack` adjacent outputs read
+    `pack + k - 1` columns, i.e. ceil((pack + k - 1) / pack) groups of the packed input."""
+    return (*ksz[:-1], -(-(pack + ksz[-1] - 1) // pack))
+
+
+def lane_pack(
+    c_in: int,
+    c_out: int,
+    ksz: tuple[int, ...],
+    depthwise: bool,
+    plane_bytes: int = 0,
+    choices: tuple[int, ...] = LANE_PACKS,
+) -> tuple[int, int]:
+    """(pack, merged dims): how many adjacent output columns to compute side by side in one matmul row, and
+    the tap merge (`merged_dims`) at that packing.
+
+    A conv with few output channels leaves most of the MXU's width idle: 64 channels use half of a 128-wide
+    MXU (v5e) and a quarter of a 256-wide one (v6e), and its epilogue half-empty vregs. Reshaping the input
+    `(..., W, C_in) -> (..., W / pack, pack * C_in)` (free in HBM) and the weights into a block-banded
+    `(taps * pack * C_in, pack * C_out)` matrix makes each matmul row produce `pack` columns at once: N grows
+    `pack`-fold, the contraction by (pack + k - 1) / k per row of taps. Taken when it lowers the padded MXU
+    work summed over the target MXUs by at least `MERGE_MIN_GAIN` and raises it on none (one source serves
+    every generation: 64 -> 128 channels is 1.7x less work on v5e and 2x on v6e for a 64-channel 3x3 conv; a
+    128-channel conv packed to 256 would be 2x better on v6e but 1.2x worse on v5e, so it stays unpacked).
+    `choices`: the packings the epilogue allows (a pool over W needs its window to be the packing)."""
+    base_merge = merged_dims(c_in, ksz, depthwise, plane_bytes)
+    if depthwise:
+        return 1, base_merge
+
+    def work(pack: int, merged: int) -> list[float]:
+        """Padded MXU work per output pixel on each target MXU (square: depth d, width d)."""
+        kp = packed_taps(ksz, pack)
+        return [
+            padded_depth(pack * c_in, kp, merged, d) * (-(-pack * c_out // d) * d) / pack for d in MXU_DEPTHS
+        ]
+
+    base = work(1, base_merge)
+    best, best_merge, best_cost = 1, base_merge, sum(base)
+    for pack in sorted(set(choices) - {1}):
+        if pack * c_out > max(MXU_DEPTHS):
+            break
+        merged = merged_dims(pack * c_in, packed_taps(ksz, pack), depthwise, plane_bytes // pack)
+        cost = work(pack, merged)
+        if (
+            all(c <= b for c, b in zip(cost, base, strict=True))
+            and sum(cost) <= (1.0 - MERGE_MIN_GAIN) * best_cost
+        ):
+            best, best_merge, best_cost = pack, merged, sum(cost)
+    return best, best_merge
 
 
 class ConvBuilder(KernelBuilder):
@@ -170,22 +237,40 @@ class ConvBuilder(KernelBuilder):
         # fori_loops (dynamic offsets on leading dims are free) so the kernel's code (and the Mosaic compile
         # time) stays that of one tap row; with no merge, the last dim's taps (which shift the sublane axis)
         # are unrolled, one C_in-deep matmul each.
-        first = "pl.ds(plane + k{a}, 1)" if per_plane else "pl.ds(k{a}, rows)"
-        win = ", ".join(
-            ["0", first.format(a=lead)]
-            + [f"pl.ds(k{a}, n_o{a}_p)" if a == sp[-1] else f"pl.ds(k{a}, n_o{a})" for a in sp[1:]]
-            + [":"]
-        )
-        flat = " * ".join(["1" if per_plane else "rows"] + [f"n_o{a}" for a in sp[1:-1]] + [f"n_o{sp[-1]}_p"])
-        tap_idx = ", ".join(f"k{a}" for a in sp)
         last = sp[-1]
         c_in_x = int(x.aval.shape[lhs_spec[1]])
         ksz_x = tuple(int(w.aval.shape[d]) for d in rhs_spec[2:])
         x_sp = [int(x.aval.shape[d]) for d in lhs_spec[2:]]
         plane_px = math.prod(x_sp[i] + pads[i][0] + pads[i][1] - ksz_x[i] + 1 for i in range(1, nsp))
-        n_merged = merged_dims(
-            c_in_x, ksz_x, depthwise, plane_bytes=plane_px * x.aval.dtype.itemsize if per_plane else 0
+        # adjacent output columns side by side along the lanes (see `lane_pack`); a pool over W takes its
+        # window as the packing (the window is then a max/sum across a row's lane groups), or none
+        choices = ((1, pw) if pw > 1 else (1,)) if ep.pool_windows else LANE_PACKS
+        pack, n_merged = lane_pack(
+            c_in_x,
+            int(w.aval.shape[rhs_spec[0]]),
+            ksz_x,
+            depthwise,
+            plane_bytes=plane_px * x.aval.dtype.itemsize if per_plane else 0,
+            choices=choices,
         )
+        packed = pack > 1
+        if packed:  # the epilogue again, on rows of `pack` columns (channel reductions by lane group)
+            try:
+                ep = build_epilogue(self, e, [f"e{k}_ref" for k in range(n_extra)], pack=pack)
+            except EmitError as exc:
+                raise LowerError(str(exc)) from exc
+        # names the kernel body uses for the last spatial dim's tap count and window width: with packing,
+        # taps and columns come in groups of `pack` columns (the packed input's W axis)
+        k_of = {a: f"n_k{a}_g" if packed and a == last else f"n_k{a}" for a in sp}
+        ow = f"n_o{last}_g" if packed else f"n_o{last}_p"
+        first = "pl.ds(plane + k{a}, 1)" if per_plane else "pl.ds(k{a}, rows)"
+        win = ", ".join(
+            ["0", first.format(a=lead)]
+            + [f"pl.ds(k{a}, {ow})" if a == last else f"pl.ds(k{a}, n_o{a})" for a in sp[1:]]
+            + [":"]
+        )
+        flat = " * ".join(["1" if per_plane else "rows"] + [f"n_o{a}" for a in sp[1:-1]] + [ow])
+        tap_idx = ", ".join(f"k{a}" for a in sp)
         merged = n_merged > 0
         inner = sp[nsp - n_merged :] if merged else sp[-1:]
         outer = sp[: nsp - len(inner)]
@@ -207,7 +292,7 @@ class ConvBuilder(KernelBuilder):
         depth_in = len(outer)
         outer_idx = ", ".join(f"k{a}" for a in outer) or "..."
         if merged:
-            taps_of = " ".join(f"for k{a} in range(n_k{a})" for a in inner)
+            taps_of = " ".join(f"for k{a} in range({k_of[a]})" for a in inner)
             what = "".join(a.upper() for a in inner)
             lines.append(
                 f"{'    ' * depth_in}window = jnp.concatenate([x_ref[{win}] {taps_of}], axis=-1)  # the {what} "
@@ -222,7 +307,7 @@ class ConvBuilder(KernelBuilder):
                 + ("" if outer else f"  # f32[{flat}, bo]")
             )
         else:
-            lines.append(f"{'    ' * depth_in}for k{last} in range(n_k{last}):")
+            lines.append(f"{'    ' * depth_in}for k{last} in range({k_of[last]}):")
             src_win = f"xs_ref[{win.removeprefix('0, ')}]" if staged else f"x_ref[{win}]"
             lines.append(
                 f"{'    ' * (depth_in + 1)}window = {src_win}  # the tap's shifted window of the halo'd block"
@@ -273,16 +358,25 @@ class ConvBuilder(KernelBuilder):
                 row_ext = "1" if per_plane else "rows"
                 mid = "".join(f"n_o{a}, " for a in sp[1:-1])
                 init.append(f"    {o}[...] = jnp.full({o}.shape, {ident}, {o}.dtype)")
-                lines.append(f"blk = {src}.reshape({row_ext}, {mid}n_o{sp[-1]}_p, {src}.shape[-1])")
-                if not any(line.startswith("valid = ") for line in lines):  # one mask for every reduction
-                    lines += [
-                        "# padded rows/columns (the conv of zero padding, not zero after the epilogue) do not count",
-                        f"valid = ({first_row} + lax.broadcasted_iota(jnp.int32, blk.shape, 0) < n_valid_{lead}) & "
-                        f"(lax.broadcasted_iota(jnp.int32, blk.shape, blk.ndim - 2) < n_valid_{sp[-1]})",
-                    ]
+                lines.append(f"blk = {src}.reshape({row_ext}, {mid}{ow}, {src}.shape[-1])")
+                col_ok = (
+                    # lane l of column group g holds column g * pack + l // C_out: valid while that is below
+                    # n_valid, i.e. while l < (n_valid - g * pack) * C_out (no integer division on vectors)
+                    f"lax.broadcasted_iota(jnp.int32, part.shape, 1) < (n_valid_{last} - pack * "
+                    f"lax.broadcasted_iota(jnp.int32, part.shape, 0)) * (part.shape[-1] // pack)"
+                    if packed
+                    else f"lax.broadcasted_iota(jnp.int32, part.shape, 0) < n_valid_{last}"
+                )
+                # padded rows/columns (the conv of zero padding, not zero after the epilogue) do not count.
+                # Rows: masked only when the last row block has padded ones (rows and n_valid are static);
+                # columns: after the fold over the rows, on one (W, C) slab instead of the whole block
                 lines += [
-                    f"blk = jnp.where(valid, blk, {ident}).reshape(-1, blk.shape[-1])",
-                    f"{o}[...] = {combine}({o}[...], {fold}(blk, axis=0, keepdims=True))",
+                    f"if n_valid_{lead} % rows:  # padded {'planes' if per_plane else 'rows'} in the last row block",
+                    f"    blk = jnp.where({first_row} + lax.broadcasted_iota(jnp.int32, blk.shape, 0) < "
+                    f"n_valid_{lead}, blk, {ident})",
+                    f"part = {fold}(blk, axis=tuple(range(blk.ndim - 2)))  # ({'column groups' if packed else 'W'}, C)",
+                    f"part = jnp.where({col_ok}, part, {ident})",
+                    f"{o}[...] = {combine}({o}[...], {fold}(part, axis=0, keepdims=True))",
                 ]
             elif per_plane:
                 at = f"lax.div(plane, {pool_windows[0]})" if is_pooled[outs.index(v)] else "plane"
@@ -293,7 +387,9 @@ class ConvBuilder(KernelBuilder):
             init.append("")
         accumulate = "".join(f"{pad}{line}\n" if line else "\n" for line in lines)
         carry0 = (
-            f"jnp.zeros((n_o{sp[1]} // {ph}, n_o{sp[-1]}_p // {pw}, w_ref.shape[-1]), jnp.float32)"
+            f"jnp.zeros((n_o{sp[1]} // {ph}, {ow if packed else f'n_o{last}_p // {pw}'}, "
+            f"w_ref.shape[-1]{' // pack' if packed else ''}), "
+            "jnp.float32)"
             if ep.pool_windows and per_plane and pool_windows[0] > 1
             else "0"
         )  # the depth window of a 3-D pool so far
@@ -319,19 +415,26 @@ class ConvBuilder(KernelBuilder):
         if "scalar" in ep.input_roles:
             ep_maps += f"\n\ndef {s}_scalar_index_map({grid_args}):\n    return (0, 0)\n"
         ep_prep = "".join(
-            f"    {a} = _pad_to(jnp.reshape({n}, (1, -1)), (1, n_out_p))  # per-channel epilogue operand\n"
+            (
+                f"    {a} = jnp.concatenate([_pad_to(jnp.reshape({n}, (1, -1)), (1, n_out_p))] * pack, axis=-1)  # "
+                "per-channel epilogue operand, once per packed column\n"
+                if packed
+                else f"    {a} = _pad_to(jnp.reshape({n}, (1, -1)), (1, n_out_p))  # per-channel epilogue operand\n"
+            )
             if r == "chan"
             else f"    {a} = jnp.reshape({n}, (1, 1))  # scalar epilogue operand\n"
             for a, n, r in zip(ep_args, ep_names, ep.input_roles, strict=True)
         )
+        lanes_code = "pack * bo" if packed else "bo"  # the lane dim of output, weight and channel blocks
         ep_specs = "".join(
-            f"\n            pl.BlockSpec((1, bo), {s}_chan_index_map),"
+            f"\n            pl.BlockSpec((1, {'pack * bo' if packed else 'bo'}), {s}_chan_index_map),"
             if r == "chan"
             else f"\n            pl.BlockSpec((1, 1), {s}_scalar_index_map),"
             for r in ep.input_roles
         )
         out_block = (
-            f"pl.BlockSpec((None, rows, {', '.join([f'n_o{a}' for a in sp[1:-1]] + [f'n_o{sp[-1]}_p'])}, bo), "
+            f"pl.BlockSpec((None, rows, {', '.join([f'n_o{a}' for a in sp[1:-1]] + [f'n_o{last}_p // pack' if packed else f'n_o{last}_p'])}, "
+            f"{'pack * bo' if packed else 'bo'}), "
             f"{s}_out_index_map)"
         )
         pooled_mid = "".join(f"n_o{a} // {q}, " for a, q in zip(sp[1:-1], pool_windows[1:-1], strict=True))
@@ -345,17 +448,20 @@ class ConvBuilder(KernelBuilder):
             f"pl.BlockSpec((None, rows // {pool_windows[0]}, {pooled_mid}n_o{sp[-1]}_p // {pw}, bo), "
             f"{s}_out_index_map)"
         )
-        red_block = f"pl.BlockSpec((None, 1, bo), {s}_reduced_index_map)"
+        red_block = f"pl.BlockSpec((None, 1, {'pack * bo' if packed else 'bo'}), {s}_reduced_index_map)"
         if reduced:
             ep_maps += (
                 f"\n\ndef {s}_reduced_index_map({grid_args}):\n"
                 f"    return ({'0' if batch_reduced else 'n_index'}, 0, o_index)  # the same block for every "
                 f"{'batch and ' if batch_reduced else ''}row step: an accumulator\n"
             )
-        red_kw = f", n_valid_{lead}, n_valid_{sp[-1]}" if reduced else ""
-        red_args = f", n_valid_{lead}=n_o{lead}, n_valid_{sp[-1]}=n_o{sp[-1]}" if reduced else ""
+        red_kw = (f", n_valid_{lead}, n_valid_{sp[-1]}" if reduced else "") + (", pack" if packed else "")
+        red_args = (f", n_valid_{lead}=n_o{lead}, n_valid_{sp[-1]}=n_o{sp[-1]}" if reduced else "") + (
+            ", pack=pack" if packed else ""
+        )
         out_shapes = ", ".join(
-            f"jax.ShapeDtypeStruct(({'1' if batch_reduced else 'n_b'}, 1, n_out_p), jnp.float32)"
+            f"jax.ShapeDtypeStruct(({'1' if batch_reduced else 'n_b'}, 1, {'pack * n_out_p' if packed else 'n_out_p'}), "
+            "jnp.float32)"
             if r is None
             else f"jax.ShapeDtypeStruct({'pooled_dims' if pooled else 'out_dims'}, {dtype_code(dtype_name(v.aval))})"
             for v, r, pooled in zip(outs, ep.results, is_pooled, strict=True)
@@ -365,8 +471,25 @@ class ConvBuilder(KernelBuilder):
             for r, pooled in zip(ep.results, is_pooled, strict=True)
         )
         out_sizes = ", ".join(f"n_o{a}" for a in sp)
+
+        def unpacked(k: int) -> str:
+            """The k-th output with its packed columns back in their own rows (a free reshape in HBM)."""
+            return f"out[{k}].reshape(*out[{k}].shape[:-2], n_o{last}_p, n_out_p)" if packed else f"out[{k}]"
+
+        def packed_fold(k: int, v: Any) -> str:
+            """Code folding the `pack` lane groups of a packed spatial reduction (one per column of a group)."""
+            combine = "jnp.maximum" if ep.reductions[v][1] == "reduce_max" else "jnp.add"
+            at = "0, 0" if batch_reduced else ":, 0"
+            return (
+                f"    out[{k}] = functools.reduce({combine}, [out[{k}][{at}, q * n_out_p : q * n_out_p + n_out] "
+                f"for q in range(pack)])  # {'(C_out,)' if batch_reduced else '(N, C_out)'}: the packed "
+                "columns' partial results combined"
+            )
+
         crops = "\n".join(
-            (
+            packed_fold(k, outs[k])
+            if r is None and packed
+            else (
                 f"    out[{k}] = out[{k}][0, 0, :n_out]  # (C_out,), summed over the batch and spatial dims"
                 if batch_reduced
                 else f"    out[{k}] = out[{k}][:, 0, :n_out]  # (N, C_out), summed over the spatial dims"
@@ -374,7 +497,7 @@ class ConvBuilder(KernelBuilder):
             if r is None
             else f"    out[{k}] = _crop(out[{k}], (n_b, {', '.join(f'n_o{a} // {q}' for a, q in zip(sp, pool_windows, strict=True))}, n_out))  # pooled"
             if is_pooled[k]
-            else f"    out[{k}] = {_transposed(f'_crop(out[{k}], (n_b, {out_sizes}, n_out))', tuple(from_cl))}"
+            else f"    out[{k}] = {_transposed(f'_crop({unpacked(k)}, (n_b, {out_sizes}, n_out))', tuple(from_cl))}"
             for k, r in enumerate(ep.results)
         )
         semantics = (
@@ -386,8 +509,8 @@ class ConvBuilder(KernelBuilder):
         )
         ep_doc = ", then the fused epilogue before the one store" if ep.lines else ""
         w_merge = (
-            f"\n    wt = wt.reshape({''.join(f'wt.shape[{i}], ' for i in range(nsp - n_merged))}{' * '.join(f'n_k{a}' for a in inner)} * n_c, "
-            f"n_out_p)  # the {''.join(a.upper() for a in inner)} taps' rows stacked: matches their windows side "
+            f"\n    wt = wt.reshape({''.join(f'wt.shape[{i}], ' for i in range(nsp - n_merged))}{' * '.join(k_of[a] for a in inner)} * "
+            f"{'pack * n_c, pack * n_out_p' if packed else 'n_c, n_out_p'})  # the {''.join(a.upper() for a in inner)} taps' rows stacked: matches their windows side "
             "by side"
             if merged
             else ""
@@ -408,6 +531,42 @@ class ConvBuilder(KernelBuilder):
             else ""
         )
         x_chan = "o_index * bo" if depthwise else "0"  # depthwise: channel block c of x feeds output block c
+        pack_prep = (
+            f"    pack = {pack}  # adjacent output columns side by side along the lanes (one matmul row each)\n"
+            f"    n_k{last}_g = -(-(pack + n_k{last} - 1) // pack)  # {last.upper()} taps, in groups of `pack` input "
+            "columns\n"
+            if packed
+            else ""
+        )
+        x_pack = (
+            "\n    x = x.reshape(*x.shape[:-2], x.shape[-2] // pack, pack * n_c)  # `pack` columns side by side: "
+            "a free reshape"
+            if packed
+            else ""
+        )
+        w_pack = f"\n    wt = {s}_lane_packed_weights(wt, pack, n_k{last}_g)" if packed else ""
+        pack_fn = (
+            f"""
+
+def {s}_lane_packed_weights(wt, pack, n_groups):
+    \"\"\"(..., K{last}, C_in, C_out) -> (..., n_groups, pack * C_in, pack * C_out): the weights of `pack`
+    adjacent output columns side by side. Input column j * pack + q of a window group feeds output column p
+    of the packed row through tap j * pack + q - p (zero where that is no tap).\"\"\"
+    n_taps = wt.shape[-3]
+    zero = jnp.zeros_like(wt[..., :1, :, :])
+    cols = [  # concatenations only (jnp.stack is a primitive of its own, not layout, to the Pallas check)
+        jnp.concatenate(
+            [wt[..., t - p : t - p + 1, :, :] if 0 <= t - p < n_taps else zero for t in range(n_groups * pack)],
+            axis=-3,
+        )
+        for p in range(pack)
+    ]
+    packed = jnp.concatenate(cols, axis=-1)  # (..., n_groups * pack, C_in, pack * C_out)
+    return packed.reshape(*wt.shape[:-3], n_groups, pack * wt.shape[-2], pack * wt.shape[-1])
+"""
+            if packed
+            else ""
+        )
         x_kw = ", bo" if depthwise else ""
         x_last = (
             "*(pl.Element(d) for d in x.shape[2:-1]), pl.Element(bo)"
@@ -424,11 +583,11 @@ def {s}_w_index_map({grid_args}):
 
 def {s}_out_index_map({grid_args}):
     return (n_index, r_index, {", ".join(["0"] * (nsp - 1))}, o_index)
-{ep_maps}
+{ep_maps}{pack_fn}
 
 def {s}_kernel(x_ref, w_ref, {", ".join(ep_refs + out_refs + (["xs_ref"] if staged else []))}, *, rows, {
-            ", ".join(f"n_k{a}" for a in sp)
-        }, {", ".join(f"n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""}n_o{sp[-1]}_p{red_kw}):
+            ", ".join(k_of[a] for a in sp)
+        }, {", ".join(f"n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""}{ow}{red_kw}):
     """Sum over kernel taps of (shifted input window) x (tap weights), all from VMEM{ep_doc}."""
 {body}
 
@@ -446,30 +605,39 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 for i, a in enumerate(sp)
             )
         }
-    rows = _block(n_o{lead}, {
+{pack_prep}    rows = _block(n_o{lead}, {
             f"_round_up({c}BLOCK_ROWS, {pool_windows[0]})" if pool_windows[0] > 1 else f"{c}BLOCK_ROWS"
         }, {pool_windows[0]})
     {
             "bo = n_out  # every channel in one block (the whole dim): the epilogue reduces over them"
             if ep.channel_reduced
+            else "bo = n_out  # every channel in one block: a packed row holds `pack` columns' channels"
+            if packed
             else f"bo = _block(n_out, {c}BLOCK_O, 128)"
         }
     n_o{lead}_p = _round_up(n_o{lead}, rows)
-    n_o{sp[-1]}_p = _round_up(n_o{sp[-1]}, {math.lcm(sub, pw)})
+    n_o{sp[-1]}_p = _round_up(n_o{sp[-1]}, {math.lcm(sub, pw)}{" * pack" if packed else ""})
     n_out_p = _round_up(n_out, bo)
     # zero padding: the convolution's own, plus rows/columns up to whole blocks (cropped afterwards)
     x = jnp.pad(x, [(0, 0), {
             ", ".join(
-                f"({pads[i][0]}, {pads[i][1]} + n_o{a}_p - n_o{a})"
+                f"({pads[i][0]}, {pads[i][1]} + n_o{a}_p - n_o{a} + n_k{a}_g * pack - pack - n_k{a} + 1)"
+                if packed and a == last
+                else f"({pads[i][0]}, {pads[i][1]} + n_o{a}_p - n_o{a})"
                 if a in (lead, sp[-1])
                 else f"({pads[i][0]}, {pads[i][1]})"
                 for i, a in enumerate(sp)
             )
-        }, {"(0, n_out_p - n_out)" if depthwise else "(0, 0)"}])
-    wt = _pad_to(wt, (*wt.shape[:-1], n_out_p)){w_merge}
+        }, {"(0, n_out_p - n_out)" if depthwise else "(0, 0)"}]){x_pack}
+    wt = _pad_to(wt, (*wt.shape[:-1], n_out_p)){w_pack}{w_merge}
 {ep_prep}    out_dims = (n_b, {
-            ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
-        }, n_out_p)
+            ", ".join(
+                (f"n_o{a}_p // pack" if packed and a == last else f"n_o{a}_p")
+                if a in (lead, sp[-1])
+                else f"n_o{a}"
+                for a in sp
+            )
+        }, {"pack * n_out_p" if packed else "n_out_p"})
 {pooled_dims}    out_shape = [{out_shapes}]  # ({
             ", ".join(f"n_o{a}_p" if a in (lead, sp[-1]) else f"n_o{a}" for a in sp)
         }, C_out padded)
@@ -482,9 +650,9 @@ def {s}({", ".join([xn, wn, *ep_names])}):
     )
     out = list(pl.pallas_call(
         functools.partial(
-            {s}_kernel, rows=rows, {", ".join(f"n_k{a}=n_k{a}" for a in sp)}, {
+            {s}_kernel, rows=rows, {", ".join(f"{k_of[a]}={k_of[a]}" for a in sp)}, {
             ", ".join(f"n_o{a}=n_o{a}" for a in sp[1:-1]) + ", " if nsp > 2 else ""
-        }n_o{sp[-1]}_p=n_o{sp[-1]}_p{red_args}
+        }{ow}={f"n_o{last}_p // pack" if packed else ow}{red_args}
         ),
         grid={grid_code},
         in_specs=[
@@ -492,7 +660,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 (pl.Element(1), pl.Element(rows + n_k{lead} - 1), {x_last}),
                 functools.partial({s}_x_index_map, rows=rows{", bo=bo" if depthwise else ""}),
             ),
-            pl.BlockSpec((*wt.shape[:-1], bo), {s}_w_index_map),{ep_specs}
+            pl.BlockSpec((*wt.shape[:-1], {lanes_code}), {s}_w_index_map),{ep_specs}
         ],
         out_specs=[{out_blocks}],
         out_shape=out_shape,{scratch}
@@ -513,8 +681,11 @@ def {s}({", ".join([xn, wn, *ep_names])}):
         ksz = [ws[d] for d in rhs_spec[2:]]
         c_out = ws[rhs_spec[0]]
         out_sp = [in_sp[i] + pads[i][0] + pads[i][1] - ksz[i] + 1 for i in range(nsp)]
-        w_last = -(-out_sp[-1] // sub) * sub
+        w_last = -(-out_sp[-1] // (sub * pack)) * sub  # block columns (column groups when packed)
         taps = math.prod(ksz)
+        # what the MXU sees: with packing, groups of `pack` columns (taps and channels side by side)
+        kq = list(packed_taps(tuple(ksz), pack)) if packed else ksz
+        cq = pack * c_in
         params = [
             ParamSpec(
                 name=f"{c}BLOCK_ROWS",
@@ -528,22 +699,26 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 name=f"{c}BLOCK_O",
                 role="lane",
                 # a reduction over the channels needs them all in one block: the only block is the whole dim
-                align=c_out if ep.channel_reduced else 128,
+                align=c_out if ep.channel_reduced or packed else 128,
                 extent=c_out,
-                default=c_out if ep.channel_reduced else 0,
+                default=c_out if ep.channel_reduced or packed else 0,
                 doc="output channels per step"
-                + (" (all of them: the epilogue reduces over the channels)" if ep.channel_reduced else ""),
+                + (" (all of them: the epilogue reduces over the channels)" if ep.channel_reduced else "")
+                + (f" (all of them: {pack} columns' channels share a matmul row)" if packed else ""),
             ),
         ]
         pr, po = (DimRef(kind="param", param=q.name, extent=q.extent) for q in params)
+        if packed:  # a block row holds every channel of `pack` columns
+            po = DimRef(kind="full", extent=pack * c_out)
         padded_sp = [in_sp[i] + pads[i][0] + pads[i][1] for i in range(nsp)]
         mid = [DimRef(kind="full", extent=v) for v in out_sp[1:-1]]
         buffers = [
             BufferSpec(
                 what="halo'd input rows",
                 dims=[pr]
-                + [DimRef(kind="full", extent=v) for v in padded_sp[1:]]
-                + [po if depthwise else DimRef(kind="full", extent=c_in)],
+                + [DimRef(kind="full", extent=v) for v in padded_sp[1:-1]]
+                + [DimRef(kind="full", extent=-(-padded_sp[-1] // pack))]
+                + [po if depthwise else DimRef(kind="full", extent=cq)],
                 itemsize=x.aval.dtype.itemsize,
                 kind="input",
                 axes=[ax_n, ax_r],
@@ -551,7 +726,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             ),
             BufferSpec(
                 what="weights block",
-                dims=[DimRef(kind="full", extent=taps * (1 if depthwise else c_in)), po],
+                dims=[DimRef(kind="full", extent=taps if depthwise else math.prod(kq) * cq), po],
                 itemsize=w.aval.dtype.itemsize,
                 kind="input",
                 axes=[ax_o],
@@ -600,7 +775,7 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                             DimRef(kind="full", extent=1) if per_plane else pr,
                             *mid,
                             DimRef(kind="full", extent=w_last),
-                            DimRef(kind="full", extent=math.prod(ksz[nsp - n_merged :]) * c_in),
+                            DimRef(kind="full", extent=math.prod(kq[nsp - n_merged :]) * cq),
                         ],
                         itemsize=x.aval.dtype.itemsize,
                         copies=1,
@@ -639,10 +814,10 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 f"{nsp}-D depthwise convolution as {taps} shifted VPU multiply-adds over halo'd row blocks in VMEM"
                 if depthwise
                 else (
-                    f"{nsp}-D convolution as {taps // math.prod(ksz[nsp - n_merged :])} matmul(s) of "
-                    f"{math.prod(ksz[nsp - n_merged :])} shifted windows side by side "
-                    f"({math.prod(ksz[nsp - n_merged :])} x {c_in} deep) over halo'd row blocks in VMEM (no im2col "
-                    "in HBM)"
+                    f"{nsp}-D convolution as {math.prod(kq) // math.prod(kq[nsp - n_merged :])} matmul(s) of "
+                    f"{math.prod(kq[nsp - n_merged :])} shifted windows side by side "
+                    f"({math.prod(kq[nsp - n_merged :])} x {cq} deep) over halo'd row blocks in VMEM (no im2col "
+                    "in HBM)" + (f", {pack} output columns per matmul row" if packed else "")
                 )
                 if merged
                 else f"{nsp}-D convolution as {taps} shifted matmuls over halo'd row blocks in VMEM (no im2col)"
@@ -706,14 +881,23 @@ def {s}({", ".join([xn, wn, *ep_names])}):
                 "the block model sizes the input block as `rows` rows; the k-1 halo rows are not counted",
                 *(
                     [
-                        f"C_in={c_in} does not fill a {MXU_DEPTH}-deep MXU: the "
-                        f"{math.prod(ksz[nsp - n_merged :])} taps along {', '.join(a.upper() for a in inner)} are "
+                        f"C_in={cq} does not fill a {MXU_DEPTH}-deep MXU: the "
+                        f"{math.prod(kq[nsp - n_merged :])} taps along {', '.join(a.upper() for a in inner)} are "
                         "concatenated along the channels in VMEM and contracted at once (depth padded "
-                        f"{' / '.join(str(padded_depth(c_in, tuple(ksz), n_merged, d)) for d in MXU_DEPTHS)} vs "
-                        f"{' / '.join(str(padded_depth(c_in, tuple(ksz), 0, d)) for d in MXU_DEPTHS)} per tap "
+                        f"{' / '.join(str(padded_depth(cq, tuple(kq), n_merged, d)) for d in MXU_DEPTHS)} vs "
+                        f"{' / '.join(str(padded_depth(cq, tuple(kq), 0, d)) for d in MXU_DEPTHS)} per tap "
                         f"on {' / '.join(str(d) for d in MXU_DEPTHS)}-deep MXUs)"
                     ]
                     if merged
+                    else []
+                ),
+                *(
+                    [
+                        f"C_out={c_out} fills {c_out}/{' and '.join(str(d) for d in MXU_DEPTHS)} of the MXU's "
+                        f"width: {pack} adjacent output columns per matmul row ({pack * c_out} lanes), the input "
+                        f"reshaped to {pack}-column groups in HBM and the weights block-banded to match"
+                    ]
+                    if packed
                     else []
                 ),
             ],
