@@ -70,11 +70,15 @@ def test_rowwise_leading_blocks_are_sized_for_the_pipeline(
 
     monkeypatch.setattr(tuning, "_size_rows", without_lead)
     old = tuning.default_config(program, TPU)
+    grew = 0
     for k in kernels:
         lead = next(p.name for p in k.params if p.name.endswith("BLOCK_LEAD"))
         key = tuning.key_of(lead)
-        assert dict(now.params)[key] > dict(old.params)[key]
-        assert tuning.grid_steps(k, tuning.kernel_values(k, now)) < tuning.grid_steps(
-            k, tuning.kernel_values(k, old)
-        )
+        # Never smaller; a block that already spans its axis has nothing to grow into (under xdist, after
+        # other files in the same worker, MoE once lowered with a 4-long leading axis: 4 -> 4).
+        assert dict(now.params)[key] >= dict(old.params)[key]
+        steps_now = tuning.grid_steps(k, tuning.kernel_values(k, now))
+        assert steps_now <= tuning.grid_steps(k, tuning.kernel_values(k, old))
+        grew += dict(now.params)[key] > dict(old.params)[key]
+    assert grew, "no row-wise kernel's leading block grew"
     assert tuning.predicted_seconds(program, now, TPU) < tuning.predicted_seconds(program, old, TPU)
