@@ -226,3 +226,42 @@ def test_the_bench_skips_the_profile_trace_only_for_the_offline_author(tmp_path:
 
     assert "--no-profile" in command("offline", None) and "--no-profile" in command("offline", "parallel")
     assert "--no-profile" not in command("openai:gpt-5", None)
+
+
+def test_order_from_runs_the_longest_tasks_first(tmp_path: Path, monkeypatch) -> None:
+    """With --order-from an earlier bench's results, tasks start longest first (untimed ones after, in name
+    order), so with several jobs the run does not end on one long task running alone."""
+    import sqlite_utils
+
+    from maxkernel.bench import Bench, BenchSettings, TaskRow
+
+    suite = tmp_path / "suite"
+    for name in ("a_quick", "b_slow", "c_untimed", "d_mid"):
+        (suite / name).mkdir(parents=True)
+        (suite / name / "reference.py").write_text("def computation(x):\n    return x\n")
+    past = tmp_path / "past"
+    past.mkdir()
+    sqlite_utils.Database(past / "results.db")["results"].insert_all(
+        [{"task_id": "a_quick", "seconds": "12.0"}, {"task_id": "b_slow", "seconds": "900.5"},
+         {"task_id": "d_mid", "seconds": "80"}, {"task_id": "gone", "seconds": "5000"}]
+    )  # fmt: skip
+    started: list[str] = []
+
+    def fake_one(self, task):
+        started.append(task.name)
+        return TaskRow(task_id=task.name, status="succeeded", seconds=1.0)
+
+    monkeypatch.setattr(Bench, "_run_one", fake_one)
+    said: list[str] = []
+    settings = BenchSettings(suite=str(suite), out_dir=str(tmp_path / "o"), order_from=str(past))
+    Bench(settings, on_progress=said.append).run()
+    assert started == ["b_slow", "d_mid", "a_quick", "c_untimed"]
+    assert any("longest first" in m and "3 of 4 tasks timed there" in m for m in said)
+
+    plain: list[str] = []
+    monkeypatch.setattr(Bench, "_run_one", lambda self, t: plain.append(t.name) or TaskRow(task_id=t.name))
+    Bench(BenchSettings(suite=str(suite), out_dir=str(tmp_path / "o2")), on_progress=said.append).run()
+    assert plain == ["a_quick", "b_slow", "c_untimed", "d_mid"]
+    with pytest.raises(FileNotFoundError, match="no bench results"):
+        Bench(BenchSettings(suite=str(suite), out_dir=str(tmp_path / "o3"), order_from=str(tmp_path / "nope")),
+              on_progress=said.append).run()  # fmt: skip

@@ -496,7 +496,7 @@ class Partition:
         g = self.g
         if g.kind[i] != "reduce":
             return False
-        sources: set[Any] = set()
+        sources: dict[Any, None] = {}  # ordered: `max` below breaks ties by program order, not by hash
         for v in g.eqns[i].invars:
             for p in [*self.float_closure(v), None]:
                 ins = [v] if p is None else g.eqns[p].invars
@@ -505,7 +505,7 @@ class Partition:
                         continue
                     q = g.producer.get(w)
                     if q is None or (self.status[q] == "glue" and q not in self.dual):
-                        sources.add(w)
+                        sources[w] = None
         if not sources:
             return False
         biggest = max(sources, key=_elems)
