@@ -120,6 +120,9 @@ class TaskRow(BaseModel):
     single_estimated_speedup: float | None = Field(
         None, description="estimated speedup after the single round (before any search)"
     )
+    single_estimated_speedup_by_generation: dict[str, float | None] = Field(
+        default_factory=dict, description="the single round's estimated speedup per TPU generation"
+    )
     searched: bool = False
     search_estimated_speedup: float | None = None
     first_accepted_estimated_speedup: float | None = Field(
@@ -338,10 +341,12 @@ class Bench:
         base = self.out / "tasks" / name
         single = self._run_phase(task, base / "single", name, search=False)
         single.single_estimated_speedup = single.estimated_speedup
+        single.single_estimated_speedup_by_generation = dict(single.estimated_speedup_by_generation)
         if not single.correct or (single.estimated_speedup or 0.0) >= self.s.search_below:
             return single
         found = self._run_phase(task, base / "search", name + "#search", search=True)
         found.single_estimated_speedup = single.estimated_speedup
+        found.single_estimated_speedup_by_generation = dict(single.estimated_speedup_by_generation)
         found.first_accepted_estimated_speedup = single.first_accepted_estimated_speedup
         found.searched = True
         found.search_estimated_speedup = found.estimated_speedup
@@ -464,9 +469,12 @@ def _read_result(row: TaskRow, out: Path, rc: int, log: Path) -> TaskRow:
     row.kernel_path = res.get("kernel_path")
     row.verdict = (res.get("verdict") or {}).get("line")
     if "round_one_best" in res:  # the run's first round: the whole run when it had one round
-        row.single_estimated_speedup = (res.get("round_one_best") or {}).get("estimated_speedup")
+        one = res.get("round_one_best") or {}
+        row.single_estimated_speedup = one.get("estimated_speedup")
+        row.single_estimated_speedup_by_generation = dict(one.get("estimated_speedup_by_generation") or {})
     elif (row.iterations or 0) <= 1 and row.correct:  # a result.json written before that field existed
         row.single_estimated_speedup = row.estimated_speedup
+        row.single_estimated_speedup_by_generation = dict(row.estimated_speedup_by_generation)
     first = res.get("first_accepted") or {}
     row.first_accepted_estimated_speedup = first.get("estimated_speedup")
     row.first_accepted_estimated_speedup_by_generation = dict(
@@ -501,6 +509,7 @@ JSON_COLUMNS = (
     "tpu_compile",
     "estimated_speedup_by_generation",
     "first_accepted_estimated_speedup_by_generation",
+    "single_estimated_speedup_by_generation",
 )
 """TaskRow fields kept as JSON text in results.db/csv; a results.db from before a column existed reads as {}."""
 
@@ -537,6 +546,7 @@ def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
         out.append(
             {
                 "by_generation": {g: v["geomean"] for g, v in gens.items()},
+                "single_by_generation": _single_by_generation(fam, list(gens)),
                 "family": family,
                 "tasks": len(fam),
                 "correct": sum(r.correct for r in fam),
@@ -548,6 +558,15 @@ def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
                 "final_clear": sum(1 for v in final if v > CLEAR_SPEEDUP),
             }
         )
+    return out
+
+
+def _single_by_generation(rows: list[TaskRow], gens: list[str]) -> dict[str, float | None]:
+    """Per generation, the geomean of the single round's estimates over the correct tasks that have one."""
+    out: dict[str, float | None] = {}
+    for g in gens:
+        vals = [v for r in rows if r.correct for v in [r.single_estimated_speedup_by_generation.get(g)] if v]
+        out[g] = geomean(vals) if vals else None
     return out
 
 
@@ -710,9 +729,15 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
         "",
     ]
     single = [r.single_estimated_speedup for r in rows if r.correct and r.single_estimated_speedup]
+    per_gen = _single_by_generation(rows, list(m["by_generation"]))
     single_line = (
         f"Single round (no search): geomean estimated {fmt(geomean(single))}, fast₁ "
-        f"{sum(1 for v in single if v > 1.0)} / {m['tasks']}."
+        f"{sum(1 for v in single if v > 1.0)} / {m['tasks']}"
+        + (
+            " (" + ", ".join(f"{g} {fmt(v)}" for g, v in per_gen.items()) + ")."
+            if len(per_gen) > 1 and all(per_gen.values())
+            else "."
+        )
     )
     if s.algorithm:
         single_line += (
@@ -737,18 +762,21 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
     lines += [
         "## By family (estimated speedups: TPU time model, not measured)",
         "",
-        "Single round, final and fast₁ columns are the first generation's; the last columns are the final "
-        "geomean per generation.",
+        "Single round, final and fast₁ columns are the first generation's; the last columns are the single "
+        "round's and the final geomean per generation.",
         "",
         "| family | tasks | correct | searched | single round geomean | final geomean | fast₁ single | "
-        f"fast₁ final | final > {CLEAR_SPEEDUP}x |" + "".join(f" final geomean {g} |" for g in gens_est),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(gens_est),
+        f"fast₁ final | final > {CLEAR_SPEEDUP}x |" + "".join(f" single {g} | final {g} |" for g in gens_est),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- | --- |" * len(gens_est),
     ]
     for f in family_table(rows):
         lines.append(
             f"| {f['family']} | {f['tasks']} | {f['correct']} | {f['searched']} | {fmt(f['single_geomean'])} | "
             f"{fmt(f['final_geomean'])} | {f['single_fast1']} | {f['final_fast1']} | {f['final_clear']} |"
-            + "".join(f" {fmt(f['by_generation'].get(g))} |" for g in gens_est)
+            + "".join(
+                f" {fmt(f['single_by_generation'].get(g))} | {fmt(f['by_generation'].get(g))} |"
+                for g in gens_est
+            )
         )
     lines.append("")
     for p in plots:

@@ -54,7 +54,7 @@ def test_bench_writes_report_and_skips_finished_tasks(tmp_path: Path) -> None:
 def test_search_bench_searches_only_where_the_single_round_left_headroom(tmp_path: Path, monkeypatch) -> None:
     """The single round is the first column; the search runs only on correct tasks estimated below the
     threshold, and a task keeps the better of the two (never slower than its first accepted kernel)."""
-    from maxkernel.bench import Bench, BenchSettings, TaskRow, family_of, family_table
+    from maxkernel.bench import Bench, BenchSettings, TaskRow, family_of, family_table, render_report
 
     single = {"fast_task": 2.0, "slow_task": 0.5, "worse_search": 0.8, "broken": None, "two_gens": 0.9133}
     searched = {"slow_task": 1.4, "worse_search": 0.6, "two_gens": 0.9134}
@@ -92,6 +92,12 @@ def test_search_bench_searches_only_where_the_single_round_left_headroom(tmp_pat
         for f in family_table([r.model_copy(update={"family": "matmul chains"}) for r in rows.values()])
     }
     assert table["matmul chains"]["searched"] == 3 and table["matmul chains"]["final_fast1"] == 2
+    # the single round per generation, beside the final one (it was the first generation's only)
+    assert rows["two_gens"].single_estimated_speedup_by_generation == {"v5e": 0.9133, "v6e": 0.742}
+    assert table["matmul chains"]["single_by_generation"] == {"v5e": 0.9133, "v6e": 0.742}
+    report = render_report(list(rows.values()), bench.s, 1.0, [])
+    assert "| single v5e | final v5e | single v6e | final v6e |" in report
+    assert "Single round (no search): geomean estimated" in report and "(v5e 0.91x, v6e 0.74x)." in report
 
 
 def test_plain_bench_reports_its_single_round_and_the_first_accepted_check(tmp_path: Path) -> None:
