@@ -217,14 +217,14 @@ class Bench:
         if not db_path.is_file():
             raise FileNotFoundError(f"--order-from: no bench results at {db_path}")
         past = sqlite_utils.Database(db_path)
-        seconds: dict[str, float] = {}
-        if "results" in past.table_names():
-            for r in past["results"].rows:
-                try:
-                    seconds[str(r["task_id"])] = float(r.get("seconds") or "nan")
-                except (TypeError, ValueError):
-                    continue
-        known = {k: v for k, v in seconds.items() if v == v}
+        known: dict[str, float] = {}
+        for r in past["results"].rows if "results" in past.table_names() else ():
+            try:
+                secs = float(r.get("seconds"))
+            except (TypeError, ValueError):  # no time recorded (a task that never finished)
+                continue
+            if math.isfinite(secs):
+                known[str(r["task_id"])] = secs
         ordered = sorted(todo, key=lambda t: (task_name(t) not in known, -known.get(task_name(t), 0.0)))
         hits = sum(task_name(t) in known for t in todo)
         return ordered, f"longest first by the seconds in {db_path} ({hits} of {len(todo)} tasks timed there)"
@@ -546,7 +546,10 @@ def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
         out.append(
             {
                 "by_generation": {g: v["geomean"] for g, v in gens.items()},
-                "single_by_generation": _single_by_generation(fam, list(gens)),
+                "single_by_generation": {
+                    g: v["geomean"]
+                    for g, v in generation_summary(fam, "single_estimated_speedup_by_generation").items()
+                },
                 "family": family,
                 "tasks": len(fam),
                 "correct": sum(r.correct for r in fam),
@@ -558,15 +561,6 @@ def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
                 "final_clear": sum(1 for v in final if v > CLEAR_SPEEDUP),
             }
         )
-    return out
-
-
-def _single_by_generation(rows: list[TaskRow], gens: list[str]) -> dict[str, float | None]:
-    """Per generation, the geomean of the single round's estimates over the correct tasks that have one."""
-    out: dict[str, float | None] = {}
-    for g in gens:
-        vals = [v for r in rows if r.correct for v in [r.single_estimated_speedup_by_generation.get(g)] if v]
-        out[g] = geomean(vals) if vals else None
     return out
 
 
@@ -591,12 +585,16 @@ def kept_first(r: TaskRow) -> bool | None:
     return final >= first * (1.0 - 1e-9)
 
 
-def generation_summary(rows: list[TaskRow]) -> dict[str, dict[str, Any]]:
-    """Per TPU generation estimated: geomean, fast₁ and clearly faster over the correct tasks (estimates)."""
-    gens = list(dict.fromkeys(g for r in rows for g in r.estimated_speedup_by_generation))
+def generation_summary(
+    rows: list[TaskRow], field: str = "estimated_speedup_by_generation"
+) -> dict[str, dict[str, Any]]:
+    """Per TPU generation estimated: geomean, fast₁ and clearly faster over the correct tasks (estimates), of
+    the final kernels or, with `field="single_estimated_speedup_by_generation"`, of the single rounds."""
+    per_row = [(r, getattr(r, field)) for r in rows]
+    gens = list(dict.fromkeys(g for _r, by_gen in per_row for g in by_gen))
     out = {}
     for g in gens:
-        est = [v for r in rows if r.correct and (v := r.estimated_speedup_by_generation.get(g)) and v > 0]
+        est = [v for r, by_gen in per_row if r.correct and (v := by_gen.get(g)) and v > 0]
         out[g] = {
             "geomean": geomean(est),
             "fast1": sum(1 for v in est if v > 1.0),
@@ -729,7 +727,9 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
         "",
     ]
     single = [r.single_estimated_speedup for r in rows if r.correct and r.single_estimated_speedup]
-    per_gen = _single_by_generation(rows, list(m["by_generation"]))
+    per_gen = {
+        g: v["geomean"] for g, v in generation_summary(rows, "single_estimated_speedup_by_generation").items()
+    }
     single_line = (
         f"Single round (no search): geomean estimated {fmt(geomean(single))}, fast₁ "
         f"{sum(1 for v in single if v > 1.0)} / {m['tasks']}"
