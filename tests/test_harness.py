@@ -232,13 +232,26 @@ def test_changed_harness_code_is_not_answered_from_the_store(monkeypatch: pytest
         ("bad_syntax", "syntax error"),
         ("no_computation", "no function `computation`"),
         ("get_inputs_raises", "dataset missing"),
-        ("too_large", "too large"),
         ("does_not_exist", "not found"),
     ],
 )
 def test_bad_tasks_raise_task_error(data_dir: Path, session_work: Path, task: str, needle: str) -> None:
     with pytest.raises(TaskError, match=needle):
         load_task(data_dir / "tasks" / task, work_dir=session_work)
+
+
+def test_a_task_too_large_for_this_machine_is_validated_smaller_or_refused_at_its_own_shapes(
+    data_dir: Path, session_work: Path
+) -> None:
+    """64 GiB of inputs: never allocated. By default its own generator is run smaller (the literal sizes
+    halved until the validation budget fits); asked for its own shapes (`--scale tpu`), it is refused."""
+    task = load_task(data_dir / "tasks" / "too_large", work_dir=session_work)
+    assert task.validation_mode == "knobs"
+    assert [a.shape for a in task.configs[0].dynamic] == [(131072, 131072)]
+    ((rows, cols),) = [a.shape for a in task.validation_configs[0].dynamic]
+    assert rows * cols * 4 * 4 <= 4 << 30 and "131072->" in task.validation_note
+    with pytest.raises(TaskError, match="too large"):
+        load_task(data_dir / "tasks" / "too_large", scale="tpu", work_dir=session_work)
 
 
 @pytest.mark.parametrize(

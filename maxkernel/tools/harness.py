@@ -79,6 +79,10 @@ from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, first_generation
 
 TIMEOUT_FLOOR_S = 60.0
 TIMEOUT_CEILING_S = 600.0
+INTERPRET_ALLOWANCE = 3.0
+"""How many times its predicted interpret-mode time an evaluation may take before it is stopped."""
+LARGER_SET_WEIGHT = 3.0
+"""The larger-shape check costs at most this many validation sets (`validation_sizing.Budget.larger_factor`)."""
 COMPILE_BUDGET_S = 20.0
 """Seconds per TPU generation (trace, export and Mosaic compile) in the derived default timeout."""
 REFERENCE_ESTIMATE_BUDGET_S = 60.0
@@ -210,8 +214,13 @@ def default_timeout(task: KernelTask, options: EvalOptions, *, load_factor: floa
         + COMPILE_BUDGET_S * max(1, len(options.tpu))
         + 10.0 * task.reference_seconds * options.input_sets
     )
+    # The candidate's interpret-mode runs, as the validation sizing predicted them (every set and the
+    # larger check), with room for a kernel slower than the prediction: a task that had to be validated
+    # over its budget gets the time it needs rather than the ceiling.
+    interpret = INTERPRET_ALLOWANCE * task.predicted_set_seconds * (options.input_sets + LARGER_SET_WEIGHT)
     factor = machine_load_factor() if load_factor is None else load_factor
-    return float(min(TIMEOUT_CEILING_S, max(TIMEOUT_FLOOR_S, derived * factor)))
+    ceiling = max(TIMEOUT_CEILING_S, (30.0 + interpret) * factor)
+    return float(min(ceiling, max(TIMEOUT_FLOOR_S, (derived + interpret) * factor)))
 
 
 def reference_estimate_allowance(n_uncached: int, *, load_factor: float | None = None) -> float:
@@ -297,6 +306,12 @@ def larger_config(task: KernelTask, options: EvalOptions) -> tuple[InputConfig |
         return None, "skipped: not requested"
     if not task.validation_configs or not task.configs:
         return None, "skipped: the task has no configurations"
+    if (
+        task.larger_config is not None
+    ):  # sized with the task's own generator (`validation_sizing.Plan.larger`)
+        return _within_larger_budget(task.larger_config, options)
+    if task.validation_mode == "knobs":
+        return None, "skipped: no larger size fits the validation budget"
     val, own = task.validation_configs[0], task.configs[0]
     if not all(a.dtype.startswith(("float", "bfloat")) for a in val.dynamic):
         return None, "skipped: integer or boolean inputs (index-like values cannot be drawn at other shapes)"
@@ -312,6 +327,10 @@ def larger_config(task: KernelTask, options: EvalOptions) -> tuple[InputConfig |
         static = [v if v == o else g for v, o, g in zip(val.static, own.static, static, strict=True)]
     outputs, _ = taskcode.shrink_config(val.outputs, [], mapping)
     cfg = InputConfig(dynamic=dynamic, static=static, outputs=outputs, atol=val.atol, rtol=val.rtol)
+    return _within_larger_budget(cfg, options)
+
+
+def _within_larger_budget(cfg: InputConfig, options: EvalOptions) -> tuple[InputConfig | None, str]:
     budget = (options.memory_mb << 20) // LARGER_MEMORY_FRACTION
     need = cfg.input_bytes() + cfg.output_bytes()
     if need > budget:

@@ -86,7 +86,8 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         larger = None
         if payload.get("larger") and input_sets:
             larger = _larger_set(ref, payload["larger"], int(payload["larger_budget_bytes"]),
-                                 input_sets[0][0][0], seed, len(val))  # fmt: skip
+                                 input_sets[0][0][0], seed, len(val), set(task.get("hold_inputs") or []),
+                                 task.get("larger_config") is not None)  # fmt: skip
     except taskcode.TaskCodeError as exc:
         return {"ok": False, "stage": "task", "message": str(exc)}
     if ctx.violations:
@@ -174,6 +175,8 @@ def _larger_set(
     like: list[np.ndarray],
     seed: int,
     index: int,
+    hold: set[int] = frozenset(),  # type: ignore[assignment]
+    from_generator: bool = False,
 ) -> dict[str, Any]:
     """One secret input set at the agent's larger check shape and the reference's outputs on it, stored as
     config `index` (after the validation configs). The draws follow the statistics of the first validation
@@ -184,17 +187,23 @@ def _larger_set(
     t0 = time.perf_counter()
     cfg = InputConfig.model_validate(cfg_json)
     try:
-        cfg.outputs = taskcode.output_specs(ref, cfg.dynamic, cfg.static)
+        cfg.outputs = taskcode.output_specs(
+            taskcode.reference_for(ref.source, cfg.knobs), cfg.dynamic, cfg.static
+        )
         need = cfg.input_bytes() + cfg.output_bytes()
         if need > budget:
             return {"ran": False, "reason": f"the reference's inputs and outputs at {cfg.describe()} need "
                     f"{need >> 20} MiB, over the budget of {budget >> 20} MiB"}  # fmt: skip
         rng = np.random.default_rng([seed, index, 0, 11])
-        stats = [
-            {"min": float(a.min()), "max": float(a.max()), "mean": float(a.mean()), "std": float(a.std())}
-            for a in (np.asarray(x, np.float64) for x in like)
-        ]
-        arrays = [taskcode.random_from_spec(s, rng, st) for s, st in zip(cfg.dynamic, stats, strict=True)]
+        if from_generator:  # a size the task's own generator makes: its values there, redrawn like the others
+            own = taskcode.reference_for(ref.source, cfg.knobs).raw_inputs(None)[0][0]
+            arrays = [taskcode.random_like(taskcode.to_numpy(a), rng, i in hold) for i, a in enumerate(own)]
+        else:
+            stats = [
+                {"min": float(a.min()), "max": float(a.max()), "mean": float(a.mean()), "std": float(a.std())}
+                for a in (np.asarray(x, np.float64) for x in like)
+            ]
+            arrays = [taskcode.random_from_spec(s, rng, st) for s, st in zip(cfg.dynamic, stats, strict=True)]
         outs = run_reference(ref, cfg, arrays, reference_fn(ref, cfg))
     except Exception as exc:  # noqa: BLE001 - the reference was written for its own shapes; skip, say why
         return {"ran": False, "reason": f"the reference does not run at {cfg.describe()}: "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import json
 import math
 import sys
 import types
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from maxkernel.tools import generator_knobs
 from maxkernel.tools.results import ArraySpec
 
 
@@ -35,7 +37,9 @@ class TaskCodeError(Exception):
     """The task itself is broken (not the candidate): exit code 2 territory."""
 
 
-def load_module(path: Path, name: str) -> types.ModuleType:
+def load_module(path: Path, name: str, text: str | None = None) -> types.ModuleType:
+    """Import `path` as module `name`; with `text`, that source instead of the file's (a task whose
+    generator knobs were changed), still under the file's name so tracebacks point at it."""
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise TaskCodeError(f"cannot import {path}")
@@ -44,7 +48,10 @@ def load_module(path: Path, name: str) -> types.ModuleType:
     # Let the module import siblings (helpers next to reference.py).
     sys.path.insert(0, str(path.parent))
     try:
-        spec.loader.exec_module(module)
+        if text is None:
+            spec.loader.exec_module(module)
+        else:
+            exec(compile(text, str(path), "exec"), module.__dict__)
     finally:
         sys.path.remove(str(path.parent))
     return module
@@ -59,18 +66,73 @@ def task_source(task: dict[str, Any]) -> dict[str, Any]:
     return {k: task.get(k) for k in SOURCE_FIELDS}
 
 
+GENERATORS = {"jaxbench": "create_inputs"}
+"""The input generator's name per format (`get_inputs` elsewhere)."""
+
+JAXBENCH_DTYPE = "bfloat16"
+"""JAXBench's own runner calls `create_inputs(dtype=jnp.bfloat16)` whenever the generator takes a `dtype`
+(its f32-default KernelBench workloads included); a workload is loaded as that runner loads it."""
+
+
+def _knob_texts(source: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Where a task's generator knobs live: `where` -> (text, generator name)."""
+    fmt = source["format"]
+    generator = GENERATORS.get(fmt, "get_inputs")
+    ref_path = Path(source["reference_path"])
+    try:
+        text = ref_path.read_text()
+    except OSError:
+        return {}
+    out = {}
+    if fmt == "jaxbench" or f"def {generator}" in text or not source.get("input_gen_code"):
+        out[generator_knobs.MODULE] = (text, generator)
+    else:
+        out[generator_knobs.INPUT_GEN_CODE] = (str(source["input_gen_code"]), generator)
+    return out
+
+
+def find_task_knobs(source: dict[str, Any]) -> list[generator_knobs.Knob]:
+    """The size knobs of a task's generator (see `generator_knobs`)."""
+    return [
+        knob
+        for where, (text, generator) in _knob_texts(source).items()
+        for knob in generator_knobs.find_knobs(text, where, generator)
+    ]
+
+
+def _with_knobs(source: dict[str, Any], knobs: dict[str, int]) -> dict[str, str]:
+    """The texts of a task's code with `knobs` applied, per `where`."""
+    out = {}
+    for where, (text, generator) in _knob_texts(source).items():
+        mine = {k: v for k, v in knobs.items() if k.startswith(where + ":")}
+        if mine:
+            out[where] = generator_knobs.apply(text, generator_knobs.find_knobs(text, where, generator), mine)
+    if len(out) != len({k.split(":", 1)[0] for k in knobs}):
+        raise TaskCodeError(f"the task's generator has no knobs {sorted(knobs)}")
+    return out
+
+
 class Reference:
-    """The task's reference: how to make inputs, and the computation itself."""
+    """The task's reference: how to make inputs, and the computation itself.
+
+    `knobs` (generator literal -> value, see `generator_knobs`) loads the task's code with those literals
+    changed: the validation sizes of a task without CPU-scale inputs."""
 
     @classmethod
     def of_task(cls, task: dict[str, Any]) -> Reference:
         return cls(task_source(task))
 
-    def __init__(self, source: dict[str, Any]) -> None:
+    def __init__(self, source: dict[str, Any], knobs: dict[str, int] | None = None) -> None:
         self.format: str = source["format"]
+        self.source = source
+        self.knobs = dict(knobs or {})
         ref_path = Path(source["reference_path"])
+        texts = _with_knobs(source, self.knobs) if self.knobs else {}
+        name = "maxkernel_reference" + (
+            f"_{abs(hash(tuple(sorted(self.knobs.items()))))}" if self.knobs else ""
+        )
         try:
-            self.module = load_module(ref_path, "maxkernel_reference")
+            self.module = load_module(ref_path, name, texts.get(generator_knobs.MODULE))
         except TaskCodeError:
             raise
         except SyntaxError as exc:
@@ -78,29 +140,32 @@ class Reference:
         except Exception as exc:
             raise TaskCodeError(f"importing {ref_path.name} failed: {type(exc).__name__}: {exc}") from exc
         m = self.module
+        self.skip_jit = bool(getattr(m, "_skip_jit", False))
         if self.format == "jaxbench":
             if not callable(getattr(m, "workload", None)) or not callable(getattr(m, "create_inputs", None)):
                 raise TaskCodeError(
                     f"{ref_path.name}: a JAXBench workload needs `create_inputs` and `workload`"
                 )
-            self._get_inputs = m.create_inputs
-            self.computation: Callable[..., Any] = config_follows_shapes(m, m.workload, self._get_inputs)
+            self._get_inputs = _jaxbench_generator(m.create_inputs)
+            self.computation: Callable[..., Any] = (
+                m.workload if self.knobs else config_follows_shapes(m, m.workload, self._get_inputs)
+            )
         else:
             if not callable(getattr(m, "computation", None)):
                 raise TaskCodeError(f"{ref_path.name} has no function `computation`")
             self.computation = m.computation
             get_inputs = getattr(m, "get_inputs", None)
-            if get_inputs is None and source.get("input_gen_code"):
+            code = texts.get(generator_knobs.INPUT_GEN_CODE, source.get("input_gen_code"))
+            if get_inputs is None and code:
                 namespace: dict[str, Any] = {}
                 try:
-                    exec(
-                        compile(source["input_gen_code"], "kernel_task.yaml:input_gen_code", "exec"),
-                        namespace,
-                    )
+                    exec(compile(code, "kernel_task.yaml:input_gen_code", "exec"), namespace)
                 except SyntaxError as exc:
                     raise TaskCodeError(
                         f"syntax error in input_gen_code line {exc.lineno}: {exc.msg}"
                     ) from exc
+                except Exception as exc:
+                    raise TaskCodeError(f"input_gen_code failed: {type(exc).__name__}: {exc}") from exc
                 get_inputs = namespace.get("get_inputs")
             if not callable(get_inputs):
                 raise TaskCodeError(
@@ -120,6 +185,55 @@ class Reference:
         except Exception as exc:
             raise TaskCodeError(f"get_inputs raised {type(exc).__name__}: {exc}") from exc
         return normalise_inputs(produced, self.format)
+
+
+_REFERENCES: dict[tuple[str, ...], Reference] = {}
+
+OWN_INPUT_MODES = ("task", "cpu", "knobs")
+"""Validation modes whose first input set is the task's own (its generator ran at those sizes); in the
+other mode ("shrink") every set is drawn from the statistics of the task's full-size inputs."""
+
+
+def reference_for(source: dict[str, Any], knobs: dict[str, int] | None) -> Reference:
+    """A `Reference` per (task, knob setting), loaded once per process (a judge reads several configs)."""
+    key = (json.dumps(source, sort_keys=True, default=str), json.dumps(knobs or {}, sort_keys=True))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = Reference(source, knobs)
+    return _REFERENCES[key]
+
+
+def own_validation_inputs(source: dict[str, Any], task: dict[str, Any]) -> list[list[np.ndarray]]:
+    """The task's own inputs at every validation config (a mode in `OWN_INPUT_MODES`), as numpy: its
+    generator run once per knob setting (its CPU scale in mode "cpu")."""
+    mode = task["validation_mode"]
+    out: list[list[np.ndarray]] = []
+    made: dict[str, list[tuple[list[Any], list[Any]]]] = {}
+    for index, cfg in enumerate(task["validation_configs"]):
+        knobs = (cfg.get("knobs") if isinstance(cfg, dict) else getattr(cfg, "knobs", None)) or {}
+        key = json.dumps(knobs, sort_keys=True)
+        if key not in made:
+            ref = reference_for(source, knobs or None)
+            made[key] = ref.raw_inputs("cpu" if mode == "cpu" else ("tpu" if ref.accepts_scale else None))
+        out.append([to_numpy(a) for a in made[key][index][0]])
+    return out
+
+
+def _jaxbench_generator(create_inputs: Callable[..., Any]) -> Callable[..., Any]:
+    """`create_inputs` as JAXBench's runner calls it: `dtype=jnp.bfloat16` when it takes a dtype."""
+    try:
+        takes_dtype = "dtype" in inspect.signature(create_inputs).parameters
+    except (TypeError, ValueError):
+        takes_dtype = False
+
+    @functools.wraps(create_inputs)
+    def generate() -> Any:
+        if takes_dtype:
+            import jax.numpy as jnp
+
+            return create_inputs(dtype=getattr(jnp, JAXBENCH_DTYPE))
+        return create_inputs()
+
+    return generate
 
 
 # What a candidate module may export, in order of preference: our own name, then JAXBench's.
@@ -191,8 +305,19 @@ def config_follows_shapes(
 
 def normalise_inputs(produced: Any, fmt: str) -> list[tuple[list[Any], list[Any]]]:
     if fmt == "jaxbench":
-        arrays = list(produced) if isinstance(produced, list | tuple) else [produced]
-        return [(arrays, [])]
+        # As JAXBench's runner: the generator's values are the workload's arguments, in order. Values that are
+        # not arrays (a Python int used as a static size, a float, a tuple) are static arguments: maxkernel
+        # passes them after the arrays, so they must come last.
+        values = list(produced) if isinstance(produced, list | tuple) else [produced]
+        first_static = next((i for i, v in enumerate(values) if not _is_array(v)), len(values))
+        late = [i for i, v in enumerate(values) if i > first_static and _is_array(v)]
+        if late:
+            raise TaskCodeError(
+                f"create_inputs returns a non-array value at position {first_static} before the array at "
+                f"position {late[0]}; static values (Python ints, floats, tuples) are passed after the arrays, "
+                "so return them last"
+            )
+        return [(values[:first_static], values[first_static:])]
     if _is_pair(produced):
         return [(list(produced[0]), list(produced[1]))]
     if isinstance(produced, list) and produced and all(_is_pair(p) for p in produced):
@@ -201,6 +326,10 @@ def normalise_inputs(produced: Any, fmt: str) -> list[tuple[list[Any], list[Any]
         "get_inputs must return (dynamic_args, static_args) or a list of such pairs; "
         f"got {type(produced).__name__}"
     )
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _is_pair(x: Any) -> bool:
@@ -217,8 +346,29 @@ def spec_of(x: Any) -> ArraySpec:
     return ArraySpec(shape=tuple(int(d) for d in x.shape), dtype=str(np.dtype(x.dtype)))
 
 
+_CONCRETE_ERRORS = (
+    "ConcretizationTypeError",
+    "TracerIntegerConversionError",
+    "TracerBoolConversionError",
+    "TracerArrayConversionError",
+)
+"""What a generator raises under abstract evaluation when it needs a concrete value (a static computed with
+`jnp`: `float(1.0 / jnp.sqrt(head_dim))`)."""
+
+
+def _needs_concrete(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if type(seen).__name__ in _CONCRETE_ERRORS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def abstract_inputs(ref: Reference, scale: str | None) -> list[tuple[list[ArraySpec], list[Any]]]:
-    """Shapes and dtypes of the inputs without allocating them (`jax.eval_shape`)."""
+    """Shapes and dtypes of the inputs, without allocating them (`jax.eval_shape`) where the generator
+    allows it. A generator that needs concrete values to compute its statics is run as its own harness runs
+    it: concretely, on the CPU (its arrays are allocated once, then dropped)."""
     import jax
 
     statics: list[list[Any]] = []
@@ -230,12 +380,16 @@ def abstract_inputs(ref: Reference, scale: str | None) -> list[tuple[list[ArrayS
 
     try:
         shapes = jax.eval_shape(dynamic_only)
-    except TaskCodeError:
-        raise
     except Exception as exc:
-        raise TaskCodeError(
-            f"get_inputs could not be traced abstractly: {type(exc).__name__}: {exc}"
-        ) from exc
+        if not _needs_concrete(exc):
+            if isinstance(exc, TaskCodeError):
+                raise
+            raise TaskCodeError(
+                f"get_inputs could not be traced abstractly: {type(exc).__name__}: {exc}"
+            ) from exc
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            concrete = ref.raw_inputs(scale)
+        return [([spec_of(a) for a in dyn], list(st)) for dyn, st in concrete]
     return [([spec_of(a) for a in dyn], list(st)) for dyn, st in zip(shapes, statics, strict=True)]
 
 
@@ -271,6 +425,29 @@ def small_int_inputs(ref: Reference, scale: str | None) -> list[dict[int, Any]]:
     except Exception:  # noqa: BLE001 - values are an optional refinement of the estimate
         return []
     return [{i: np.asarray(a).tolist() for i, a in enumerate(dyn) if a is not None} for dyn in configs]
+
+
+def integer_maxima(
+    ref: Reference, configs: list[tuple[list[ArraySpec], list[Any]]]
+) -> tuple[int | None, ...]:
+    """The largest value of each integer dynamic input (None for the others), all configurations in order.
+    Computed under `jax.jit` like `small_int_inputs`: the float arrays are dead code XLA never makes."""
+    import jax
+    import jax.numpy as jnp
+
+    if not any(not a.dtype.startswith(("float", "bfloat", "bool")) for dyn, _ in configs for a in dyn):
+        return tuple(None for dyn, _ in configs for _a in dyn)
+
+    def maxima() -> list[Any]:
+        return [
+            jnp.max(a) if jnp.issubdtype(a.dtype, jnp.integer) and a.size else None
+            for dyn, _ in ref.raw_inputs(None)
+            for a in dyn
+        ]
+
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        values = jax.jit(maxima)()
+    return tuple(None if v is None else int(v) for v in values)
 
 
 def output_specs(ref: Reference, dynamic: list[ArraySpec], static: list[Any]) -> list[ArraySpec]:

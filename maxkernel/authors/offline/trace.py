@@ -1239,6 +1239,9 @@ class Config:
 
     dynamic: list[tuple[tuple[int, ...], str]]
     static: list[Any]
+    computation: Callable[..., Any] | None = None
+    """This configuration's own reference (a task validated with changed generator knobs loads its code
+    with them); None: the one `trace_reference` is given."""
 
 
 @dataclass
@@ -1311,8 +1314,12 @@ def trace_reference(
             specs = [jax.ShapeDtypeStruct(s, np.dtype(_np_dtype(d))) for s, d in cfg.dynamic]
             statics = list(cfg.static)
 
-            def fn(*dyn: Any, _statics: list[Any] = statics) -> Any:
-                return computation(*dyn, *_statics)
+            def fn(
+                *dyn: Any,
+                _statics: list[Any] = statics,
+                _f: Callable[..., Any] = cfg.computation or computation,
+            ) -> Any:
+                return _f(*dyn, *_statics)
 
             SIZE_DECISIONS.start_trace(replay=bool(closed))
             closed.append(flatten(fn, specs))
