@@ -95,6 +95,24 @@ def test_axis_floors_keep_tile_multiples() -> None:
     assert sizing.axis_floor(4096, "leading", keep) == 2048  # a sequence axis in [B, S, H, D] tiles too
 
 
+def test_measured_rates_stay_within_a_band_of_the_defaults() -> None:
+    """A timing taken on a busy machine can make a term of a difference vanish (flops "free"): such a rate
+    would size validation for a machine that does not exist."""
+    d = sizing.DEFAULT_RATES
+    wild = sizing.Rates(
+        xla_flop_s=d.xla_flop_s,
+        xla_elem_s=d.xla_elem_s * 2,
+        interp_flop_s=1e-18,
+        interp_elem_s=d.interp_elem_s * 100,
+        interp_step_s=d.interp_step_s,
+        measured=True,
+    )
+    r = sizing.within_band(wild)
+    assert r.interp_flop_s == pytest.approx(d.interp_flop_s / sizing.BAND)
+    assert r.interp_elem_s == pytest.approx(d.interp_elem_s * sizing.BAND)
+    assert r.xla_elem_s == pytest.approx(d.xla_elem_s * 2) and r.measured
+
+
 # --- sizes the task's own generator makes ----------------------------------------------------------------
 
 

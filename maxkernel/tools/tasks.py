@@ -24,7 +24,7 @@ from maxkernel.tools.readback import remove_tree
 from maxkernel.tools.results import InputConfig
 from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed, task_read_paths
 from maxkernel.tools.taskcode import task_source
-from maxkernel.tools.validation_sizing import DEFAULT_RATES, Budget, Rates
+from maxkernel.tools.validation_sizing import DEFAULT_RATES, Budget, Rates, within_band
 
 TaskFormat = Literal["maxkernel", "reference", "jaxbench"]
 ValidationMode = Literal["task", "cpu", "knobs", "shrink"]
@@ -148,7 +148,7 @@ def memory_budget_bytes() -> int:
     return max(256 << 20, min(MEMORY_BUDGET_CAP, quarter))
 
 
-RATES_VERSION = 1
+RATES_VERSION = 2
 
 
 def machine_rates(work_dir: Path, timeout_s: float = 120.0) -> Rates:
@@ -157,18 +157,20 @@ def machine_rates(work_dir: Path, timeout_s: float = 120.0) -> Rates:
     the toolchain; the defaults when they cannot be measured."""
     import platform
 
-    from maxkernel.tools.store import toolchain_versions
+    from maxkernel.tools.store import package_versions
 
+    # The machine and the JAX toolchain decide the rates (not maxkernel's own code: a new commit does not
+    # make this machine faster); RATES_VERSION changes when what is measured changes.
     key = hashlib.sha256(
         json.dumps(
-            [platform.node(), platform.machine(), os.cpu_count(), toolchain_versions(), RATES_VERSION]
+            [platform.node(), platform.machine(), os.cpu_count(), package_versions(), RATES_VERSION]
         ).encode()
     ).hexdigest()[:16]
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "maxkernel"
     for folder in (home, work_dir / "cache"):
         path = folder / f"rates-{key}.json"
         try:
-            return Rates(**json.loads(path.read_text()))
+            return within_band(Rates(**json.loads(path.read_text())))
         except (OSError, ValueError, TypeError):
             continue
     run_dir = fresh_run_dir(work_dir / "describe", "rates")
@@ -179,7 +181,7 @@ def machine_rates(work_dir: Path, timeout_s: float = 120.0) -> Rates:
     if not outcome.ok or not isinstance(outcome.value, dict):
         return DEFAULT_RATES
     try:
-        rates = Rates(**outcome.value)
+        rates = within_band(Rates(**outcome.value))
     except TypeError:
         return DEFAULT_RATES
     for folder in (home, work_dir / "cache"):

@@ -85,7 +85,7 @@ def measure_rates() -> Rates:
         jitted = jax.jit(fn)
         jax.block_until_ready(jitted(*args))
         times = []
-        for _ in range(2):
+        for _ in range(REPEATS):
             t0 = time.perf_counter()
             jax.block_until_ready(jitted(*args))
             times.append(time.perf_counter() - t0)
@@ -137,14 +137,37 @@ def measure_rates() -> Rates:
     step = max(1e-5, (fine - coarse) / 56)
     interp_mm = max(1e-6, coarse - 8 * step)
     interp_ew = max(1e-6, best(elementwise, big) - 8 * step)
-    return Rates(
-        xla_flop_s=xla_mm / flops,
-        xla_elem_s=xla_ew / big.size,
-        interp_flop_s=interp_mm / flops,
-        interp_elem_s=interp_ew / big.size,
-        interp_step_s=step,
-        measured=True,
+    return within_band(
+        Rates(
+            xla_flop_s=xla_mm / flops,
+            xla_elem_s=xla_ew / big.size,
+            interp_flop_s=interp_mm / flops,
+            interp_elem_s=interp_ew / big.size,
+            interp_step_s=step,
+            measured=True,
+        )
     )
+
+
+REPEATS = 3
+"""Timings per program in `measure_rates`; the fastest counts (other processes only ever slow one down)."""
+
+BAND = 4.0
+"""A measured rate stays within this factor of `DEFAULT_RATES`: timings taken while the machine is busy can
+make one term of a difference vanish (a matmul's flops "free", its steps dearer), which would size
+validation shapes for a machine that does not exist."""
+
+
+def within_band(rates: Rates) -> Rates:
+    """`rates` with each term clamped to [DEFAULT / BAND, DEFAULT * BAND]."""
+    clamped = {
+        name: min(
+            max(getattr(rates, name), getattr(DEFAULT_RATES, name) / BAND),
+            getattr(DEFAULT_RATES, name) * BAND,
+        )
+        for name in ("xla_flop_s", "xla_elem_s", "interp_flop_s", "interp_elem_s", "interp_step_s")
+    }
+    return Rates(**clamped, measured=rates.measured)
 
 
 def measure_rates_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
