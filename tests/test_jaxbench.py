@@ -109,6 +109,14 @@ def test_candidate_may_export_workload_or_computation() -> None:
     assert taskcode.candidate_entry(both)() == "c"
     assert taskcode.candidate_entry(only)() == "w"
     assert taskcode.candidate_entry(types.ModuleType("none")) is None
+    # a hand-written kernel may declare only the leading arguments (its own create_inputs leaves the rest out)
+    short = types.ModuleType("short")
+    short.workload = lambda q, k: (q, k)
+    assert taskcode.candidate_entry(short)(1, 2, 3) == (1, 2)
+    named = types.ModuleType("named")
+    named.computation = lambda q, k: (q, k)
+    with pytest.raises(TypeError):  # our own entry point gets exactly the task's arguments
+        taskcode.candidate_entry(named)(1, 2, 3)
 
 
 # --- shapes for CPU validation ------------------------------------------------------------------------

@@ -241,12 +241,32 @@ CANDIDATE_ENTRY_POINTS = ("computation", "workload")
 
 
 def candidate_entry(module: types.ModuleType) -> Callable[..., Any] | None:
-    """The candidate's function: `computation`, or `workload` (a JAXBench hand-written kernel)."""
+    """The candidate's function: `computation`, or `workload` (a JAXBench hand-written kernel).
+
+    A hand-written `workload` may declare fewer arguments than the baseline's: JAXBench's runner calls it
+    with its own module's `create_inputs`, which can leave out what the kernel does not need (a static
+    group size, trailing cumulative lengths). It gets the leading arguments it declares."""
     for name in CANDIDATE_ENTRY_POINTS:
         fn = getattr(module, name, None)
         if callable(fn):
-            return fn
+            return _leading_arguments(fn) if name == "workload" else fn
     return None
+
+
+def _leading_arguments(fn: Callable[..., Any]) -> Callable[..., Any]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return fn
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+        return fn
+    n = len(params)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        return fn(*args[:n])
+
+    return call
 
 
 def config_follows_shapes(

@@ -1467,6 +1467,10 @@ def _candidates(integer: bool, atoms: list[Atom]) -> Any:
                     f"{a.code} - {b.code}" + (f" + {k}" if k > 0 else f" - {-k}" if k < 0 else ""),
                     tuple(x - y + k for x, y in zip(a.values, b.values, strict=True)),
                 )
+        # a dim plus a size static or another dim (a buffer padded by one group's rows: M + max_group)
+        whole = [a for a in atoms if all(float(x).is_integer() for x in a.values)]
+        for a, b in itertools.combinations(whole, 2):
+            yield f"{a.code} + {b.code}", tuple(x + y for x, y in zip(a.values, b.values, strict=True))
         for a, b, c in itertools.combinations_with_replacement(dims, 3):
             yield (
                 f"{a.code} * {b.code} * {c.code}",
