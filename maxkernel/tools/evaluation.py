@@ -36,7 +36,7 @@ def describe_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     ctx.guard()
     ctx.stage("load")
     try:
-        ref = taskcode.Reference(payload["source"])
+        ref = taskcode.reference_for(payload["source"], None)
         ctx.stage("trace")
         own = taskcode.abstract_inputs(ref, "tpu" if ref.accepts_scale else None)
         tolerances = payload["tolerances"]
@@ -174,7 +174,14 @@ def _plan(
         for dyn, static in configs:
             c, st, dm = sizing.program_cost(r.computation, dyn, static)
             cost, structure, dims = cost + c, structure + st, dims + dm
-        return sizing.Probe(dict(values), configs, cost, structure, dims, taskcode.integer_maxima(r, configs))
+        return sizing.Probe(
+            dict(values),
+            configs,
+            cost,
+            structure,
+            dims,
+            int_max_of=lambda: taskcode.integer_maxima(r, configs),
+        )
 
     try:
         own_probe = probe_of({})

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -71,6 +70,7 @@ from maxkernel.tools.sandbox import (
     SandboxOutcome,
     accelerator_present,
     fresh_run_dir,
+    machine_load_factor,
     task_read_paths,
 )
 from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text
@@ -156,19 +156,6 @@ class EvalOptions(BaseModel):
         # Limits do not change a finished result's content, only whether it finished; keep them in the key
         # anyway so a timeout under a short limit is not served to a caller with a longer one.
         return self.model_dump(mode="json", exclude={"allow_unsandboxed", "zygote"})
-
-
-def machine_load_factor() -> float:
-    """How much slower than idle this machine runs now: the 1-minute load average per core, in [1, 8].
-
-    A shared machine under load (a bench with parallel jobs, other users) stretches every stage of an
-    evaluation alike; without this a reference that takes 20 s idle times out at 90 s under a load of 8
-    per core, and a correct task is reported as failed."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # not available on this platform
-        return 1.0
-    return float(min(8.0, max(1.0, load / max(1, os.cpu_count() or 1))))
 
 
 class EvalJob(BaseModel):

@@ -72,6 +72,19 @@ _zygote_warned: set[str] = set()
 _bwrap_checked: bool | None = None
 
 
+def machine_load_factor() -> float:
+    """How much slower than idle this machine runs now: the 1-minute load average per core, in [1, 8].
+
+    A shared machine under load (a bench with parallel jobs, other users) stretches every stage of an
+    evaluation alike; without this a reference that takes 20 s idle times out at 90 s under a load of 8
+    per core, and a correct task is reported as failed."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return 1.0
+    return float(min(8.0, max(1.0, load / max(1, os.cpu_count() or 1))))
+
+
 class SandboxLimits(BaseModel):
     timeout_s: float = Field(600.0, description="wall-clock limit for the whole child process")
     memory_mb: int = Field(12_000, description="address-space limit (RLIMIT_AS); JAX reserves a lot of it")

@@ -22,7 +22,13 @@ from pydantic import BaseModel, Field
 from maxkernel.tools import jaxbench
 from maxkernel.tools.readback import remove_tree
 from maxkernel.tools.results import InputConfig
-from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed, task_read_paths
+from maxkernel.tools.sandbox import (
+    SandboxLimits,
+    fresh_run_dir,
+    machine_load_factor,
+    run_sandboxed,
+    task_read_paths,
+)
 from maxkernel.tools.taskcode import task_source
 from maxkernel.tools.validation_sizing import DEFAULT_RATES, Budget, Rates, within_band
 
@@ -257,7 +263,9 @@ def _describe(
             "maxkernel.tools.evaluation:describe_job",
             payload,
             run_dir,
-            SandboxLimits(timeout_s=timeout_s),
+            # a busy machine stretches the search's traces and the reference's run alike: a describe that
+            # takes a minute idle must not time out at a load of 8 per core and be called a bad task
+            SandboxLimits(timeout_s=timeout_s * machine_load_factor()),
             read_paths=task_read_paths(ref_path),
         )
         remove_tree(run_dir)

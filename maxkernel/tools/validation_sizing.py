@@ -342,8 +342,16 @@ class Probe:
     dims: tuple[int, ...] = ()
     """Every dimension of the reference's program in order (inputs, then each equation's results): the
     same structure lines them up between two sizes."""
-    int_max: tuple[int | None, ...] = ()
-    """Per dynamic input (all configurations in order): the largest value of an integer input, else None."""
+    int_max_of: Callable[[], tuple[int | None, ...]] | None = field(default=None, repr=False)
+    """Computes, per dynamic input (all configurations in order), the largest value of an integer input,
+    else None: a run of the generator, so only done when a step is about to be kept (`int_max`)."""
+    _int_max: tuple[int | None, ...] | None = field(default=None, repr=False)
+
+    @property
+    def int_max(self) -> tuple[int | None, ...]:
+        if self._int_max is None:
+            self._int_max = self.int_max_of() if self.int_max_of is not None else ()
+        return self._int_max
 
 
 @dataclass
