@@ -43,6 +43,7 @@ from maxkernel.tools.readback import (
     MAX_JSON_BYTES,
     MAX_RUN_DIR_ENTRIES,
     ReadBackError,
+    bounded_json,
     count_entries,
     file_size,
     read_capped,
@@ -249,9 +250,9 @@ def read_progress(run_dir: Path) -> list[dict[str, Any]]:
     events = []
     for line in text.splitlines():
         try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash mid-write
+            event = bounded_json(line, max_depth=8)
+        except ReadBackError:
+            continue  # a line cut short by a crash mid-write, or not an event
         if isinstance(event, dict):
             events.append(event)
     return events
@@ -546,17 +547,21 @@ class SandboxedChild:
         if timed_out:
             return SandboxOutcome(ok=False, error=f"timed out after {self.limits.timeout_s:g} s", **base)
         try:
-            envelope = json.loads(read_capped(run_dir / RESULT_FILE, MAX_JSON_BYTES))
-            body = envelope["body"]
-            forged = not hmac.compare_digest(str(envelope["mac"]), sign(self._key, body))
-            result = json.loads(body)
-            if not isinstance(result, dict):
-                raise TypeError("the result is not an object")
+            raw = read_capped(run_dir / RESULT_FILE, MAX_JSON_BYTES)
         except ReadBackError as exc:
             if (run_dir / RESULT_FILE).exists() or (run_dir / RESULT_FILE).is_symlink():
                 return SandboxOutcome(ok=False, error=f"the child left an unreadable result: {exc}", **base)
             return SandboxOutcome(ok=False, error=_death_message(code, stderr_tail, "process"), **base)
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        try:
+            envelope = bounded_json(raw)
+            body = envelope["body"]
+            if not isinstance(body, str):
+                raise TypeError("the result's body is not text")
+            forged = not hmac.compare_digest(str(envelope["mac"]), sign(self._key, body))
+            result = bounded_json(body)
+            if not isinstance(result, dict):
+                raise TypeError("the result is not an object")
+        except (ReadBackError, KeyError, TypeError, UnicodeDecodeError) as exc:
             return SandboxOutcome(ok=False, error=f"the child wrote an unreadable result: {exc}", **base)
         if forged:
             base["violations"] = [*base["violations"], "forged the result file"]
