@@ -982,7 +982,7 @@ def _audit_claims(cand_ests: dict[str, Any], audit: Any, gens: list[str]) -> str
     process, so its figures are claims; the judge's audit of the shipped Mosaic kernels gives floors no
     honest estimate goes below (`mosaic_audit`). One contradicted generation withholds them all: the
     process that made them is not to be believed."""
-    from maxkernel.tools.mosaic_audit import ProgramAudit, contradiction
+    from maxkernel.tools.mosaic_audit import ProgramAudit, contradiction, unpriceable
     from maxkernel.tools.tpu_specs import get_spec
 
     claimed = {g: c for g, c in cand_ests.items() if g in gens and isinstance(c, dict) and "error" not in c}
@@ -992,6 +992,9 @@ def _audit_claims(cand_ests: dict[str, Any], audit: Any, gens: list[str]) -> str
         trusted = ProgramAudit.model_validate(audit)
     except ValueError:
         trusted = ProgramAudit(error="the judge returned no audit")
+    reason = unpriceable(trusted)
+    if reason:
+        return f"estimate withheld: {reason} (read off the TPU program it shipped)"
     for gen, claim in claimed.items():
         reason = contradiction(claim, trusted, get_spec(gen))
         if reason:

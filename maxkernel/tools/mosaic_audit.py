@@ -131,6 +131,19 @@ CLAIM_FIELDS = (
 )
 
 
+def unpriceable(audit: ProgramAudit) -> str | None:
+    """Why no estimate of these kernels can be trusted whatever it claims (None: one can): a manual DMA
+    inside a loop whose trip count is not a constant moves a data-dependent number of bytes, which neither
+    the block model nor these floors count."""
+    for i, k in enumerate(audit.kernels):
+        if k.manual_dma_in_loops:
+            return (
+                f"kernel {i} starts {k.manual_dma_in_loops} manual DMA(s) inside a loop whose trip count depends "
+                "on data: the HBM bytes it moves cannot be priced"
+            )
+    return None
+
+
 def contradiction(claim: Any, audit: ProgramAudit, spec: TpuSpec) -> str | None:
     """Why the candidate's claimed block-model estimate cannot describe the shipped program (None: it can)."""
     if audit.error:

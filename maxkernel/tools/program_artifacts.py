@@ -28,10 +28,6 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
-PLATFORM_DEPENDENT = frozenset({"platform_index"})
-"""Primitives whose lowering differs by platform (`lax.platform_dependent`): the interpreter on the CPU
-would run one branch and the TPU another, so what is checked would not be what ships."""
-
 _installed = False
 
 
@@ -109,6 +105,8 @@ def _all_eqns(closed: Any) -> Iterator[Any]:
 
 def platform_dependent(closed: Any) -> list[str]:
     """Where `closed` (kernel bodies included) lowers differently per platform; [] when nowhere."""
+    from maxkernel.tools.jaxpr import PLATFORM_DEPENDENT
+
     found = []
     for eqn in _all_eqns(closed):
         if eqn.primitive.name in PLATFORM_DEPENDENT:
