@@ -89,7 +89,7 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         larger = None
         if payload.get("larger") and input_sets:
             larger = _larger_set(ref, payload["larger"], int(payload["larger_budget_bytes"]),
-                                 input_sets[0][0][0], seed, len(val))  # fmt: skip
+                                 input_sets[0][0][0], seed, len(val), task)  # fmt: skip
     except taskcode.TaskCodeError as exc:
         return {"ok": False, "stage": "task", "message": str(exc)}
     if ctx.violations:
@@ -198,11 +198,13 @@ def _larger_set(
     like: list[np.ndarray],
     seed: int,
     index: int,
+    task: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One secret input set at the agent's larger check shape and the reference's outputs on it, stored as
-    config `index` (after the validation configs). The draws follow the statistics of the first validation
-    set's inputs (`like`). Never fails the task: a reference that cannot run there, or outputs over the
-    memory budget, make it a skipped check, with the reason."""
+    config `index` (after the validation configs). The draws are the wide family around the statistics of
+    the first validation set's inputs (`like`), within the task's input domain. Never fails the task: a
+    reference that cannot run there, or outputs over the memory budget, make it a skipped check, with the
+    reason."""
     from maxkernel.tools.evaluation import reference_fn, run_reference
 
     t0 = time.perf_counter()
@@ -218,7 +220,9 @@ def _larger_set(
             {"min": float(a.min()), "max": float(a.max()), "mean": float(a.mean()), "std": float(a.std())}
             for a in (np.asarray(x, np.float64) for x in like)
         ]
-        arrays = [taskcode.random_from_spec(s, rng, st) for s, st in zip(cfg.dynamic, stats, strict=True)]
+        domains = taskcode.input_domains(task or {}, len(cfg.dynamic))
+        arrays = [taskcode.random_from_spec(s, rng, st, wide=True, domain=d)
+                  for s, st, d in zip(cfg.dynamic, stats, domains, strict=True)]  # fmt: skip
         outs = run_reference(ref, cfg, arrays, reference_fn(ref, cfg))
     except Exception as exc:  # noqa: BLE001 - the reference was written for its own shapes; skip, say why
         return {"ran": False, "reason": f"the reference does not run at {cfg.describe()}: "

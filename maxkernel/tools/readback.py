@@ -84,6 +84,36 @@ def bounded_json(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise ReadBackError(f"not valid JSON: {str(exc)[:200]}") from exc
 
 
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_ALIASES = 64
+MAX_YAML_DEPTH = 64
+"""A task's YAML is a few kilobytes of settings: these bounds refuse an alias bomb (a few hundred bytes
+that expand into gigabytes once anything walks the result) before it is built."""
+
+
+def bounded_yaml(text: str) -> Any:
+    """`yaml.safe_load` of a task's YAML, refused (ValueError) when it is over `MAX_YAML_BYTES`, uses more
+    than `MAX_YAML_ALIASES` aliases or nests deeper than `MAX_YAML_DEPTH`; the events are counted before
+    any object is built. YAML syntax errors propagate as `yaml.YAMLError`."""
+    import yaml
+
+    if len(text) > MAX_YAML_BYTES:
+        raise ValueError(f"the YAML is {len(text)} characters, over the {MAX_YAML_BYTES} cap")
+    aliases = depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            aliases += 1
+            if aliases > MAX_YAML_ALIASES:
+                raise ValueError(f"the YAML uses more than {MAX_YAML_ALIASES} aliases (an alias bomb?)")
+        elif isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise ValueError(f"the YAML nests deeper than {MAX_YAML_DEPTH} levels")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return yaml.safe_load(text)
+
+
 def tail_text(path: Path, n: int = MAX_TAIL_BYTES) -> str:
     """The last `n` bytes of a log as text; '' for anything that is not a regular file (never raises)."""
     try:
