@@ -112,6 +112,8 @@ CANDIDATE_PRELOAD = (
     "jax.export",
     "jax.experimental.pallas",
     "jax.experimental.pallas.tpu",
+    "jax._src.pallas.hlo_interpreter",
+    "jax._src.pallas.mosaic.interpret.interpret_pallas_call",
     "ml_dtypes",
     "ctypes",
     "maxkernel.tools.candidate",

@@ -197,7 +197,9 @@ def load_task(
             "maxkernel.tools.evaluation:describe_job",
             payload,
             run_dir,
-            SandboxLimits(timeout_s=timeout_s),
+            # the task's own code, as the judge runs it: without bubblewrap it keeps the agent's user (a
+            # reference in a private folder stays readable); a candidate is never run here
+            SandboxLimits(timeout_s=timeout_s, fallback_as_nobody=False),
             read_paths=task_read_paths(ref_path),
         )
         if outcome.violations:
