@@ -175,7 +175,9 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     def trace(cfg: InputConfig) -> Any:
         key = _shape_key(cfg)
         if key not in traces:
-            traces[key] = artifacts.trace_once(bind_static(candidate, cfg.static), _specs(cfg))
+            traces[key] = artifacts.trace_once(
+                bind_static(candidate, cfg.static), _specs(cfg), device_kind, cores
+            )
         return traces[key]
 
     interpret = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
@@ -217,7 +219,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     checked_errors: list[str | None] = []
     for ci, (cfg, closed) in enumerate([*zip(val, val_jaxprs, strict=True), (larger, larger_jaxpr)]):
         if closed is None or cfg is None:
-            checked_errors.append("no program" if cfg is not None else None)
+            checked_errors.append("no larger check" if cfg is None else "it did not trace there")
             continue
         try:
             blob = artifacts.export_checked(closed, _specs(cfg), device_kind, cores)

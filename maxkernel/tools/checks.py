@@ -47,7 +47,9 @@ def _out_elems(eqn: Tree) -> int:
 
 REF_WRITERS = frozenset({"swap", "masked_swap", "addupdate", "store"})
 """Kernel equations that write their first operand (a ref): live when that ref is."""
-ZERO_PROPAGATING = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims"})
+ZERO_PROPAGATING = frozenset(
+    {"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims"}
+)
 
 
 def _zero_vars(body: Tree) -> set[int]:
@@ -244,10 +246,14 @@ def check_pallas_does_work(program: Any) -> tuple[PallasCheck, list[str]]:
     program_io = float(sum(_size(s) for s in [*tree.get("in", []), *tree.get("outs", [])]))
     platform = [f for f in c.forbidden if f.split(" ")[0] in PLATFORM_DEPENDENT]
     if platform:
-        c.ok, c.reason = False, (
-            "platform-dependent lowering (lax.platform_dependent: " + ", ".join(sorted(set(platform)))
-            + ") is refused: the CPU interpreter that checks the kernel and the TPU that runs it would take "
-            "different branches"
+        c.ok, c.reason = (
+            False,
+            (
+                "platform-dependent lowering (lax.platform_dependent: "
+                + ", ".join(sorted(set(platform)))
+                + ") is refused: the CPU interpreter that checks the kernel and the TPU that runs it would take "
+                "different branches"
+            ),
         )
     elif c.forbidden:
         c.ok, c.reason = False, "host callbacks are not allowed: " + ", ".join(sorted(set(c.forbidden)))
@@ -256,20 +262,22 @@ def check_pallas_does_work(program: Any) -> tuple[PallasCheck, list[str]]:
     elif c.heavy_outside:
         c.ok = False
         c.reason = "work outside Pallas kernels: " + "; ".join(c.heavy_outside[:6])
+    elif walker.glue_cost > GLUE_FRACTION * walker.kernel_io:
+        c.ok = False
+        c.heavy_outside = list(walker.glue)
+        c.reason = (
+            "work outside Pallas kernels: "
+            + "; ".join(walker.glue[:6])
+            + f" ({walker.glue_cost:.4g} elements; "
+            f"glue may process at most {GLUE_FRACTION:g} of the {walker.kernel_io:.4g} elements the kernels "
+            "read and write)"
+        )
     elif walker.conditional_kernels == c.pallas_calls:
         c.ok = False
         c.reason = "every pallas_call sits under a conditional (lax.cond/switch): no kernel surely runs"
     elif walker.copy_only_kernels == c.pallas_calls:
         c.ok = False
         c.reason = "the Pallas kernels only move data; the arithmetic happens outside them"
-    elif walker.glue_cost > GLUE_FRACTION * walker.kernel_io:
-        c.ok = False
-        c.heavy_outside = list(walker.glue)
-        c.reason = (
-            "work outside Pallas kernels: " + "; ".join(walker.glue[:6]) + f" ({walker.glue_cost:.4g} elements; "
-            f"glue may process at most {GLUE_FRACTION:g} of the {walker.kernel_io:.4g} elements the kernels "
-            "read and write)"
-        )
     elif c.work_outside > ELEMENTWISE_IO_FACTOR * (program_io + walker.kernel_io):
         c.ok = False
         c.reason = (

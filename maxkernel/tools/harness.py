@@ -555,6 +555,9 @@ def _interpret_cost_signal(result: EvalResult, interpret_s: float, judge_seconds
         )
 
 
+MACHINE_LOWERING_SIGNS = ("Unsupported TPU device kind", "Unsupported TPU chip version")
+"""A lowering for the TPU that failed because of the machine doing it (the device kind it was asked for is
+unknown to this JAX), never because of the kernel: returned as infrastructure, never stored."""
 OUT_OF_MEMORY_SIGNS = ("mmap error: 12", "Cannot allocate memory", "std::bad_alloc", "MemoryError", "ENOMEM")
 """What a process that hit its address-space limit (RLIMIT_AS) leaves in its stderr: libtpu's allocator
 (`low_level_alloc.cc ... RAW: mmap error: 12`), libc, C++ and Python."""
@@ -703,6 +706,12 @@ def _verdict(
             result, "consistency", "what was checked is not what ships: " + str(judge["consistency"])
         )
     export_error = next((e for e in programs["export_errors"] if e), None)
+    machine = next((e for e in [*programs["export_errors"], *programs["checked_errors"]]
+                    if e and any(sign in e for sign in MACHINE_LOWERING_SIGNS)), None)  # fmt: skip
+    if machine:
+        return _fail(
+            result, "infrastructure", f"this machine could not lower the program for the TPU: {machine}"
+        )
     for gen in options.tpu:
         if export_error:
             result.tpu_compile[gen] = CompileOutcome(

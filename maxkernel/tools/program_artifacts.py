@@ -53,11 +53,15 @@ def install_interpreter_rule() -> None:
     _installed = True
 
 
-def trace_once(fn: Callable[..., Any], specs: list[Any]) -> Any:
-    """The closed jaxpr of `fn` at `specs`: the one time the candidate's Python runs for these shapes."""
+def trace_once(fn: Callable[..., Any], specs: list[Any], device_kind: str, cores: int = 1) -> Any:
+    """The closed jaxpr of `fn` at `specs`: the one time the candidate's Python runs for these shapes.
+    Traced under the abstract TPU device the exports are lowered for: a jaxpr's equations keep the mesh
+    they were traced under, and re-lowering them under another would not see the TPU."""
     import jax
+    from jax.sharding import use_abstract_mesh
 
-    return jax.jit(fn).trace(*specs).jaxpr
+    with use_abstract_mesh(_abstract_tpu(device_kind, cores)):
+        return jax.jit(fn).trace(*specs).jaxpr
 
 
 def _nested(params: dict[str, Any], rewrite: Callable[[Any], Any]) -> dict[str, Any]:

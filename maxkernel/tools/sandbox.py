@@ -271,11 +271,15 @@ def fallback_unreadable() -> str | None:
         except ImportError:
             pass
         bad = next((b for b in map(_unreadable_by_others, paths) if b), None)
-        _fallback_problem[key] = None if bad is None else (
-            f"without bubblewrap the candidate runs as `nobody`, who cannot read {bad}: install bubblewrap "
-            "(apt-get install bubblewrap), or make the interpreter, the virtual environment and this checkout "
-            "readable by other users (e.g. chmod o+rX on each folder above them and -R on them), or move "
-            "them out of the private folder"
+        _fallback_problem[key] = (
+            None
+            if bad is None
+            else (
+                f"without bubblewrap the candidate runs as `nobody`, who cannot read {bad}: install bubblewrap "
+                "(apt-get install bubblewrap), or make the interpreter, the virtual environment and this checkout "
+                "readable by other users (e.g. chmod o+rX on each folder above them and -R on them), or move "
+                "them out of the private folder"
+            )
         )
     return _fallback_problem[key]
 

@@ -438,7 +438,9 @@ def random_like(
         if std == 0.0:
             return x.copy()
         if wide:
-            return _wide(x.shape, rng, {"mean": mean, "std": std, "min": lo, "max": hi}, domain).astype(x.dtype)
+            return _wide(x.shape, rng, {"mean": mean, "std": std, "min": lo, "max": hi}, domain).astype(
+                x.dtype
+            )
         draw = np.clip(rng.normal(mean, std, size=x.shape), lo, hi)
         return _clip(draw, domain).astype(x.dtype)
     flat = x.reshape(-1).copy()
