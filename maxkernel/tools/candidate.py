@@ -216,25 +216,28 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     # that ship (the task's own shapes), all from the traces above. A lowering error here (block shapes,
     # primitives with no TPU lowering) is the kernel's compile failure.
     t0 = time.perf_counter()
-    checked_errors: list[str | None] = []
-    for ci, (cfg, closed) in enumerate([*zip(val, val_jaxprs, strict=True), (larger, larger_jaxpr)]):
-        if closed is None or cfg is None:
-            checked_errors.append("no larger check" if cfg is None else "it did not trace there")
-            continue
+
+    def write_export(export: Any, closed: Any, cfg: InputConfig, name: str) -> str | None:
         try:
-            blob = artifacts.export_checked(closed, _specs(cfg), device_kind, cores)
-            (run_dir / checked_program_file(ci)).write_bytes(blob)
-            checked_errors.append(None)
+            (run_dir / name).write_bytes(export(closed, _specs(cfg), device_kind, cores))
+            return None
         except Exception as exc:  # noqa: BLE001
-            checked_errors.append(f"{type(exc).__name__}: {_first_lines(str(exc))}")
-    export_errors: list[str | None] = []
-    for ci, (cfg, closed) in enumerate(zip(own, prod_jaxprs, strict=True)):
-        try:
-            blob = artifacts.export_tpu(closed, _specs(cfg), device_kind, cores)
-            (run_dir / tpu_program_file(ci)).write_bytes(blob)
-            export_errors.append(None)
-        except Exception as exc:  # noqa: BLE001
-            export_errors.append(f"{type(exc).__name__}: {exc}")
+            return f"{type(exc).__name__}: {_first_lines(str(exc), 40)}"
+
+    checked_errors: list[str | None] = [
+        write_export(artifacts.export_checked, closed, cfg, checked_program_file(ci))
+        for ci, (cfg, closed) in enumerate(zip(val, val_jaxprs, strict=True))
+    ]
+    if larger is None or larger_jaxpr is None:
+        checked_errors.append("no larger check" if larger is None else "it did not trace there")
+    else:
+        checked_errors.append(
+            write_export(artifacts.export_checked, larger_jaxpr, larger, checked_program_file(len(val)))
+        )
+    export_errors = [
+        write_export(artifacts.export_tpu, closed, cfg, tpu_program_file(ci))
+        for ci, (cfg, closed) in enumerate(zip(own, prod_jaxprs, strict=True))
+    ]
     programs["export_errors"] = export_errors
     programs["checked_errors"] = checked_errors
     seconds["export"] = time.perf_counter() - t0
