@@ -116,6 +116,8 @@ CANDIDATE_PRELOAD = (
     "jax._src.pallas.mosaic.interpret.interpret_pallas_call",
     "ml_dtypes",
     "ctypes",
+    "zipfile",
+    "encodings.cp437",  # zipfile decodes member names with it (np.load of the inputs), lazily
     "maxkernel.tools.candidate",
     "maxkernel.tools.program_artifacts",
     "maxkernel.tools.program_tree",

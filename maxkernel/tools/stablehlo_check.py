@@ -230,8 +230,8 @@ def check_tpu_program(text: str, expected_kernels: int | None = None) -> TpuProg
         out.reason = (
             "the TPU program does work outside Pallas kernels: "
             + ", ".join(out.glue_outside[:6])
-            + f" ({out.glue_cost:.4g} elements; glue may process at most {GLUE_FRACTION:g} of the "
-            f"{out.kernel_io:.4g} elements the kernels read and write)"
+            + f": {out.glue_cost:.4g} elements in all, where glue may process at most {GLUE_FRACTION:g} of the "
+            f"{out.kernel_io:.4g} elements the kernels read and write"
         )
     elif out.elementwise_cost > elementwise_budget:
         out.ok = False

@@ -9,13 +9,28 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 
+BLOCK_M, BLOCK_N = 128, 128
+
+
 def _kernel(x_ref, w_ref, b_ref, o_ref):
-    o_ref[...] = jnp.maximum(jnp.dot(x_ref[...], w_ref[...]) + b_ref[...], 0.0)
+    acc = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+    o_ref[...] = jnp.maximum(acc + b_ref[...], 0.0)
 
 
 def computation(x, w, b):
-    m, n = x.shape[0], w.shape[1]
-    return pl.pallas_call(_kernel, out_shape=jax.ShapeDtypeStruct((m, n), x.dtype))(x, w, b.reshape(1, n))
+    m, k = x.shape
+    n = w.shape[1]
+    return pl.pallas_call(
+        _kernel,
+        grid=(m // BLOCK_M, n // BLOCK_N),
+        in_specs=[
+            pl.BlockSpec((BLOCK_M, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((k, BLOCK_N), lambda i, j: (0, j)),
+            pl.BlockSpec((1, BLOCK_N), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((BLOCK_M, BLOCK_N), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+    )(x, w, b.reshape(1, n))
 
 
 def _bomb(arrays):
