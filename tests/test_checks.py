@@ -171,7 +171,9 @@ def test_platform_dependent_lowering_is_refused() -> None:
 
     c, _ = check(lambda x: _call(kernel, x))
     assert not c.ok and "platform-dependent" in c.reason
-    outside, _ = check(lambda x: jax.lax.platform_dependent(_call(_scale_kernel, x), cpu=jnp.abs, default=jnp.sin))
+    outside, _ = check(
+        lambda x: jax.lax.platform_dependent(_call(_scale_kernel, x), cpu=jnp.abs, default=jnp.sin)
+    )
     assert not outside.ok and "platform-dependent" in outside.reason
 
 
@@ -181,6 +183,7 @@ def test_glue_is_judged_by_cost() -> None:
     assert any("small glue" in w for w in warnings)
     whole, _ = check(lambda x: jnp.sum(_call(_scale_kernel, x)))
     assert not whole.ok and "glue may process at most" in whole.reason
+
     # a matmul as a broadcast multiply and an add tree: elementwise only, far over the program's I/O
     def bmm(x):
         prod = x[:, :, None] * x[None, :, :]
@@ -208,7 +211,8 @@ def test_tpu_program_text_costs_glue_and_sees_complex_reduces() -> None:
     small = check_tpu_program(text(lambda x: jnp.mean(_call(_scale_kernel, x)[:, :8])), expected_kernels=1)
     assert small.ok, small.reason
     cplx = check_tpu_program(
-        text(lambda x: _call(_scale_kernel, jnp.sum(x.astype(jnp.complex64)[:, :, None] * x[None], 1).real)), 1
+        text(lambda x: _call(_scale_kernel, jnp.sum(x.astype(jnp.complex64)[:, :, None] * x[None], 1).real)),
+        1,
     )
     assert not cplx.ok and "stablehlo.reduce" in cplx.reason
 
@@ -221,11 +225,24 @@ def test_the_checked_programs_platform_sites_must_be_its_kernels() -> None:
 
     def checked(fn):
         closed = artifacts.trace_once(fn, [X], "TPU v5 lite")
-        return export.deserialize(bytearray(artifacts.export_checked(closed, [X], "TPU v5 lite"))).mlir_module()
+        return export.deserialize(
+            bytearray(artifacts.export_checked(closed, [X], "TPU v5 lite"))
+        ).mlir_module()
 
     view = tpu_view(checked(lambda x: jnp.tanh(_call(_scale_kernel, x))))
     assert view.problem is None and view.sites == view.kernel_sites == 1
     assert check_tpu_program(view.text, 1).ok  # the interpreter's loop (CPU side) is not in the TPU view
+
+    def two_outputs(x_ref, o_ref, p_ref):
+        o_ref[...] = x_ref[...] * 2.0
+        p_ref[...] = x_ref[...] + 1.0
+
+    def pair(x):  # a kernel with two results: its site is `%r:2 = stablehlo.case(...)`
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return pl.pallas_call(two_outputs, out_shape=(shape, shape))(x)
+
+    both = tpu_view(checked(lambda x: sum(pair(x))))
+    assert both.problem is None and both.kernel_sites == 1
     branchy = tpu_view(checked(lambda x: jax.lax.platform_dependent(_call(_scale_kernel, x), cpu=jnp.abs,
                                                                     default=jnp.sin)))  # fmt: skip
     assert branchy.problem is not None and "differently per platform" in branchy.problem

@@ -77,8 +77,9 @@ both modes; their fallback twins are slow."""
     ("mode", "name", "stages", "words"),
     [pytest.param("bubblewrap", n, s, w, id=f"bubblewrap-{n}") for n, s, w in REJECTED]
     + [
-        pytest.param("fallback", n, s, w, id=f"fallback-{n}",
-                     marks=() if n in ISOLATION_MATTERS else pytest.mark.slow)  # fmt: skip
+        pytest.param(
+            "fallback", n, s, w, id=f"fallback-{n}", marks=() if n in ISOLATION_MATTERS else pytest.mark.slow
+        )  # fmt: skip
         for n, s, w in REJECTED
     ],
 )

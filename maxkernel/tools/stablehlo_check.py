@@ -267,7 +267,8 @@ def _main_signature(text: str) -> str:
 
 
 _PLATFORM_ARG = re.compile(r"(%arg\d+): tensor<i32> \{jax\.global_constant = \\?\"_platform_index\\?\"")
-_CASE_ON = re.compile(r"^\s*(%[\w#.]+)\s*=\s*stablehlo\.case\((%[\w#.]+)\)")
+_CASE_ON = re.compile(r"^\s*(%[\w#.]+)(?::\d+)?\s*=\s*stablehlo\.case\((%[\w#.]+)\)")
+"""`%r = stablehlo.case(%i)` (generic form, quotes dropped by `_bare`); `%r:2 = ...` for several results."""
 
 
 class TpuView(BaseModel):
