@@ -33,6 +33,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from maxkernel.tools import jaxbench
+from maxkernel.tools.readback import bounded_yaml
 from maxkernel.tools.results import geomean, ranking_speedup
 from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS
 
@@ -182,8 +183,11 @@ def _category(task_dir: Path) -> str:
         return str(jaxbench.task_meta(task_dir)["category"]) if jaxbench.is_workload_module(task_dir) else ""
     meta = task_dir / "kernel_task.yaml"
     if meta.exists():
-        data = yaml.safe_load(meta.read_text()) or {}
-        return str(data.get("category", ""))
+        try:
+            data = bounded_yaml(meta.read_text()) or {}
+        except (yaml.YAMLError, ValueError):
+            return ""  # the task itself is refused, with the reason, when it is loaded
+        return str(data.get("category", "")) if isinstance(data, dict) else ""
     return ""
 
 

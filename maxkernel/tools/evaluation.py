@@ -388,15 +388,21 @@ def build_input_sets(
     mode = task["validation_mode"]
     hold = set(task.get("hold_inputs") or [])
     n_sets = max(n_sets, 1)
+    # Draw families: the sample's own statistics for the first fresh set, then wider ones (scaled, shifted,
+    # special values), so a kernel that is right only inside the public sample's range is caught; always
+    # within the task's declared input domain.
     out: list[list[tuple[list[np.ndarray], str]]] = []
     if mode in taskcode.OWN_INPUT_MODES:
         if own_inputs is None:
             own_inputs = taskcode.own_validation_inputs(ref.source, task)
         for ci, own in enumerate(own_inputs):
             sets = [(own, "task")]
+            domains = taskcode.input_domains(task, len(own))
             for s in range(1, n_sets):
                 rng = np.random.default_rng([seed, ci, s])
-                sets.append(([taskcode.random_like(a, rng, i in hold) for i, a in enumerate(own)], "random"))
+                draws = [taskcode.random_like(a, rng, i in hold, wide=s >= 2, domain=domains[i])
+                         for i, a in enumerate(own)]  # fmt: skip
+                sets.append((draws, "random"))
             out.append(sets)
         return out
 
@@ -424,12 +430,10 @@ def build_input_sets(
         for s in range(n_sets):
             rng = np.random.default_rng([seed, ci, s, 7])
             st = [{k: float(v) for k, v in d.items()} for d in observed[ci]]
-            sets.append(
-                (
-                    [taskcode.random_from_spec(spec, rng, st[i]) for i, spec in enumerate(cfg.dynamic)],
-                    "random",
-                )
-            )
+            domains = taskcode.input_domains(task, len(cfg.dynamic))
+            draws = [taskcode.random_from_spec(spec, rng, st[i], wide=s >= 1 and i not in hold, domain=domains[i])
+                     for i, spec in enumerate(cfg.dynamic)]  # fmt: skip
+            sets.append((draws, "random"))
         out.append(sets)
     return out
 

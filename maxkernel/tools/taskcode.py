@@ -584,12 +584,47 @@ def larger_map(val: list[ArraySpec], own: list[ArraySpec]) -> dict[int, int] | N
 # --- input sets -------------------------------------------------------------------------------------------
 
 
-def random_like(x: np.ndarray, rng: np.random.Generator, hold: bool = False) -> np.ndarray:
+WIDE_SPREAD = 3.0
+"""The wide draw family's spread, in standard deviations of the task's own values: far enough outside the
+public sample (|x| > 4 for standard normal inputs in about a fifth of the elements) that a kernel that is
+right only inside the sample's range is caught, not so far that a faithful kernel leaves the tolerance."""
+SPECIAL_FRACTION = 0.01
+"""Share of a wide draw's elements replaced by special values (zeros, signed ones, twice the extremes)."""
+
+Domain = tuple[float, float]
+
+
+def _clip(draw: np.ndarray, domain: Domain | None) -> np.ndarray:
+    return draw if domain is None else np.clip(draw, domain[0], domain[1])
+
+
+def _wide(shape: tuple[int, ...], rng: np.random.Generator, stats: dict[str, float],
+          domain: Domain | None) -> np.ndarray:  # fmt: skip
+    """A float draw wider than the sample: scaled and shifted about its mean, with special values."""
+    mean, std = float(stats.get("mean", 0.0)), float(stats.get("std", 1.0)) or 1.0
+    lo, hi = float(stats.get("min", mean - std)), float(stats.get("max", mean + std))
+    shift = float(rng.choice([-1.0, 0.0, 1.0])) * std
+    draw = rng.normal(mean + shift, WIDE_SPREAD * std, size=shape)
+    specials = np.array([0.0, -0.0, 1.0, -1.0, 2.0 * lo, 2.0 * hi, mean])
+    if domain is not None:
+        specials = specials[(specials >= domain[0]) & (specials <= domain[1])]
+    if draw.size and specials.size:
+        mask = rng.random(shape) < SPECIAL_FRACTION
+        draw = np.where(mask, rng.choice(specials, size=shape), draw)
+    return _clip(draw, domain)
+
+
+def random_like(
+    x: np.ndarray, rng: np.random.Generator, hold: bool = False, *, wide: bool = False,
+    domain: Domain | None = None,
+) -> np.ndarray:  # fmt: skip
     """A fresh input with the same shape and dtype and similar values.
 
     Floats: normal draws with the observed mean and spread, clipped to the observed range (keeps positive
-    inputs positive). Integers and booleans: a random permutation of the observed values, which stays in
-    range and keeps sums and multisets (group sizes, page tables, labels) valid.
+    inputs positive); with `wide`, scaled and shifted well past that range, with special values sprinkled in
+    (`_wide`); always within the task's declared `domain` when it has one. Integers and booleans: a random
+    permutation of the observed values, which stays in range and keeps sums and multisets (group sizes,
+    page tables, labels) valid.
     """
     if hold or x.size == 0:
         return x.copy()
@@ -599,15 +634,23 @@ def random_like(x: np.ndarray, rng: np.random.Generator, hold: bool = False) -> 
         mean, std = float(xf.mean()), float(xf.std())
         if std == 0.0:
             return x.copy()
+        if wide:
+            return _wide(x.shape, rng, {"mean": mean, "std": std, "min": lo, "max": hi}, domain).astype(
+                x.dtype
+            )
         draw = np.clip(rng.normal(mean, std, size=x.shape), lo, hi)
-        return draw.astype(x.dtype)
+        return _clip(draw, domain).astype(x.dtype)
     flat = x.reshape(-1).copy()
     rng.shuffle(flat)
     return flat.reshape(x.shape)
 
 
-def random_from_spec(spec: ArraySpec, rng: np.random.Generator, stats: dict[str, float]) -> np.ndarray:
-    """Inputs for shrunk shapes, where the task's own values do not exist: drawn from observed statistics."""
+def random_from_spec(
+    spec: ArraySpec, rng: np.random.Generator, stats: dict[str, float], *, wide: bool = False,
+    domain: Domain | None = None,
+) -> np.ndarray:  # fmt: skip
+    """Inputs for shrunk shapes, where the task's own values do not exist: drawn from observed statistics
+    (`wide`: the wide family, as `random_like`)."""
     dtype = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else None
     if spec.dtype == "bool":
         return rng.random(spec.shape) < stats.get("mean", 0.5)
@@ -616,8 +659,30 @@ def random_from_spec(spec: ArraySpec, rng: np.random.Generator, stats: dict[str,
     import ml_dtypes
 
     std = stats.get("std", 1.0) or 1.0
-    draw = np.clip(rng.normal(stats.get("mean", 0.0), std, size=spec.shape), stats["min"], stats["max"])
+    if wide:
+        draw = _wide(tuple(spec.shape), rng, stats, domain)
+    else:
+        draw = _clip(np.clip(rng.normal(stats.get("mean", 0.0), std, size=spec.shape), stats["min"], stats["max"]),
+                     domain)  # fmt: skip
     return draw.astype(ml_dtypes.bfloat16 if dtype is None else dtype)
+
+
+def input_domains(task: dict[str, Any], n_inputs: int) -> list[Domain | None]:
+    """Per dynamic input, the task's declared input domain (`input_domain` in kernel_task.yaml: one
+    `[lo, hi]` for every floating input, or a mapping from input index to `[lo, hi]`); None where none."""
+    raw = task.get("input_domain")
+    if raw is None:
+        return [None] * n_inputs
+    if isinstance(raw, dict):
+        return [_domain(raw.get(i, raw.get(str(i)))) for i in range(n_inputs)]
+    return [_domain(raw)] * n_inputs
+
+
+def _domain(value: Any) -> Domain | None:
+    if value is None:
+        return None
+    lo, hi = (float(v) for v in value)
+    return (lo, hi)
 
 
 def to_numpy(x: Any) -> np.ndarray:

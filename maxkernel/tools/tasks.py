@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from maxkernel.tools import jaxbench
-from maxkernel.tools.readback import remove_tree
+from maxkernel.tools.readback import bounded_yaml, remove_tree
 from maxkernel.tools.results import InputConfig
 from maxkernel.tools.sandbox import (
     SandboxLimits,
@@ -54,6 +54,10 @@ class KernelTask(BaseModel):
     hold_inputs: list[int] = Field(
         default_factory=list, description="dynamic inputs kept as the task's own in random input sets"
     )
+    input_domain: list[float] | dict[int, list[float]] | None = Field(
+        None, description="where the reference is defined (`input_domain` in kernel_task.yaml): one [lo, hi] "
+        "for every floating input or {input index: [lo, hi]}; secret draws stay inside it",
+    )  # fmt: skip
     fingerprint: str = Field(description="sha256 of the task's files and the validation scale")
     configs: list[InputConfig] = Field(description="the task's own (TPU-scale) input configurations")
     validation_configs: list[InputConfig] = Field(description="shapes used for interpret-mode correctness")
@@ -90,9 +94,11 @@ def _locate(path: Path) -> tuple[TaskFormat, Path, dict[str, Any]]:
         meta: dict[str, Any] = {}
         if meta_path.exists():
             try:
-                meta = yaml.safe_load(meta_path.read_text()) or {}
+                meta = bounded_yaml(meta_path.read_text()) or {}
             except yaml.YAMLError as exc:
                 raise TaskError(f"{meta_path} is not valid YAML: {exc}") from exc
+            except ValueError as exc:
+                raise TaskError(f"{meta_path} refused: {exc}") from exc
             if not isinstance(meta, dict):
                 raise TaskError(f"{meta_path} must be a mapping")
         if not ref.exists():
@@ -109,6 +115,26 @@ def _locate(path: Path) -> tuple[TaskFormat, Path, dict[str, Any]]:
     if jaxbench.is_workload_module(path):
         return "jaxbench", path, jaxbench.task_meta(path)
     return "reference", path, {}
+
+
+def _input_domain(raw: Any) -> list[float] | dict[int, list[float]] | None:
+    """`input_domain` from kernel_task.yaml, checked: `[lo, hi]` or `{index: [lo, hi]}` with lo <= hi."""
+    if raw is None:
+        return None
+
+    def pair(v: Any) -> list[float]:
+        if not (isinstance(v, list | tuple) and len(v) == 2 and all(isinstance(x, int | float) for x in v)):
+            raise TaskError(f"input_domain must be [lo, hi] or {{input index: [lo, hi]}}; got {v!r}")
+        if not float(v[0]) <= float(v[1]):
+            raise TaskError(f"input_domain {v!r}: lo must not exceed hi")
+        return [float(v[0]), float(v[1])]
+
+    if isinstance(raw, dict):
+        try:
+            return {int(k): pair(v) for k, v in raw.items()}
+        except (TypeError, ValueError) as exc:
+            raise TaskError(f"input_domain keys must be input indices: {exc}") from exc
+    return pair(raw)
 
 
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
@@ -265,7 +291,9 @@ def _describe(
             run_dir,
             # a busy machine stretches the search's traces and the reference's run alike: a describe that
             # takes a minute idle must not time out at a load of 8 per core and be called a bad task
-            SandboxLimits(timeout_s=timeout_s * machine_load_factor()),
+            # the task's own code, as the judge runs it: without bubblewrap it keeps the agent's user (a
+            # reference in a private folder stays readable); a candidate is never run here
+            SandboxLimits(timeout_s=timeout_s * machine_load_factor(), fallback_as_nobody=False),
             read_paths=task_read_paths(ref_path),
         )
         remove_tree(run_dir)
@@ -358,6 +386,7 @@ def load_task(
         input_gen_code=meta.get("input_gen_code"),
         tolerances=tolerances,
         hold_inputs=list(meta.get("hold_inputs") or []),
+        input_domain=_input_domain(meta.get("input_domain")),
         fingerprint=fingerprint,
         configs=value["configs"],
         validation_configs=value["validation_configs"],
