@@ -434,7 +434,9 @@ class LLMAuthor:
                 raise AuthorError(f"TUNING_SPACE names {name} but the module has no top-level {name} = ...")
         return Draft(source=source, config=config, notes=f"{self.name} kernel at {config.label()}")
 
-    def write_reference(self, source: str, file_name: str, feedback: str = "", key: str = "") -> tuple[str, str]:
+    def write_reference(
+        self, source: str, file_name: str, feedback: str = "", key: str = ""
+    ) -> tuple[str, str]:
         """(framework, module source): a JAX reference in the problem-dir format for a CUDA, Triton or
         PyTorch file (`maxkernel convert --to pallas`). AuthorError when the reply holds no module."""
         from langchain_core.messages import HumanMessage
