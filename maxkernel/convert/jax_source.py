@@ -244,7 +244,7 @@ UNARY_FUNCTIONS = {
     "acosh": "jnp.arccosh", "atanh": "jnp.arctanh", "floor": "jnp.floor", "ceil": "jnp.ceil",
     "sign": "jnp.sign", "square": "jnp.square", "is_finite": "jnp.isfinite", "lgamma": "lax.lgamma",
     "digamma": "lax.digamma", "population_count": "lax.population_count", "imag": "jnp.imag",
-    "real": "jnp.real", "conj": "jnp.conj",
+    "real": "jnp.real", "conj": "jnp.conj", "bessel_i0e": "lax.bessel_i0e", "bessel_i1e": "lax.bessel_i1e",
 }  # fmt: skip
 
 

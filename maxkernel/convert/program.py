@@ -84,7 +84,12 @@ class ProgramError(Exception):
 
 
 def _dtype(aval: Any) -> str:
-    return str(np.dtype(aval.dtype)) if hasattr(aval, "dtype") else ""
+    if not hasattr(aval, "dtype"):
+        return ""
+    try:
+        return str(np.dtype(aval.dtype))
+    except TypeError:  # an extended dtype (a PRNG key): named as JAX names it
+        return str(aval.dtype)
 
 
 def _shape(aval: Any) -> tuple[int, ...]:
@@ -117,7 +122,10 @@ class _Flattener:
         env: dict[Any, Ref] = {}
         for v, c in zip(jaxpr.constvars, consts, strict=True):
             vid = self.new_var(v.aval)
-            self.consts[vid] = np.asarray(c)
+            try:
+                self.consts[vid] = np.asarray(c)
+            except TypeError as exc:  # a PRNG key captured by the trace
+                raise ProgramError(f"captured a {_dtype(v.aval)} constant") from exc
             env[v] = Ref(var=vid)
         for v, a in zip(jaxpr.invars, args, strict=True):
             env[v] = a

@@ -18,7 +18,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from maxkernel.convert.program import Program, flatten_closed, primitives
+from maxkernel.convert.program import Program, ProgramError, flatten_closed, primitives
 from maxkernel.convert.refusals import ConversionRefused, Refusal
 from maxkernel.convert.torch_env import torchax_env
 
@@ -204,11 +204,30 @@ def trace(model: Any, inputs: list[Any], source_path: Path) -> Traced:
         raise
     except Exception as exc:  # noqa: BLE001 - every failure of the user's forward becomes a named refusal
         raise ConversionRefused(classify_trace_error(exc, source_path)) from exc
-    prog = flatten_closed(closed, origin_of_eqn(source_path))
+    try:
+        prog = flatten_closed(closed, origin_of_eqn(source_path))
+    except ProgramError as exc:
+        kind = "randomness" if "key" in str(exc) else "captured_constant"
+        raise ConversionRefused(Refusal(kind=kind, what=f"the traced program ({exc})")) from exc
     random = sorted(set(primitives(prog)) & RANDOM_PRIMITIVES)
     if random:
         raise ConversionRefused(Refusal(kind="randomness", what=f"random numbers ({', '.join(random)})"))
     return Traced(prog, input_names, state_names, state_keys, statics, out_count[0], str(closed)[:20000])
+
+
+RANDOM_LOWERING = re.compile(r"rand|bernoulli|dropout|normal|uniform|multinomial|exponential")
+
+
+def _torchax_frames(exc: BaseException) -> list[str]:
+    """Names of torchax's op lowerings the exception passed through, innermost last."""
+    names = []
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if "torchax" in code.co_filename and code.co_name.startswith(("_aten_", "_torch_", "_")):
+            names.append(code.co_name)
+        tb = tb.tb_next
+    return names
 
 
 def classify_trace_error(exc: BaseException, source_path: Path) -> Refusal:
@@ -216,6 +235,10 @@ def classify_trace_error(exc: BaseException, source_path: Path) -> Refusal:
 
     where = exception_origin(exc, source_path)
     name = type(exc).__name__
+    lowering = _torchax_frames(exc)
+    random = [f for f in lowering if RANDOM_LOWERING.search(f)]
+    if random:  # torchax's random lowerings do not trace abstractly; either way it is randomness in forward
+        return Refusal(kind="randomness", what=f"random numbers ({random[0].lstrip('_')})", where=where)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else name
     if name == "OperatorNotFound":
         m = re.search(r"name (\S+)", text)
