@@ -265,7 +265,7 @@ def load_state(model: Any, keys: list[str], arrays: list[Any]) -> None:
     named = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
     with torch.no_grad():
         for k, a in zip(keys, arrays, strict=True):
-            named[k].copy_(torch.from_numpy(np.array(a)))
+            named[k].copy_(torch.from_numpy(np.array(a)).to(named[k].dtype))
 
 
 def module_types(module: types.ModuleType) -> str:
