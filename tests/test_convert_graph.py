@@ -135,3 +135,15 @@ def test_a_file_of_no_known_kind_is_a_bad_task(tmp_path: Path, bad: str) -> None
     state = graph.invoke({"task_path": str(tmp_path / bad)}, {"configurable": {"thread_id": "x"}},
                          context=context(tmp_path))  # fmt: skip
     assert state["status"] == "failed" and "neither a task" in state["stop_reason"]
+
+
+def test_a_conversion_review_is_answered_at_the_terminal_and_by_flags() -> None:
+    from maxkernel.cli_review import REVIEW_FLAGS, interactive_review
+    from maxkernel.nodes.review import answer
+
+    replies = iter(["f", "accumulate in float32"])
+    value = interactive_review({"kind": "conversion_review", "code": "def computation(a):\n    return a\n"},
+                               ask=lambda _: next(replies))  # fmt: skip
+    assert value == {"action": "feedback", "feedback": "accumulate in float32"}
+    assert "--stop" in REVIEW_FLAGS["conversion_review"]
+    assert answer("conversion_review", "code_file", "x = 1") == {"action": "edit", "code": "x = 1"}
