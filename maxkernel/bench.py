@@ -32,6 +32,7 @@ import sqlite_utils
 import yaml
 from pydantic import BaseModel, Field
 
+from maxkernel.convert import kernelbench
 from maxkernel.tools import jaxbench
 from maxkernel.tools.readback import bounded_yaml
 from maxkernel.tools.results import geomean, ranking_speedup
@@ -142,6 +143,9 @@ class TaskRow(BaseModel):
     human_estimated_speedup_by_generation: dict[str, float | None] = Field(default_factory=dict)
     human_measured_speedup: float | None = None
     human_error: str | None = Field(None, description="the harness's message when it was not accepted")
+    converted: bool | None = Field(
+        None, description="a PyTorch task: converted to JAX and verified against PyTorch (None: a JAX task)"
+    )
 
 
 def is_task(path: Path) -> bool:
@@ -163,6 +167,8 @@ def discover(suite: Path, pattern: str | None) -> list[Path]:
         raise FileNotFoundError(f"suite not found: {suite}")
     if is_task(suite):
         tasks = [suite]
+    elif kernelbench.is_level_dir(suite):  # KernelBench's task files, read as they are
+        tasks = kernelbench.level_tasks(suite)
     else:
         root = jaxbench.suite_root(suite)
         tasks = sorted(p for p in root.iterdir() if p.is_dir() and is_task(p))
@@ -171,14 +177,17 @@ def discover(suite: Path, pattern: str | None) -> list[Path]:
                 f"no tasks in {suite}: expected problem dirs (reference.py) or JAXBench workload dirs "
                 f"({jaxbench.BASELINE_FILE})"
             )
-    if pattern:
-        tasks = [p for p in tasks if fnmatch.fnmatch(task_name(p), pattern)]
+    if pattern:  # one glob, or several separated by commas
+        globs = [g.strip() for g in pattern.split(",") if g.strip()]
+        tasks = [p for p in tasks if any(fnmatch.fnmatch(task_name(p), g) for g in globs)]
     return tasks
 
 
 def _category(task_dir: Path) -> str:
     if jaxbench.is_workload_dir(task_dir):
         return str(jaxbench.task_meta(task_dir / jaxbench.BASELINE_FILE)["category"])
+    if task_dir.is_file() and kernelbench.is_kernelbench_file(task_dir):
+        return f"kernelbench {task_dir.parent.name}"
     if task_dir.is_file():
         return str(jaxbench.task_meta(task_dir)["category"]) if jaxbench.is_workload_module(task_dir) else ""
     meta = task_dir / "kernel_task.yaml"
@@ -488,6 +497,9 @@ def _read_result(row: TaskRow, out: Path, rc: int, log: Path) -> TaskRow:
     elif (row.iterations or 0) <= 1 and row.correct:  # a result.json written before that field existed
         row.single_estimated_speedup = row.estimated_speedup
         row.single_estimated_speedup_by_generation = dict(row.estimated_speedup_by_generation)
+    conversion = res.get("conversion")
+    if isinstance(conversion, dict):
+        row.converted = bool(conversion.get("verified")) and bool(conversion.get("task_dir"))
     first = res.get("first_accepted") or {}
     row.first_accepted_estimated_speedup = first.get("estimated_speedup")
     row.first_accepted_estimated_speedup_by_generation = dict(
@@ -804,6 +816,50 @@ def render_published(rows: list[TaskRow]) -> list[str]:
             f"| maxkernel, {g} | {m['correct']} / {m['tasks']} | {fmt(v['jaxbench_geomean'])} | "
             f"{fmt(v['correct_geomean'])} | {v['fast1']} / {m['tasks']} | estimated |"
         )
+
+
+def fast_p_table(rows: list[TaskRow]) -> dict[str, dict[str, Any]]:
+    """KernelBench's fast_p per level (category) and TPU generation, over ALL the level's tasks (failed
+    conversions count as not correct); speedups are our estimates, never measurements."""
+    out: dict[str, dict[str, Any]] = {}
+    for level in sorted({r.category for r in rows if r.category.startswith("kernelbench")}):
+        level_rows = [r for r in rows if r.category == level]
+        gens = list(dict.fromkeys(g for r in level_rows for g in r.estimated_speedup_by_generation))
+        per_gen = {
+            g: {p: kernelbench.fast_p([(r.correct, r.estimated_speedup_by_generation.get(g)) for r in level_rows], p)
+                for p in kernelbench.FAST_P}
+            for g in gens
+        }  # fmt: skip
+        converted = sum(1 for r in level_rows if r.converted)
+        out[level] = {"tasks": len(level_rows), "converted": converted, "fast_p": per_gen}
+    return out
+
+
+def render_fast_p(rows: list[TaskRow]) -> list[str]:
+    """The report's KernelBench section (empty for other suites)."""
+    table = fast_p_table(rows)
+    if not table:
+        return []
+    ps = kernelbench.FAST_P
+    lines = [
+        "",
+        "## KernelBench fast_p (estimated: TPU time model, not measured)",
+        "",
+        "KernelBench's metric over ALL the level's tasks: fast_p = correct and faster than the baseline by "
+        "more than p (fast_0 = correct). Here the baseline is XLA compiling the converted JAX reference, and "
+        "the speedup is the estimated one per TPU generation (nothing was measured on a TPU).",
+        "",
+        "| level | TPU | tasks | converted and verified | "
+        + " | ".join(f"fast_{p:g} (est.)" for p in ps)
+        + " |",
+        "| --- | --- | --- | --- | " + " | ".join("---" for _ in ps) + " |",
+    ]
+    for level, v in table.items():
+        for g, by_p in v["fast_p"].items():
+            cells = " | ".join(
+                f"{by_p[p][0]} / {by_p[p][1]} ({by_p[p][0] / max(1, by_p[p][1]):.0%})" for p in ps
+            )
+            lines.append(f"| {level} | {g} | {v['tasks']} | {v['converted']} | {cells} |")
     return lines
 
 
@@ -892,6 +948,7 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
     for p in plots:
         lines.append(f"![{p.stem}]({p.name})")
     lines += render_published(rows)
+    lines += render_fast_p(rows)
     lines += render_side_by_side(rows)
     gens = sorted({g for r in rows for g in r.tpu_compile})
     lines += [

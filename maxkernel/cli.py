@@ -356,6 +356,7 @@ def render_eval(r: EvalResult) -> None:
 
 def _register_agent_commands() -> None:
     import maxkernel.cli_agent  # noqa: F401 - registers optimize / resume / runs on `app`
+    import maxkernel.cli_convert  # noqa: F401 - registers `convert`
     import maxkernel.cli_tuning  # noqa: F401 - registers `tuning export|import|show`
 
 

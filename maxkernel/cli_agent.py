@@ -872,7 +872,10 @@ def bench_cmd(
         ),
     ],
     model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
-    tasks: Annotated[str | None, typer.Option("--tasks", help="glob over task ids, e.g. 'fused_*'")] = None,
+    tasks: Annotated[
+        str | None,
+        typer.Option("--tasks", help="glob over task ids, e.g. 'fused_*' (several: comma separated)"),
+    ] = None,
     scale: Annotated[
         str, typer.Option("--scale", help="validation scale: cpu, tpu or a shrink factor such as 0.125")
     ] = "cpu",

@@ -1,5 +1,6 @@
 """The kernel-engineering loop as a LangGraph graph. This module only wires nodes.
 
+convert (subgraph: PyTorch / CUDA / Triton -> a JAX task; a JAX task passes through) →
 prepare → plan → implement → validate → test → autotune → profile → reflect → (plan | finalize)
                     ⇅          ▲   │ fail    │ fail
                model_tools     └ repair ◄────┘          (hitl: on_failure asks a human first)
@@ -21,6 +22,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.types import RetryPolicy
 
 from maxkernel.context import Context
+from maxkernel.graph.convert import compile_convert_graph
 from maxkernel.nodes.autotune import autotune
 from maxkernel.nodes.finalize import finalize
 from maxkernel.nodes.implement import implement
@@ -34,6 +36,10 @@ from maxkernel.nodes.test import route_after_test, test
 from maxkernel.nodes.tool_node import model_tools
 from maxkernel.nodes.validate import route_after_validate, validate
 from maxkernel.state import AgentInput, AgentState
+
+
+def route_after_convert(state: AgentState) -> Literal["prepare", "finalize"]:
+    return "finalize" if state.status in ("failed", "stopped") else "prepare"
 
 
 def route_after_prepare(state: AgentState) -> Literal["plan", "finalize"]:
@@ -60,6 +66,7 @@ MODEL_NODE_RETRY = RetryPolicy(
 
 def build_graph(model_retry: RetryPolicy | None = MODEL_NODE_RETRY) -> StateGraph:
     g = StateGraph(AgentState, context_schema=Context, input_schema=AgentInput)
+    g.add_node("convert", compile_convert_graph())
     g.add_node("prepare", prepare)
     g.add_node("plan", plan, destinations=("implement", "plan", "finalize"), retry_policy=model_retry)
     g.add_node(
@@ -79,7 +86,8 @@ def build_graph(model_retry: RetryPolicy | None = MODEL_NODE_RETRY) -> StateGrap
     g.add_node("profile", profile)
     g.add_node("reflect", reflect, retry_policy=model_retry)
     g.add_node("finalize", finalize)
-    g.add_edge(START, "prepare")
+    g.add_edge(START, "convert")
+    g.add_conditional_edges("convert", route_after_convert)
     g.add_conditional_edges("prepare", route_after_prepare)
     g.add_conditional_edges("validate", route_after_validate)
     g.add_conditional_edges("test", route_after_test)
