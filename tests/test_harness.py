@@ -62,6 +62,22 @@ def test_good_kernel_is_accepted(matmul_task: KernelTask, session_work: Path) ->
     assert r.stage_seconds.get("judge_run", 0) > 0
 
 
+def test_a_jitted_candidate_is_judged_like_any_other(matmul_task: KernelTask, session_work: Path) -> None:
+    # `@jax.jit` on the entry point puts the kernel inside a pjit: TPU interpret mode's ordered host
+    # callbacks must reach that pjit's effects, or the cross-check program does not lower (the bundled
+    # example's own kernel.py was refused at "trace" with KeyError: OrderedIOEffect).
+    src = (
+        (CANDIDATES / "good_matmul.py")
+        .read_text()
+        .replace("\ndef computation(", "\n@jax.jit\ndef computation(")
+    )
+    assert "@jax.jit" in src
+    r = run(matmul_task, "", session_work, source=src)
+    assert r.error is None, r.error
+    assert r.accepted and r.correct
+    assert r.correctness.interpret_modes[0] == "plain+tpu"
+
+
 def test_the_candidate_runs_once_per_shape(matmul_task: KernelTask, session_work: Path) -> None:
     """Every artifact (interpret-mode program, checked program, TPU program, estimate) is derived from one
     trace per shape: a candidate that fails when it is called a second time at a shape it has seen (as a

@@ -87,12 +87,37 @@ def with_interpret(closed: Any, interpret: Any) -> Any:
         eqns = []
         for e in jaxpr.eqns:
             if e.primitive.name == "pallas_call":
-                eqns.append(e.replace(params={**e.params, "interpret": interpret}))
+                params = {**e.params, "interpret": interpret}
+                eqns.append(e.replace(params=params, effects=_pallas_effects(e, params)))
             else:
-                eqns.append(e.replace(params=_nested(e.params, rewrite)))
-        return jaxpr.replace(eqns=eqns)
+                params = _nested(e.params, rewrite)
+                eqns.append(e.replace(params=params, effects=e.effects | _inner_effects(params)))
+        effects = set(jaxpr.effects).union(*(e.effects for e in eqns))
+        return jaxpr.replace(eqns=eqns, effects=effects)
 
     return closed.replace(jaxpr=rewrite(closed.jaxpr))
+
+
+def _pallas_effects(eqn: Any, params: dict[str, Any]) -> Any:
+    """The effects of a pallas_call under new params: TPU interpret mode runs its simulation in ordered
+    host callbacks, which every enclosing jaxpr (a jitted candidate's pjit) must carry to lower."""
+    try:
+        _, effects = eqn.primitive.abstract_eval(*(v.aval for v in eqn.invars), **params)
+    except Exception:  # noqa: BLE001 - no effectful rule: keep what the trace recorded
+        return eqn.effects
+    return eqn.effects | set(effects)
+
+
+def _inner_effects(params: dict[str, Any]) -> set[Any]:
+    from jax.extend import core as jex_core
+
+    out: set[Any] = set()
+    for v in params.values():
+        items = v if isinstance(v, tuple) else (v,)
+        for x in items:
+            if isinstance(x, jex_core.ClosedJaxpr | jex_core.Jaxpr):
+                out |= set(x.effects)
+    return out
 
 
 def as_function(closed: Any) -> Callable[..., Any]:
