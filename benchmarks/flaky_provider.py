@@ -90,7 +90,7 @@ class FlakyProvider(BaseChatModel):
 
 def one_run(index: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     model = FlakyProvider(failure_rate=args.failure_rate, seed=args.seed + index)
-    graph = compile_graph(sqlite_checkpointer(root / "ck.sqlite"), model_retry=None)
+    graph = compile_graph(sqlite_checkpointer(root / "ck.sqlite"))
     ctx = Context(
         model="flaky",
         chat_model=model,

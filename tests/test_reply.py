@@ -14,8 +14,9 @@ from fake_chat import (
     openai_message,
     openai_reasoning_message,
 )
-from maxkernel.authors.llm import ReflectionReply, declared_tuning_space, parse_decision
+from maxkernel.authors.llm import ReflectionReply, parse_decision
 from maxkernel.authors.reply import NoModule, extract_json_object, extract_module, parse_message
+from maxkernel.authors.tuning_space import declared_tuning_space
 
 SNIPPET = "x = jnp.ones((8, 128))\n"
 
