@@ -301,3 +301,35 @@ class StallingChatModel(BaseChatModel):
 
     def events(self) -> list[str]:
         return [event for _, event in self.log]
+
+
+class ToolShyChatModel(EventChatModel):
+    """A model without tool or JSON-mode support behind a tool-capable API (Gemma behind the Gemini API, a
+    local model behind an OpenAI-compatible server): `bind_tools` and `with_structured_output` succeed, and
+    the call then fails with the provider's HTTP 400 (`refusal`, as the integration raises it). Plain calls
+    play `events`. `kinds` records each request: "tools", "structured" or "plain"."""
+
+    refusal: Any = None
+    refuse_plain: bool = False
+    kinds: list[str] = Field(default_factory=list)
+
+    def _event(self, prompt: str) -> Any:
+        self.kinds.append("plain")
+        if self.refuse_plain:
+            self.calls += 1
+            raise self.refusal
+        return super()._event(prompt)
+
+    def _refused(self, kind: str) -> Any:
+        def call(messages: Any) -> Any:
+            self.calls += 1
+            self.kinds.append(kind)
+            raise self.refusal
+
+        return RunnableLambda(call)
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:  # type: ignore[override]
+        return self._refused("tools")
+
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False, **kwargs: Any) -> Any:
+        return self._refused("structured")
