@@ -19,6 +19,7 @@ from langchain_core.outputs import ChatGeneration, ChatResult
 
 import maxkernel.authors.model_calls as model_calls
 from fake_chat import EventChatModel, StallingChatModel
+from maxkernel.authors.base import BudgetSpent
 from maxkernel.authors.model_calls import (
     CallSettings,
     ModelCallError,
@@ -217,3 +218,36 @@ def test_a_request_that_cannot_be_cancelled_is_waited_for_never_overlapped(
         invoke_with_retries(hangs, "hi", settings, sleep=lambda s: None)
     assert err.value.kind == "model_timeout" and "could not be cancelled" in err.value.detail
     assert hangs.calls == 1 and err.value.attempts == 1
+
+
+class WallGate:
+    """A run with `left` seconds of wall-clock budget and nothing else to check."""
+
+    def __init__(self, left: float) -> None:
+        self.left = left
+
+    def allow(self, messages: Any) -> float | None:
+        return self.left
+
+    def out_of_time(self) -> BudgetSpent:
+        return BudgetSpent("wall-time budget spent (60 s)")
+
+
+def test_only_a_call_cut_at_the_wall_deadline_is_the_wall_budget() -> None:
+    settings = CallSettings(max_retries=2, timeout_s=300.0, backoff_initial_s=0.001, backoff_max_s=0.01)
+    # The provider's own timeout, with the deadline far off: an ordinary retry.
+    model = EventChatModel(events=[openai_timeout(), "fine"])
+    invoke_with_retries(model, "hi", settings, sleep=lambda s: None, gate=WallGate(10.0))
+    assert model.calls == 2
+    # Our limit, shortened to the deadline, ended it: the wall-time budget, and no retry.
+    stalls = StallingChatModel(stalls=3, stall_s=30.0)
+    with pytest.raises(BudgetSpent, match="wall-time budget spent"):
+        invoke_with_retries(stalls, "hi", settings, sleep=lambda s: None, gate=WallGate(0.3))
+    assert stalls.events() == ["start", "cancelled"]
+    # A backoff that would run past the deadline is not slept.
+    waits: list[float] = []
+    late = EventChatModel(events=[gemini_error(429, "Quota exceeded.", retry_delay="5s"), "fine"])
+    slow = CallSettings(max_retries=2, timeout_s=300.0, backoff_initial_s=0.001, backoff_max_s=60.0)
+    with pytest.raises(BudgetSpent):
+        invoke_with_retries(late, "hi", slow, sleep=waits.append, gate=WallGate(2.0))
+    assert waits == [] and late.calls == 1

@@ -121,25 +121,14 @@ def init_model(spec: str, settings: CallSettings | None = None) -> Any:
     from langchain.chat_models import init_chat_model
 
     settings = settings or CallSettings()
-    options: tuple[dict[str, Any], ...] = (
-        {"max_retries": 0, "timeout": settings.timeout_s},
-        {"max_retries": 0},
-        {},
-    )
     try:
-        for kwargs in options:
+        for options in ({"max_retries": 0, "timeout": settings.timeout_s}, {"max_retries": 0}):
             try:
-                model = init_chat_model(spec, **kwargs)
+                return init_chat_model(spec, **options)
             except (TypeError, ValueError):  # an integration without these options: try with fewer
-                if kwargs:
-                    continue
-                raise
-            if "max_retries" not in kwargs:
-                log.warning(
-                    "%s takes no max_retries: its SDK may retry on its own, under our --model-retries", spec
-                )
-            return model
-        raise AssertionError("unreachable: the last option set is empty")
+                continue
+        log.warning("%s takes no max_retries: its SDK may retry on its own, under our --model-retries", spec)
+        return init_chat_model(spec)
     except ImportError as exc:
         raise AuthorError(f"model {spec!r} needs its LangChain integration package: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a bad model string is a usage error, reported as such

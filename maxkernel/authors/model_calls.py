@@ -309,6 +309,7 @@ class _Call:
     def __init__(self, runner: Any, messages: Any, timeout_s: float) -> None:
         self.box: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
         self.timeout_s = timeout_s
+        self.expired = False  # our limit ended it (not an error the provider raised)
         context = contextvars.copy_context()  # tracing/callback context follows the call into its thread
         self.thread = threading.Thread(
             target=context.run,
@@ -329,6 +330,7 @@ class _Call:
             self.box.put((True, value))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread as is
             if isinstance(exc, TimeoutError) and limit.expired():
+                self.expired = True
                 exc = TimeoutError(f"no reply within {self.timeout_s:.0f} s (the request was cancelled)")
             self.box.put((False, exc))
 
@@ -336,6 +338,7 @@ class _Call:
         try:
             ok, value = self.box.get(timeout=self.timeout_s + CANCEL_SLACK_S)
         except queue.Empty:
+            self.expired = True
             raise TimeoutError(f"no reply within {self.timeout_s:.0f} s (the request did not stop)") from None
         if ok:
             return value
@@ -389,13 +392,8 @@ def invoke_with_retries(
             kind = classify(exc)
             if on_failure is not None:
                 on_failure(kind, exc)
-            if (
-                gate is not None
-                and left is not None
-                and kind == "model_timeout"
-                and timeout < settings.timeout_s
-            ):
-                raise gate.out_of_time() from exc  # the call was cut at the wall-clock budget, not by its own limit
+            if gate is not None and call.expired and timeout < settings.timeout_s:
+                raise gate.out_of_time() from exc  # cut at the wall-clock budget, not at its own limit
             previous = call if kind == "model_timeout" else None
             suggested = retry_delay_s(exc)
             detail = f"{type(exc).__name__}: {str(exc)[:500]}"
