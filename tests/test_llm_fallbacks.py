@@ -186,3 +186,31 @@ def test_the_implement_prompt_says_which_forms_the_autotuner_reads(actx: AuthorC
         actx.model_copy(update={"scope": "prompt"}), Plan(family="llm", summary="s", text="t")
     )
     assert "BLOCK_M, BLOCK_N = 256, 128` also works" in model.prompts[0]
+
+
+def test_a_daily_quota_ends_the_run_rate_limited_and_says_when_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import typer
+    from rich.console import Console
+
+    import maxkernel.cli_agent as cli_agent
+    from maxkernel.tools.store import ResultsStore
+    from provider_errors import gemini_daily_quota
+
+    model = EventChatModel(events=[gemini_daily_quota(), PLAN_MD])
+    ctx = Context(model="fake:events", chat_model=model, tpu=["v5e"], store_path=str(tmp_path / "r.db"),
+                  work_dir=str(tmp_path / "work"), baseline=False, model_retries=4)  # fmt: skip
+    graph = build_graph().compile(checkpointer=sqlite_checkpointer(tmp_path / "ck.sqlite"))
+    store = ResultsStore(tmp_path / "r.db")
+    printed = Console(record=True, width=200)
+    monkeypatch.setattr(cli_agent, "console", printed)
+    monkeypatch.setattr(cli_agent, "out", printed)
+    config = {"configurable": {"thread_id": "quota"}}
+    with pytest.raises(typer.Exit) as exit_:
+        cli_agent._run(graph, {"task_path": str(TASK)}, config, ctx, store, "quota")
+    text = printed.export_text()
+    assert exit_.value.exit_code == cli_agent.EXIT_MODEL_FAILURE and model.calls == 1
+    assert "rate_limited" in text and "after 1 attempt(s)" in text
+    assert "expects to answer again after" in text and "in 3600 s" in text and "--backoff-max" in text
+    assert "maxkernel resume quota" in text and store.get_run("quota")["status"] == "rate_limited"
