@@ -171,6 +171,9 @@ def test_a_timed_out_request_is_cancelled_before_its_retry_is_sent() -> None:
     assert model.events() == ["start", "cancelled", "start", "end"]  # never two requests in flight
 
 
+COUNTING = threading.Lock()
+
+
 class SyncStall(BaseChatModel):
     """A provider with no async client: its request runs in a thread no timeout can interrupt."""
 
@@ -190,7 +193,7 @@ class SyncStall(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        with threading.Lock():
+        with COUNTING:
             self.calls += 1
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -199,7 +202,8 @@ class SyncStall(BaseChatModel):
                 time.sleep(self.stall_s)
             return ChatResult(generations=[ChatGeneration(message=AIMessage(content="fine"))])
         finally:
-            self.in_flight -= 1
+            with COUNTING:
+                self.in_flight -= 1
 
 
 def test_a_request_that_cannot_be_cancelled_is_waited_for_never_overlapped(

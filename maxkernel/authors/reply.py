@@ -11,6 +11,7 @@ module is picked out of the text by one rule set, tested on those shapes (tests/
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from typing import Any
 
@@ -162,6 +163,10 @@ def _defines_computation(code: str) -> bool:
     )
 
 
+def _python(block: CodeBlock) -> bool:
+    return block.info.split()[0] in _PYTHON_INFOS if block.info else True
+
+
 def _score(block: CodeBlock, index: int) -> tuple[int, int, int, int, int]:
     python = _python(block)
     return (
@@ -200,10 +205,6 @@ class NoModule(ValueError):
     """The reply holds no kernel module; `reason` says what it holds instead, for the model to hear."""
 
 
-def _python(block: CodeBlock) -> bool:
-    return block.info.split()[0] in _PYTHON_INFOS if block.info else True
-
-
 def _bound_and_loaded(tree: ast.Module) -> tuple[set[str], set[str]]:
     """(names bound anywhere in the module, names read anywhere): enough to tell a module that is missing
     its imports or helpers from one that has them (scopes are not told apart; a name bound in any scope
@@ -228,14 +229,12 @@ def _bound_and_loaded(tree: ast.Module) -> tuple[set[str], set[str]]:
 
 def missing_names(code: str) -> set[str]:
     """Names `code` reads but never binds or imports (builtins excepted); empty when it does not parse."""
-    import builtins
-
     try:
         tree = ast.parse(code)
     except SyntaxError:
         return set()
     bound, loaded = _bound_and_loaded(tree)
-    return {n for n in loaded - bound if not hasattr(builtins, n) and n != "__file__" and n != "__name__"}
+    return {n for n in loaded - bound if not hasattr(builtins, n)} - {"__file__"}
 
 
 _DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
