@@ -264,7 +264,7 @@ def classify(exc: BaseException) -> str:
         return STATUS_KINDS[status]
     if "timed out" in text:
         return "model_timeout"
-    if name_says_unavailable(names) or any(isinstance(e, ConnectionError) for e in chain):
+    if _name_says_unavailable(names) or any(isinstance(e, ConnectionError) for e in chain):
         return "model_unavailable"
     if status is not None and status >= 500:
         return "model_unavailable"
@@ -276,7 +276,7 @@ def classify(exc: BaseException) -> str:
     return "model_error"
 
 
-def name_says_unavailable(names: str) -> bool:
+def _name_says_unavailable(names: str) -> bool:
     return any(word in names for word in ("connect", "unavailable", "overloaded", "servererror"))
 
 
@@ -304,7 +304,7 @@ class _Call:
     """One request in its own thread and event loop, so a timeout can cancel it: the coroutine is cancelled
     and an async HTTP client closes the connection (the provider stops, nothing keeps running). A model with
     no native async path runs its sync call in the loop's executor, which cannot be interrupted: the thread
-    stays alive until that call ends, and `abandoned` says so."""
+    stays alive until that call ends, and `wait_ended` tells (the retry waits for it)."""
 
     def __init__(self, runner: Any, messages: Any, timeout_s: float) -> None:
         self.box: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
@@ -348,11 +348,6 @@ class _Call:
         """Whether the request has ended (waiting up to `seconds` for one that could not be cancelled)."""
         self.thread.join(timeout=max(0.0, seconds))
         return not self.thread.is_alive()
-
-
-def call_with_timeout(runner: Any, messages: Any, timeout_s: float) -> Any:
-    """`runner.ainvoke(messages)` (or `invoke` in a worker thread), cancelled after `timeout_s`."""
-    return _Call(runner, messages, timeout_s).result()
 
 
 def invoke_with_retries(
