@@ -19,6 +19,7 @@ import fnmatch
 import hashlib
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -31,7 +32,9 @@ import sqlite_utils
 import yaml
 from pydantic import BaseModel, Field
 
+from maxkernel.convert import kernelbench
 from maxkernel.tools import jaxbench
+from maxkernel.tools.readback import bounded_yaml
 from maxkernel.tools.results import geomean, ranking_speedup
 from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS
 
@@ -137,8 +140,12 @@ class TaskRow(BaseModel):
     human_status: str | None = Field(None, description="accepted | rejected | error, from `maxkernel eval`")
     human_correct: bool = False
     human_estimated_speedup: float | None = None
+    human_estimated_speedup_by_generation: dict[str, float | None] = Field(default_factory=dict)
     human_measured_speedup: float | None = None
     human_error: str | None = Field(None, description="the harness's message when it was not accepted")
+    converted: bool | None = Field(
+        None, description="a PyTorch task: converted to JAX and verified against PyTorch (None: a JAX task)"
+    )
 
 
 def is_task(path: Path) -> bool:
@@ -160,6 +167,8 @@ def discover(suite: Path, pattern: str | None) -> list[Path]:
         raise FileNotFoundError(f"suite not found: {suite}")
     if is_task(suite):
         tasks = [suite]
+    elif kernelbench.is_level_dir(suite):  # KernelBench's task files, read as they are
+        tasks = kernelbench.level_tasks(suite)
     else:
         root = jaxbench.suite_root(suite)
         tasks = sorted(p for p in root.iterdir() if p.is_dir() and is_task(p))
@@ -168,20 +177,26 @@ def discover(suite: Path, pattern: str | None) -> list[Path]:
                 f"no tasks in {suite}: expected problem dirs (reference.py) or JAXBench workload dirs "
                 f"({jaxbench.BASELINE_FILE})"
             )
-    if pattern:
-        tasks = [p for p in tasks if fnmatch.fnmatch(task_name(p), pattern)]
+    if pattern:  # one glob, or several separated by commas
+        globs = [g.strip() for g in pattern.split(",") if g.strip()]
+        tasks = [p for p in tasks if any(fnmatch.fnmatch(task_name(p), g) for g in globs)]
     return tasks
 
 
 def _category(task_dir: Path) -> str:
     if jaxbench.is_workload_dir(task_dir):
         return str(jaxbench.task_meta(task_dir / jaxbench.BASELINE_FILE)["category"])
+    if task_dir.is_file() and kernelbench.is_kernelbench_file(task_dir):
+        return f"kernelbench {task_dir.parent.name}"
     if task_dir.is_file():
         return str(jaxbench.task_meta(task_dir)["category"]) if jaxbench.is_workload_module(task_dir) else ""
     meta = task_dir / "kernel_task.yaml"
     if meta.exists():
-        data = yaml.safe_load(meta.read_text()) or {}
-        return str(data.get("category", ""))
+        try:
+            data = bounded_yaml(meta.read_text()) or {}
+        except (yaml.YAMLError, ValueError):
+            return ""  # the task itself is refused, with the reason, when it is loaded
+        return str(data.get("category", "")) if isinstance(data, dict) else ""
     return ""
 
 
@@ -278,11 +293,7 @@ class Bench:
 
     def rows(self, tasks: list[Path]) -> list[TaskRow]:
         ids = {task_name(t) for t in tasks}
-        return [
-            TaskRow.model_validate({**r, **{k: json.loads(r.get(k) or "{}") for k in JSON_COLUMNS}})
-            for r in self.db["results"].rows
-            if r["task_id"] in ids
-        ]
+        return [r for r in load_rows(self.out) if r.task_id in ids]
 
     def _optimize_command(self, task: Path, thread: str, out: Path) -> list[str]:
         """A plain optimize run (the single round of a search bench: one round, whatever --iterations)."""
@@ -436,6 +447,17 @@ class Bench:
         (self.out / "report.md").write_text(render_report(rows, self.s, wall_s, plots))
 
 
+def load_rows(out_dir: Path) -> list[TaskRow]:
+    """Every task row of a bench output dir's results.db (empty when it has none)."""
+    db = sqlite_utils.Database(Path(out_dir) / "results.db")
+    if "results" not in db.table_names():
+        return []
+    return [
+        TaskRow.model_validate({**r, **{k: json.loads(r.get(k) or "{}") for k in JSON_COLUMNS}})
+        for r in db["results"].rows
+    ]
+
+
 def _env() -> dict[str, str]:
     import os
 
@@ -475,6 +497,9 @@ def _read_result(row: TaskRow, out: Path, rc: int, log: Path) -> TaskRow:
     elif (row.iterations or 0) <= 1 and row.correct:  # a result.json written before that field existed
         row.single_estimated_speedup = row.estimated_speedup
         row.single_estimated_speedup_by_generation = dict(row.estimated_speedup_by_generation)
+    conversion = res.get("conversion")
+    if isinstance(conversion, dict):
+        row.converted = bool(conversion.get("verified")) and bool(conversion.get("task_dir"))
     first = res.get("first_accepted") or {}
     row.first_accepted_estimated_speedup = first.get("estimated_speedup")
     row.first_accepted_estimated_speedup_by_generation = dict(
@@ -497,7 +522,11 @@ def read_human_result(row: TaskRow, rc: int, stdout: str, stderr: str) -> TaskRo
         return row
     row.human_correct = bool(res.get("correct"))
     row.human_status = "accepted" if res.get("accepted") else ("error" if rc == 2 else "rejected")
-    row.human_estimated_speedup = (res.get("estimate") or {}).get("estimated_speedup")
+    est = res.get("estimate") or {}
+    row.human_estimated_speedup = est.get("estimated_speedup")
+    row.human_estimated_speedup_by_generation = {
+        str(g): (e or {}).get("estimated_speedup") for g, e in (est.get("by_generation") or {}).items()
+    }
     row.human_measured_speedup = (res.get("timing") or {}).get("measured_speedup")
     err = res.get("error")
     if err:
@@ -510,6 +539,7 @@ JSON_COLUMNS = (
     "estimated_speedup_by_generation",
     "first_accepted_estimated_speedup_by_generation",
     "single_estimated_speedup_by_generation",
+    "human_estimated_speedup_by_generation",
 )
 """TaskRow fields kept as JSON text in results.db/csv; a results.db from before a column existed reads as {}."""
 
@@ -647,7 +677,29 @@ def side_by_side(rows: list[TaskRow]) -> dict[str, Any]:
     measured kept apart; measured geomeans only over workloads where both were measured on a device."""
     both = [r for r in rows if r.human_kernel_path]
     measured = [r for r in both if r.measured_speedup is not None and r.human_measured_speedup is not None]
+    gens = sorted(
+        {
+            g
+            for r in both
+            for g in (*r.estimated_speedup_by_generation, *r.human_estimated_speedup_by_generation)
+        }
+    )
     return {
+        "by_generation": {
+            g: {
+                "ours": geomean([_ours_or_xla(r, r.estimated_speedup_by_generation.get(g)) for r in both]),
+                "human": geomean(
+                    [_human_or_xla(r, r.human_estimated_speedup_by_generation.get(g)) for r in both]
+                ),
+                "ours_ahead": sum(
+                    1
+                    for r in both
+                    if _ours_or_xla(r, r.estimated_speedup_by_generation.get(g))
+                    >= _human_or_xla(r, r.human_estimated_speedup_by_generation.get(g))
+                ),
+            }
+            for g in gens
+        },
         "workloads": len(both),
         "ours_correct": sum(1 for r in both if r.correct),
         "human_accepted": sum(1 for r in both if r.human_status == "accepted"),
@@ -680,6 +732,11 @@ def render_side_by_side(rows: list[TaskRow]) -> list[str]:
         f"| passes our checks | {m['ours_correct']} / {m['workloads']} | {m['human_accepted']} / {m['workloads']} | — |",
         f"| geomean speedup, estimated (TPU model, not measured) | {fmt(m['geomean_estimated_ours'])} | "
         f"{fmt(m['geomean_estimated_human'])} | 1.00x |",
+        *(
+            f"| on {g}, estimated: geomean (ours ≥ hand-written on {v['ours_ahead']} / {m['workloads']}) | "
+            f"{fmt(v['ours'])} | {fmt(v['human'])} | 1.00x |"
+            for g, v in m["by_generation"].items()
+        ),
         f"| geomean speedup, measured on a device (over {m['measured_n']}) | {fmt(m['geomean_measured_ours'])} | "
         f"{fmt(m['geomean_measured_human'])} | {'1.00x' if m['measured_n'] else '—'} |",
         "",
@@ -694,6 +751,115 @@ def render_side_by_side(rows: list[TaskRow]) -> list[str]:
             f"{fmt(r.human_estimated_speedup)} | 1.00x | {fmt(r.measured_speedup)} | "
             f"{fmt(r.human_measured_speedup)} | {cell(r.human_error)} |"
         )
+    return lines
+
+
+PUBLISHED_MAXKERNEL = {
+    "tasks": 50,
+    "correct": 50,
+    "geomean": 1.58,
+    "fast1": 34,
+    "how": "measured on TPU; Gemini 3.1 Pro with parallel search (the MaxKernel paper)",
+}
+"""The published agent's figures on the 50 JAXBench workloads (facts from its paper, not our runs)."""
+
+_JAXBENCH_ID = re.compile(r"^\d+[pk]_")
+JAXBENCH_MIN_TASKS = 40
+"""A bench whose tasks are mostly JAXBench workloads (`1p_Flash_Attention`, `18k_...`: the checkout itself
+or MaxKernel's adapted set) is compared with the published agent."""
+
+
+def published_comparison(rows: list[TaskRow]) -> dict[str, Any] | None:
+    """Ours per generation as JAXBench counts (a failed workload is 1.00x: its user keeps XLA) and over the
+    correct ones, beside the published figures; None when the suite is not JAXBench's."""
+    jb = [r for r in rows if _JAXBENCH_ID.match(r.task_id)]
+    if len(jb) < JAXBENCH_MIN_TASKS:
+        return None
+    gens = sorted({g for r in jb for g in r.estimated_speedup_by_generation})
+    out: dict[str, Any] = {"tasks": len(jb), "correct": sum(1 for r in jb if r.correct), "by_generation": {}}
+    for g in gens:
+        counted = [_ours_or_xla(r, r.estimated_speedup_by_generation.get(g)) for r in jb]
+        correct = [
+            v
+            for r in jb
+            if r.correct and (v := r.estimated_speedup_by_generation.get(g)) is not None and v > 0
+        ]
+        out["by_generation"][g] = {
+            "jaxbench_geomean": geomean(counted),
+            "correct_geomean": geomean(correct),
+            "fast1": sum(1 for v in correct if v > 1.0),
+        }
+    return out
+
+
+def render_published(rows: list[TaskRow]) -> list[str]:
+    m = published_comparison(rows)
+    if m is None:
+        return []
+    p = PUBLISHED_MAXKERNEL
+    fmt = lambda v: f"{v:.2f}x" if v is not None else "—"  # noqa: E731
+    lines = [
+        "",
+        "## Against the published agent",
+        "",
+        f"Theirs: {p['how']}. Ours: this run, ESTIMATED (TPU time model against the TPU compiler's estimate of "
+        "XLA; nothing measured), with the offline author (no LLM). Geomeans as JAXBench counts them (a "
+        "workload without a correct kernel is 1.00x) and over the correct kernels only.",
+        "",
+        "| | correct | geomean (JAXBench counting) | geomean over correct | fast₁ | how |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| MaxKernel (published) | {p['correct']} / {p['tasks']} | {fmt(p['geomean'])} | {fmt(p['geomean'])} | "
+        f"{p['fast1']} / {p['tasks']} | measured |",
+    ]
+    for g, v in m["by_generation"].items():
+        lines.append(
+            f"| maxkernel, {g} | {m['correct']} / {m['tasks']} | {fmt(v['jaxbench_geomean'])} | "
+            f"{fmt(v['correct_geomean'])} | {v['fast1']} / {m['tasks']} | estimated |"
+        )
+
+
+def fast_p_table(rows: list[TaskRow]) -> dict[str, dict[str, Any]]:
+    """KernelBench's fast_p per level (category) and TPU generation, over ALL the level's tasks (failed
+    conversions count as not correct); speedups are our estimates, never measurements."""
+    out: dict[str, dict[str, Any]] = {}
+    for level in sorted({r.category for r in rows if r.category.startswith("kernelbench")}):
+        level_rows = [r for r in rows if r.category == level]
+        gens = list(dict.fromkeys(g for r in level_rows for g in r.estimated_speedup_by_generation))
+        per_gen = {
+            g: {p: kernelbench.fast_p([(r.correct, r.estimated_speedup_by_generation.get(g)) for r in level_rows], p)
+                for p in kernelbench.FAST_P}
+            for g in gens
+        }  # fmt: skip
+        converted = sum(1 for r in level_rows if r.converted)
+        out[level] = {"tasks": len(level_rows), "converted": converted, "fast_p": per_gen}
+    return out
+
+
+def render_fast_p(rows: list[TaskRow]) -> list[str]:
+    """The report's KernelBench section (empty for other suites)."""
+    table = fast_p_table(rows)
+    if not table:
+        return []
+    ps = kernelbench.FAST_P
+    lines = [
+        "",
+        "## KernelBench fast_p (estimated: TPU time model, not measured)",
+        "",
+        "KernelBench's metric over ALL the level's tasks: fast_p = correct and faster than the baseline by "
+        "more than p (fast_0 = correct). Here the baseline is XLA compiling the converted JAX reference, and "
+        "the speedup is the estimated one per TPU generation (nothing was measured on a TPU).",
+        "",
+        "| level | TPU | tasks | converted and verified | "
+        + " | ".join(f"fast_{p:g} (est.)" for p in ps)
+        + " |",
+        "| --- | --- | --- | --- | " + " | ".join("---" for _ in ps) + " |",
+    ]
+    for level, v in table.items():
+        for g, by_p in v["fast_p"].items():
+            cells = " | ".join(
+                f"{by_p[p][0]} / {by_p[p][1]} ({by_p[p][0] / max(1, by_p[p][1]):.0%})" for p in ps
+            )
+            lines.append(f"| {level} | {g} | {v['tasks']} | {v['converted']} | {cells} |")
     return lines
 
 
@@ -781,6 +947,8 @@ def render_report(rows: list[TaskRow], s: BenchSettings, wall_s: float, plots: l
     lines.append("")
     for p in plots:
         lines.append(f"![{p.stem}]({p.name})")
+    lines += render_published(rows)
+    lines += render_fast_p(rows)
     lines += render_side_by_side(rows)
     gens = sorted({g for r in rows for g in r.tpu_compile})
     lines += [

@@ -23,6 +23,7 @@ from maxkernel.tools.store import ResultsStore
 from maxkernel.tools.store_sql import DatabaseUnavailable
 from maxkernel.tools.tasks import TaskError, load_task
 from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, GENERATIONS, normalise_generations
+from maxkernel.tools.validation_sizing import Budget
 
 DEFAULT_TPU_TEXT = ",".join(DEFAULT_GENERATIONS)
 TPU_HELP = f"TPU generations, comma separated ({','.join(GENERATIONS)}; aliases such as trillium accepted)"
@@ -41,7 +42,8 @@ ScaleOpt = Annotated[
     str | None,
     typer.Option(
         "--scale",
-        help="validation shapes: cpu (the task's CPU-scale shapes, else x0.25), tpu (its own), or a shrink "
+        help="validation shapes: cpu (the default: the task's CPU-scale shapes, else the largest the budget of "
+        f"{Budget.seconds_per_set:g} s per input set allows), a budget such as 2s, tpu (its own), or a shrink "
         "factor such as 0.25. TPU compiles always use the task's own shapes.",
     ),
 ]
@@ -354,6 +356,7 @@ def render_eval(r: EvalResult) -> None:
 
 def _register_agent_commands() -> None:
     import maxkernel.cli_agent  # noqa: F401 - registers optimize / resume / runs on `app`
+    import maxkernel.cli_convert  # noqa: F401 - registers `convert`
     import maxkernel.cli_tuning  # noqa: F401 - registers `tuning export|import|show`
 
 

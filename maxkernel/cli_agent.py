@@ -889,7 +889,10 @@ def bench_cmd(
         ),
     ],
     model: Annotated[str | None, typer.Option("--model", help="offline, or PROVIDER:MODEL")] = None,
-    tasks: Annotated[str | None, typer.Option("--tasks", help="glob over task ids, e.g. 'fused_*'")] = None,
+    tasks: Annotated[
+        str | None,
+        typer.Option("--tasks", help="glob over task ids, e.g. 'fused_*' (several: comma separated)"),
+    ] = None,
     scale: Annotated[
         str, typer.Option("--scale", help="validation scale: cpu, tpu or a shrink factor such as 0.125")
     ] = "cpu",
@@ -934,14 +937,20 @@ def bench_cmd(
     With --algorithm every task first gets a single round; the search then runs only where that round
     left headroom (--search-below), and the report shows both, per family."""
     from maxkernel.bench import Bench, BenchSettings, side_by_side, summary
+    from maxkernel.tools.tasks import TaskError, parse_budget
 
     if scale not in ("cpu", "tpu"):
         try:
             factor_ok = 0 < float(scale) <= 1
         except ValueError:
-            factor_ok = False
+            try:
+                factor_ok = parse_budget(scale) is not None
+            except TaskError:
+                factor_ok = False
         if not factor_ok:
-            raise fail_usage("--scale must be cpu, tpu or a shrink factor in (0, 1] such as 0.125")
+            raise fail_usage(
+                "--scale must be cpu, tpu, a budget such as 2s or a shrink factor in (0, 1] such as 0.125"
+            )
     if algorithm not in (None, "parallel", "beam"):
         raise fail_usage(f"--algorithm must be parallel or beam, not {algorithm!r}")
     address = use_ray(ray)

@@ -48,6 +48,12 @@ REVIEW_CHOICES: dict[str, dict[str, tuple[str, str, str | None]]] = {
         "e": ("edit the code in $EDITOR", "edit", "edit"),
         "f": ("feedback (write again)", "feedback", "text"),
     },
+    "conversion_review": {
+        "a": ("approve the JAX reference", "approve", None),
+        "e": ("edit it in $EDITOR", "edit", "edit"),
+        "f": ("feedback (the model writes it again)", "feedback", "text"),
+        "s": ("stop the run", "stop", None),
+    },
     "failure": {
         "r": ("retry the repair", "retry", None),
         "f": ("feedback for the repair", "feedback", "text"),
@@ -72,7 +78,7 @@ def review_body(payload: dict[str, Any]) -> tuple[str, str]:
     kind = payload.get("kind")
     if kind == "plan_review":
         return str(payload.get("plan") or ""), "markdown"
-    if kind == "code_review":
+    if kind in ("code_review", "conversion_review"):
         return str(payload.get("code") or ""), "python"
     return f"stage {payload.get('stage')}: {payload.get('message') or ''}", "text"
 

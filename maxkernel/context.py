@@ -120,6 +120,24 @@ class Context:
         names = ("max_model_calls", "max_tokens", "max_wall_s", "patience")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
+    @property
+    def is_offline(self) -> bool:
+        """The offline author writes the kernels (and only then do they get its sandbox allowances)."""
+        return self.chat_model is None and self.model == "offline"
+
     def __post_init__(self) -> None:
         # Canonical names ("trillium" -> "v6e"); an unknown one raises ValueError naming the valid ones.
         self.tpu = normalise_generations(self.tpu)
+        if self.chat_model is not None and self.model == "offline":
+            # A chat model object is a model author whatever `model` defaulted to: name it after the model,
+            # so that results never say "offline" and nothing grants it the offline author's allowances.
+            self.model = chat_model_name(self.chat_model)
+
+
+def chat_model_name(chat_model: Any) -> str:
+    """A readable name for a LangChain chat model object: its model id when it says, else its class."""
+    for attr in ("model_name", "model", "model_id"):
+        value = getattr(chat_model, attr, None)
+        if isinstance(value, str) and value and value != "offline":
+            return f"chat_model:{value}"
+    return f"chat_model:{type(chat_model).__name__}"

@@ -126,10 +126,25 @@ class HumanFeedback(BaseModel):
     text: str | None = None
 
 
+class Conversion(BaseModel):
+    """The `convert` subgraph's record: the file the run was given, and the JAX task it became."""
+
+    source_path: str = Field(description="the file the run was given (PyTorch, CUDA or Triton)")
+    kind: str = Field(description="pytorch | cuda | triton")
+    task_dir: str | None = Field(None, description="the JAX problem dir written from it")
+    verified: bool = Field(False, description="checked against the original on random inputs")
+    message: str = ""
+    writer: str = Field("", description="torchax (PyTorch) or the model that wrote the JAX reference")
+    reviewed: bool = Field(False, description="a human approved (or edited) the JAX reference")
+    attempts: int = Field(0, description="model-written references tried")
+
+
 class AgentState(AgentInput):
     """Shared by every node: the input's fields plus what the nodes add. Lists with `operator.add` are
     appended to, never replaced."""
 
+    # converted (PyTorch / CUDA / Triton given as the task)
+    conversion: Conversion | None = None
     # prepared
     task: KernelTask | None = None
     run_dir: str | None = None

@@ -148,3 +148,101 @@ def test_tpu_program_text_rules() -> None:
     assert not none.ok and "no Pallas" in none.reason
     nested = check_tpu_program(text(jax.jit(lambda x: _call(_scale_kernel, x) * 2.0)), expected_kernels=1)
     assert nested.ok
+
+
+def _busy_kernel(x_ref, o_ref):
+    def busy(_i, acc):
+        return jnp.tanh(acc * 1.0001 + 0.5)
+
+    noise = jax.lax.fori_loop(0, 16, busy, x_ref[...])
+    o_ref[...] = x_ref[...] * 2.0 + noise * 0.0
+
+
+def test_kernel_work_that_reaches_no_output_earns_nothing() -> None:
+    honest, _ = check(lambda x: _call(_scale_kernel, x))
+    busy, _ = check(lambda x: _call(_busy_kernel, x))
+    # the product with zero and the add of it count; the 16 tanh steps of the busy loop do not
+    assert busy.ok and busy.work_inside == honest.work_inside + 2 * 256 * 256
+
+
+def test_platform_dependent_lowering_is_refused() -> None:
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jax.lax.platform_dependent(x_ref[...], cpu=lambda v: v * 2.0, default=lambda v: v)
+
+    c, _ = check(lambda x: _call(kernel, x))
+    assert not c.ok and "platform-dependent" in c.reason
+    outside, _ = check(
+        lambda x: jax.lax.platform_dependent(_call(_scale_kernel, x), cpu=jnp.abs, default=jnp.sin)
+    )
+    assert not outside.ok and "platform-dependent" in outside.reason
+
+
+def test_glue_is_judged_by_cost() -> None:
+    small, warnings = check(lambda x: jnp.mean(_call(_scale_kernel, x)[:, :8]))
+    assert small.ok, small.reason  # 2048 elements after a kernel over 65536: glue
+    assert any("small glue" in w for w in warnings)
+    whole, _ = check(lambda x: jnp.sum(_call(_scale_kernel, x)))
+    assert not whole.ok and "glue may process at most" in whole.reason
+
+    # a matmul as a broadcast multiply and an add tree: elementwise only, far over the program's I/O
+    def bmm(x):
+        prod = x[:, :, None] * x[None, :, :]
+        y = prod[:, 0, :]
+        for k in range(1, 64):
+            y = y + prod[:, k, :]
+        return _call(_busy_kernel, y)
+
+    c, _ = check(bmm)
+    assert not c.ok and "work, not glue" in c.reason
+
+
+def test_tpu_program_text_costs_glue_and_sees_complex_reduces() -> None:
+    from jax import export
+
+    from maxkernel.tools.stablehlo_check import _boolean_only, check_tpu_program, tensor_types
+
+    def text(fn):
+        return export.export(jax.jit(fn), platforms=("tpu",))(X).mlir_module()
+
+    line = "%5 = stablehlo.reduce(%4 init: %c) applies stablehlo.and across dimensions = [1] : " \
+        "(tensor<8x4xcomplex<f32>>, tensor<i1>) -> tensor<8xi1>"  # fmt: skip
+    assert [t for _d, t in tensor_types(line)] == ["complex<f32>", "i1", "i1"]
+    assert not _boolean_only(line)
+    small = check_tpu_program(text(lambda x: jnp.mean(_call(_scale_kernel, x)[:, :8])), expected_kernels=1)
+    assert small.ok, small.reason
+    cplx = check_tpu_program(
+        text(lambda x: _call(_scale_kernel, jnp.sum(x.astype(jnp.complex64)[:, :, None] * x[None], 1).real)),
+        1,
+    )
+    assert not cplx.ok and "stablehlo.reduce" in cplx.reason
+
+
+def test_the_checked_programs_platform_sites_must_be_its_kernels() -> None:
+    from jax import export
+
+    from maxkernel.tools import program_artifacts as artifacts
+    from maxkernel.tools.stablehlo_check import check_tpu_program, tpu_view
+
+    def checked(fn):
+        closed = artifacts.trace_once(fn, [X], "TPU v5 lite")
+        return export.deserialize(
+            bytearray(artifacts.export_checked(closed, [X], "TPU v5 lite"))
+        ).mlir_module()
+
+    view = tpu_view(checked(lambda x: jnp.tanh(_call(_scale_kernel, x))))
+    assert view.problem is None and view.sites == view.kernel_sites == 1
+    assert check_tpu_program(view.text, 1).ok  # the interpreter's loop (CPU side) is not in the TPU view
+
+    def two_outputs(x_ref, o_ref, p_ref):
+        o_ref[...] = x_ref[...] * 2.0
+        p_ref[...] = x_ref[...] + 1.0
+
+    def pair(x):  # a kernel with two results: its site is `%r:2 = stablehlo.case(...)`
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return pl.pallas_call(two_outputs, out_shape=(shape, shape))(x)
+
+    both = tpu_view(checked(lambda x: sum(pair(x))))
+    assert both.problem is None and both.kernel_sites == 1
+    branchy = tpu_view(checked(lambda x: jax.lax.platform_dependent(_call(_scale_kernel, x), cpu=jnp.abs,
+                                                                    default=jnp.sin)))  # fmt: skip
+    assert branchy.problem is not None and "differently per platform" in branchy.problem

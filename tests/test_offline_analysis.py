@@ -163,6 +163,20 @@ def test_resolver_names_numbers_after_dims_and_static_args() -> None:
         r.resolve([12345.0, 17.0], integer=True)
 
 
+def test_resolver_adds_a_dim_and_a_size_static() -> None:
+    """A grouped matmul's padded buffer has M + max_group rows (rows, plus one group's worth of slack)."""
+
+    def f(x, max_group):
+        return x
+
+    traces = trace_reference(
+        f,
+        [cfg(((32768, 128), "bfloat16"), static=[256]), cfg(((2048, 128), "bfloat16"), static=[128])],
+        ["x", "max_group"],
+    )
+    assert Resolver(traces).resolve([33024.0, 2176.0], integer=True) == "max_group + x.shape[0]"
+
+
 def test_shape_dependent_structure_is_reported() -> None:
     def f(x):
         return jnp.sum(x) if x.shape[0] > 100 else jnp.max(x)

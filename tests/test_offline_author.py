@@ -528,3 +528,29 @@ def test_synthesize_cli_unsupported_and_bad_task(tmp_path: Path) -> None:
         [*base, str(tmp_path / "nope")], capture_output=True, text=True, timeout=120, cwd=REPO
     )
     assert proc.returncode == 2 and "not found" in proc.stderr
+
+
+def test_glue_written_from_numpy_typed_params_runs(tmp_path: Path, work: Path) -> None:
+    """`jnp.repeat` leaves numpy ints in its broadcast's dimensions; written with their repr (`np.int64(1)`)
+    the module could not run, and every GQA attention written with `jnp.repeat` was refused."""
+    body = """
+    def get_inputs(dtype=jnp.float32, scale="tpu"):
+        s = 1024 if scale == "tpu" else 256
+        kq, kk = jax.random.split(jax.random.key(0))
+        return [jax.random.normal(kq, (2, 8, s, 128), dtype), jax.random.normal(kk, (2, 2, s, 128), dtype)], []
+
+    def computation(q, k):
+        @jax.vmap
+        def one(q_b, k_b):
+            k_rep = jnp.repeat(k_b, q_b.shape[0] // k_b.shape[0], axis=0)
+            return jax.nn.softmax(jnp.einsum("hqd,hkd->hqk", q_b, k_rep), axis=-1)
+
+        return one(q, k)
+    """
+    task = load_task(make_task(tmp_path, "repeat_glue", body, 1e-2), work_dir=work)
+    ctx = AuthorContext(task=task, tpu=TPU, work_dir=work)
+    author = OfflineAuthor()
+    plan = author.plan(ctx)
+    assert plan.supported, plan.unsupported_reason
+    source = author.implement(ctx, plan).source
+    assert "np.int" not in source

@@ -512,6 +512,22 @@ class LLMAuthor:
             ) from exc
         return Draft(source=source, config=config, notes=f"{self.name} kernel at {config.label()}")
 
+    def write_reference(
+        self, source: str, file_name: str, feedback: str = "", key: str = ""
+    ) -> tuple[str, str]:
+        """(framework, module source): a JAX reference in the problem-dir format for a CUDA, Triton or
+        PyTorch file (`maxkernel convert --to pallas`). AuthorError when the reply holds no module."""
+        from langchain_core.messages import HumanMessage
+
+        prompt = render("convert", file_name=file_name, source=source,
+                        feedback=f"## Feedback on your previous reference\n{feedback}" if feedback else "")  # fmt: skip
+        messages = [HumanMessage(prompt)]
+        reply = self._call(messages, key=key)
+        parsed = parse_message(reply)
+        self._count_tokens(messages, parsed, key)
+        match = re.search(r"FRAMEWORK:\s*(cuda|triton|pytorch)", parsed.text, re.I)
+        return (match.group(1).lower() if match else "unknown"), extract_code(parsed.text)
+
     def reflect(self, ctx: AuthorContext, history: list[Attempt]) -> Reflection:
         from maxkernel.strategies import strategy_names
 

@@ -1,5 +1,6 @@
 """The kernel-engineering loop as a LangGraph graph. This module only wires nodes.
 
+convert (subgraph: PyTorch / CUDA / Triton -> a JAX task; a JAX task passes through) →
 prepare → plan → implement → validate → test → autotune → profile → reflect → (plan | finalize)
                     ⇅          ▲   │ fail    │ fail
                model_tools     └ repair ◄────┘          (hitl: on_failure asks a human first)
@@ -23,6 +24,7 @@ from typing import Any, Literal
 from langgraph.graph import END, START, StateGraph
 
 from maxkernel.context import Context
+from maxkernel.graph.convert import compile_convert_graph
 from maxkernel.nodes.autotune import autotune
 from maxkernel.nodes.finalize import finalize
 from maxkernel.nodes.implement import implement
@@ -38,6 +40,10 @@ from maxkernel.nodes.validate import route_after_validate, validate
 from maxkernel.state import AgentInput, AgentState
 
 
+def route_after_convert(state: AgentState) -> Literal["prepare", "finalize"]:
+    return "finalize" if state.status in ("failed", "stopped") else "prepare"
+
+
 def route_after_prepare(state: AgentState) -> Literal["plan", "finalize"]:
     return "finalize" if state.task is None else "plan"
 
@@ -46,6 +52,7 @@ def build_graph() -> StateGraph:
     """The agent graph. Model-calling nodes have no LangGraph `RetryPolicy`: `authors.model_calls` is the
     one layer that retries a model call, so a node re-run never multiplies the attempts a user allowed."""
     g = StateGraph(AgentState, context_schema=Context, input_schema=AgentInput)
+    g.add_node("convert", compile_convert_graph())
     g.add_node("prepare", prepare)
     g.add_node("plan", plan, destinations=("implement", "plan", "finalize"))
     g.add_node(
@@ -60,7 +67,8 @@ def build_graph() -> StateGraph:
     g.add_node("profile", profile)
     g.add_node("reflect", reflect)
     g.add_node("finalize", finalize)
-    g.add_edge(START, "prepare")
+    g.add_edge(START, "convert")
+    g.add_conditional_edges("convert", route_after_convert)
     g.add_conditional_edges("prepare", route_after_prepare)
     g.add_conditional_edges("validate", route_after_validate)
     g.add_conditional_edges("test", route_after_test)

@@ -133,7 +133,7 @@ def run_eval(state: AgentState, ctx: Context, source: str) -> EvalResult:
         tpu=list(ctx.tpu),
         input_sets=ctx.input_sets,
         timeout_s=ctx.eval_timeout_s,
-        allow_unsandboxed=ctx.model == "offline",
+        allow_unsandboxed=ctx.is_offline,
     )
     return evaluate(
         state.task,

@@ -80,6 +80,7 @@ def finalize(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         **accepted_milestones(state.attempts),
         "harness": best_result.summary_json() if best_result else None,
         "verdict": verdict(best_result),
+        "conversion": state.conversion.model_dump(mode="json") if state.conversion else None,
     }
     result_path = out / "result.json"
     result_path.write_text(json.dumps(result, indent=2))

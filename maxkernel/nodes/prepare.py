@@ -43,7 +43,7 @@ def prepare(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         update["max_repairs"] = ctx.max_repairs
     if state.start_source_path:
         return {**update, **_start_from(state.model_copy(update=update), ctx, Path(state.start_source_path))}
-    if (ctx.model == "offline" and ctx.chat_model is None) or not ctx.baseline:
+    if ctx.is_offline or not ctx.baseline:
         return update  # the offline author's first round *is* the baseline
     # Any other author starts from the offline author's kernel when it can write one: a correct starting
     # point for the model, and the baseline the run must beat.

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from langgraph.types import interrupt
 from pydantic import BaseModel, ValidationError
 
-ReviewKind = Literal["plan_review", "code_review", "failure"]
+ReviewKind = Literal["plan_review", "code_review", "failure", "conversion_review"]
 
 
 class PlanReview(BaseModel):
@@ -38,6 +38,14 @@ class FailureReview(BaseModel):
     """Resume value after a failed stage."""
 
     action: Literal["retry", "feedback", "stop"]
+    feedback: str | None = None
+
+
+class ConversionReview(BaseModel):
+    """Resume value for the review of a JAX reference converted from PyTorch, CUDA or Triton."""
+
+    action: Literal["approve", "edit", "feedback", "stop"]
+    code: str | None = None
     feedback: str | None = None
 
 
@@ -95,6 +103,23 @@ REVIEWS: dict[str, ReviewPoint] = {
         cli={"approve": ("retry", None), "feedback": ("feedback", "feedback"), "stop": ("stop", None)},
         inbox={"accept": "retry", "edit": None, "response": "feedback", "ignore": "stop"},
         inbox_args=("stage", "message"),
+    ),
+    "conversion_review": ReviewPoint(
+        schema=ConversionReview,
+        actions={
+            "approve": {"action": "approve"},
+            "edit": {"action": "edit", "code": "<the whole reference.py>"},
+            "feedback": {"action": "feedback", "feedback": "<what the model should change>"},
+            "stop": {"action": "stop"},
+        },
+        cli={
+            "approve": ("approve", None),
+            "code_file": ("edit", "code"),
+            "feedback": ("feedback", "feedback"),
+            "stop": ("stop", None),
+        },
+        inbox={"accept": "approve", "edit": "edit", "response": "feedback", "ignore": "stop"},
+        inbox_args=("code",),
     ),
 }
 

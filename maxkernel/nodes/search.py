@@ -29,7 +29,7 @@ def _strategy_pool(state: SearchState, ctx: Context | None = None) -> list[str]:
     author realises only some strategies; a branch with one it cannot apply would repeat the root)."""
     if state.strategies:
         return list(state.strategies)
-    if ctx is not None and ctx.chat_model is None and ctx.model == "offline":
+    if ctx is not None and ctx.is_offline:
         from maxkernel.authors.offline.transforms import offline_strategies
 
         return offline_strategies()

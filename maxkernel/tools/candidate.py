@@ -4,22 +4,23 @@
 stealing and nothing to decide. It produces data and nothing else, in this order:
 
 1. load the candidate module;
-2. trace it at every validation shape twice — once in TPU interpret mode (the program that is run for
-   correctness, lowered here and compiled on a background thread with the agent's choice of
-   `INTERPRET_COMPILE_OPTIONS`) and once plainly (the program a TPU would get) — and at the task's
-   production shapes; each trace goes out as a `program_tree` (plain JSON). The larger-shape check's
-   program is interpreted plainly when it lowers so (`LARGER_PLAIN`), else in TPU interpret mode;
-3. lower it for the TPU at the production shapes with `jax.export` and write the serialized artifact,
-   which the judge deserializes, inspects and compiles itself;
+2. trace it ONCE per distinct shape (validation configs, the larger check's, the task's own; a shape
+   shared by two of them is traced once) — the only time the candidate's Python runs;
+3. derive every artifact from those jaxprs with `program_artifacts`: the program trees (plain JSON) the
+   agent checks; the TPU-interpret-mode programs this process runs (compiled on background threads);
+   per validation shape and the larger check a *checked program* (one `jax.export` module: Pallas's plain
+   interpreter on "cpu", the Mosaic kernels on "tpu", everything else shared), which the judge runs on its
+   secret inputs itself; at the task's own shapes the TPU program that ships; the block-model estimate;
 4. only then announce `await_inputs` and block on stdin. The judge's inputs (drawn from a secret seed in
-   another process) arrive after the programs above are fixed and have been read by the agent; they are
-   run through the executables compiled from the programs lowered in step 2 (joined first), and the
-   outputs are written to `outputs.npz`.
+   another process) arrive after the programs above are fixed and have been read by the agent; the
+   validation sets are run through the TPU-interpret-mode executables and written to `outputs.npz`, a
+   cross-check of the judge's own run (uninitialised memory NaN, out-of-bounds reads raise).
 
 It never sees the reference outputs, the comparison, the Pallas check or a signing key that matters: the
-agent treats every byte written here as untrusted (`readback`). A candidate that rewrites JAX inside this
-process can still hand over programs and outputs that do not belong together — see the README's harness
-section for what that does and does not buy it.
+agent treats every byte written here as untrusted (`readback`), and the verdict on correctness rests on
+the judge's run of the checked program, not on these outputs. A candidate that rewrites JAX inside this
+process can still hand over a checked program whose CPU side is not its TPU side — see the README's
+harness section for what the judge compares and what that does not buy.
 
 This module is a clean, separate entry so that a pre-forked worker can call `candidate_job` directly.
 """
@@ -74,29 +75,16 @@ FAST_COMPILE_MAX_BYTES = 32 << 20
 
 
 INTERPRET_MODES: dict[str, str] = {
-    "tpu": "TPU interpret mode: simulated TPU memory, uninitialised memory NaN, out-of-bounds reads raise",
-    "plain": "Pallas's plain interpreter: the kernel inlined into one XLA loop, no memory simulation",
+    "tpu": "TPU interpret mode, in the candidate's process (a cross-check): simulated TPU memory, "
+    "uninitialised memory NaN, out-of-bounds reads raise",
+    "plain": "Pallas's plain interpreter, run by the judge on the checked program (the evidence): the kernel "
+    "inlined into one XLA loop, uninitialised outputs and scratch NaN",
 }
 """How a program is interpreted on the CPU, by name (the name is what a result reports)."""
-LARGER_PLAIN = ("plain", "no-fusion-emitters")
-"""The larger-shape check's first choice: plain interpretation, compiled without fusion emitters.
-
-Its purpose is values that go wrong with shape (issue 10: a Python float picked from a shape); the hazards
-only TPU interpret mode finds (reads of uninitialised or out-of-bounds memory) are checked on every
-validation set. Plain interpretation runs the kernel body as ordinary XLA ops instead of a host callback
-per memory access: on one input set at the larger shape, lowering + compile + run took 2.1 s against
-10.4 s for the bundled kernel, 3.2 against 8.0 for causal flash attention and 3.8 against 6.9 for a conv
-(A/B in one process, interleaved, 2 cores under a load of ~12; outputs bitwise equal, and so on the
-suite's layernorm, softmax, sliding-window and GQA kernels). Backend -O0 ("fast-compile") is no good here:
-without its copy elision the loop copies whole buffers per grid step (9.3 s on flash attention). The
-plain interpreter lowers manual DMAs and semaphores too; a program it cannot lower (or that refuses it)
-falls back to TPU interpret mode (`larger_modes`), and so does one that XLA:CPU fails to run once lowered."""
-
-
-def larger_modes(cfg: InputConfig) -> list[tuple[str, str]]:
-    """(interpret mode, compile option) for the larger-shape check, in order of preference: the candidate
-    uses the first its program lowers in and reports which; the agent's choice, from shapes alone."""
-    return [LARGER_PLAIN, ("tpu", pick_interpret_compile(cfg, 1))]
+JUDGE_COMPILE = "no-fusion-emitters"
+"""How the judge compiles the checked program's CPU side (an `INTERPRET_COMPILE_OPTIONS` name). Backend -O0
+is no good for the plain interpreter: without its copy elision the loop copies whole buffers per grid step
+(9.3 s against 3.2 s on causal flash attention at the larger check shape)."""
 
 
 def pick_interpret_compile(cfg: InputConfig, n_sets: int) -> str:
@@ -129,19 +117,27 @@ def _specs(cfg: InputConfig, sharding: Any = None) -> list[Any]:
     return [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype), sharding=sharding) for a in cfg.dynamic]
 
 
-def _out_specs(traced: Any) -> list[dict[str, Any]]:
-    import jax
+def _out_specs(closed: Any) -> list[dict[str, Any]]:
+    return [{"shape": [int(d) for d in x.shape], "dtype": str(np.dtype(x.dtype))} for x in closed.out_avals]
 
-    leaves = jax.tree_util.tree_leaves(traced.out_info)
-    return [{"shape": [int(d) for d in x.shape], "dtype": str(np.dtype(x.dtype))} for x in leaves]
+
+def checked_program_file(index: int) -> str:
+    """The checked program (CPU interpreter + TPU kernels, one module) of validation config `index`; the
+    larger check's is the one after the last validation config."""
+    return f"checked_program_{index}.bin"
+
+
+def _shape_key(cfg: InputConfig) -> str:
+    return json.dumps([[list(a.shape), a.dtype] for a in cfg.dynamic] + [repr(cfg.static)])
 
 
 def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
-    """Load, trace, export, then run the judge's inputs. Returns a small status dict; the data is in files."""
+    """Load, trace once per shape, derive every artifact, then run the judge's inputs (a cross-check).
+    Returns a small status dict; the data is in files."""
     import jax
-    from jax import export
     from jax.experimental.pallas import tpu as pltpu
 
+    from maxkernel.tools import program_artifacts as artifacts
     from maxkernel.tools.program_tree import to_tree
 
     ctx.guard()
@@ -149,12 +145,10 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     val = [InputConfig.model_validate(c) for c in payload["validation_configs"]]
     own = [InputConfig.model_validate(c) for c in payload["configs"]]
     larger = InputConfig.model_validate(payload["larger_config"]) if payload.get("larger_config") else None
-    # One compile mode per validation config (the agent's choice; default: XLA's), then the larger check's
-    # (interpret mode, compile mode) pairs in the agent's order of preference.
     modes = list(payload.get("interpret_compile") or [])
     compile_options = [INTERPRET_COMPILE_OPTIONS.get(m, {}) for m in modes]
     compile_options += [{}] * (len(val) - len(compile_options))
-    larger_choices = [(str(m), str(c)) for m, c in payload.get("larger_modes") or [("tpu", "optimised")]]
+    device_kind, cores = payload.get("lowering_device") or ("TPU v5 lite", 1)
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -171,71 +165,86 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
         return {"ok": False, "stage": "load", "message": f"the candidate module has no function {names}"}
     seconds["load"] = time.perf_counter() - t0
 
+    # One trace per distinct shape: the candidate's Python runs here and nowhere else. Every artifact below
+    # is derived from these jaxprs by `program_artifacts`, so none of them can be told apart by the
+    # candidate (call stack, call count, interpret mode) when it runs.
     ctx.stage("trace")
     t0 = time.perf_counter()
+    traces: dict[str, Any] = {}
+
+    def trace(cfg: InputConfig) -> Any:
+        key = _shape_key(cfg)
+        if key not in traces:
+            traces[key] = artifacts.trace_once(
+                bind_static(candidate, cfg.static), _specs(cfg), device_kind, cores
+            )
+        return traces[key]
+
     interpret = pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise")
     programs: dict[str, Any] = {"validation": [], "production": [], "estimates": None, "larger": None}
     executables = []
-    larger_exe = None
     larger_trace_error: str | None = None
-    larger_choice, larger_params = None, None
-    larger_fallback: str | None = None  # why the larger set ran in a later mode than the one it lowered in
     try:
-        for ci, cfg in enumerate(val):
-            # Two separate traces of the same shapes: interpret mode (what runs here) and plain (what a TPU
-            # gets). Fresh jit wrappers each time, so neither trace is served from the other's cache.
-            with pltpu.force_tpu_interpret_mode(interpret):
-                traced = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
-                executables.append(_BackgroundCompile(traced.lower(), compile_options[ci]))
-            plain = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
-            programs["validation"].append(
-                {"interpret": to_tree(traced.jaxpr), "plain": to_tree(plain.jaxpr), "out": _out_specs(traced)}
-            )
-        production_jaxprs = []
-        for cfg in own:
-            plain = jax.jit(bind_static(candidate, cfg.static)).trace(*_specs(cfg))
-            programs["production"].append({"plain": to_tree(plain.jaxpr), "out": _out_specs(plain)})
-            production_jaxprs.append(plain.jaxpr)
+        val_jaxprs = [trace(cfg) for cfg in val]
+        prod_jaxprs = [trace(cfg) for cfg in own]
+        for cfg, closed in zip(val, val_jaxprs, strict=True):
+            lowered = jax.jit(artifacts.as_function(artifacts.with_interpret(closed, interpret)))
+            executables.append(lowered.trace(*_specs(cfg)).lower())
+            programs["validation"].append({"tree": to_tree(closed), "out": _out_specs(closed)})
+        for closed in prod_jaxprs:
+            programs["production"].append({"tree": to_tree(closed), "out": _out_specs(closed)})
     except Exception as exc:  # noqa: BLE001
         _reset_interpret()
         return {"ok": False, "stage": "trace", "message": f"{type(exc).__name__}: {_first_lines(str(exc))}"}
-    if larger is not None:  # the larger-shape check: traced and compiled now, run on the judge's one set
+    executables = [
+        _BackgroundCompile(lw, opts) for lw, opts in zip(executables, compile_options, strict=False)
+    ]
+    larger_jaxpr = None
+    if larger is not None:
         try:
-            traced, larger_exe, larger_choice, larger_params = _lower_larger(
-                candidate, larger, larger_choices, 0, interpret
-            )
-            plain = jax.jit(bind_static(candidate, larger.static)).trace(*_specs(larger))
-            programs["larger"] = {
-                "interpret": to_tree(traced.jaxpr), "plain": to_tree(plain.jaxpr), "out": _out_specs(traced)
-            }  # fmt: skip
+            larger_jaxpr = trace(larger)
+            programs["larger"] = {"tree": to_tree(larger_jaxpr), "out": _out_specs(larger_jaxpr)}
         except Exception as exc:  # noqa: BLE001
             # Not a failure yet: the larger shape is grown axis by axis, and a reference whose sizes are
             # coupled (tokens = (image / patch)^2) may not run there either; the judge skips the check
-            # then. Where the reference does run, this is the candidate's failure (see below).
-            _reset_interpret()
-            larger_exe, larger_choice = None, None  # nothing of a half-traced larger program runs
+            # then. Where the reference does run, this is the candidate's failure (the agent decides).
             larger_trace_error = f"tracing: {type(exc).__name__}: {_first_lines(str(exc))}"
+    programs["larger_trace_error"] = larger_trace_error
     seconds["trace"] = time.perf_counter() - t0
 
-    # The program for the TPU, at the task's own shapes, as an artifact the judge compiles itself. A Pallas
-    # lowering error here (block shapes, primitives with no TPU lowering) is a compile failure.
+    # The checked programs (what the judge runs, validation shapes and the larger check) and the programs
+    # that ship (the task's own shapes), all from the traces above. A lowering error here (block shapes,
+    # primitives with no TPU lowering) is the kernel's compile failure.
     t0 = time.perf_counter()
-    export_errors: list[str | None] = []
-    for ci, cfg in enumerate(own):
+
+    def write_export(export: Any, closed: Any, cfg: InputConfig, name: str) -> str | None:
         try:
-            exported = export.export(jax.jit(bind_static(candidate, cfg.static)), platforms=("tpu",))(
-                *_specs(cfg)
-            )
-            (run_dir / tpu_program_file(ci)).write_bytes(exported.serialize())
-            export_errors.append(None)
+            (run_dir / name).write_bytes(export(closed, _specs(cfg), device_kind, cores))
+            return None
         except Exception as exc:  # noqa: BLE001
-            export_errors.append(f"{type(exc).__name__}: {exc}")
+            return f"{type(exc).__name__}: {_first_lines(str(exc), 40)}"
+
+    checked_errors: list[str | None] = [
+        write_export(artifacts.export_checked, closed, cfg, checked_program_file(ci))
+        for ci, (cfg, closed) in enumerate(zip(val, val_jaxprs, strict=True))
+    ]
+    if larger is None or larger_jaxpr is None:
+        checked_errors.append("no larger check" if larger is None else "it did not trace there")
+    else:
+        checked_errors.append(
+            write_export(artifacts.export_checked, larger_jaxpr, larger, checked_program_file(len(val)))
+        )
+    export_errors = [
+        write_export(artifacts.export_tpu, closed, cfg, tpu_program_file(ci))
+        for ci, (cfg, closed) in enumerate(zip(own, prod_jaxprs, strict=True))
+    ]
     programs["export_errors"] = export_errors
+    programs["checked_errors"] = checked_errors
     seconds["export"] = time.perf_counter() - t0
 
     gens = [str(g) for g in payload.get("estimate_generations") or []]
     if gens:  # one estimate per requested generation (the block model is cheap); the first is the headline
-        programs["estimates"] = _estimate_candidate(production_jaxprs[0], own[0], gens)
+        programs["estimates"] = _estimate_candidate(prod_jaxprs[0], own[0], gens)
     programs["seconds"] = seconds
     (run_dir / PROGRAMS_FILE).write_text(json.dumps(programs))
 
@@ -253,9 +262,8 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
         for si in range(n_sets):
             inputs = [_typed(arrays[input_name(ci, si, k)], a) for k, a in enumerate(cfg.dynamic)]
             try:
-                with pltpu.force_tpu_interpret_mode(interpret):
-                    out = executables[ci].result()(*[jax.numpy.asarray(a) for a in inputs])
-                    leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
+                out = executables[ci].result()(*[jax.numpy.asarray(a) for a in inputs])
+                leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
             except Exception as exc:  # noqa: BLE001
                 _reset_interpret()
                 run_error = {
@@ -268,78 +276,16 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
                 outputs[output_name(ci, si, k)] = leaf
         if run_error:
             break
-    # The judge drew a set at the larger shape only when the reference ran there within its memory budget.
-    drawn = input_name(len(val), 0, 0) in arrays
-    larger_error = larger_trace_error if drawn and run_error is None else None
-    if larger_exe is not None and larger is not None and run_error is None and drawn:
-        inputs = [_typed(arrays[input_name(len(val), 0, k)], a) for k, a in enumerate(larger.dynamic)]
-        while True:
-            try:
-                with pltpu.force_tpu_interpret_mode(larger_params):
-                    out = larger_exe.result()(*[jax.numpy.asarray(a) for a in inputs])
-                    for k, leaf in enumerate(jax.tree_util.tree_leaves(out)):
-                        outputs[output_name(len(val), 0, k)] = np.asarray(leaf)
-                break
-            except Exception as exc:  # noqa: BLE001
-                _reset_interpret()
-                larger_error = f"{type(exc).__name__}: {_first_lines(str(exc))}"
-                if larger_choice is None or larger_choice + 1 >= len(larger_choices):
-                    break
-            # The mode failed to run a program it lowered: XLA:CPU can lack a kernel for what it made of
-            # the plain interpreter's program (a transpose folded into a bf16 x bf16 -> f32 dot:
-            # "Unsupported element type for DotThunk::Execute"), which says nothing of the kernel. The next
-            # mode runs the same function at the same shapes; its outputs come from this process either way.
-            failed = f"{larger_choices[larger_choice][0]} interpreter failed to run it ({larger_error[:300]})"
-            try:
-                _t, larger_exe, larger_choice, larger_params = _lower_larger(
-                    candidate, larger, larger_choices, larger_choice + 1, interpret
-                )
-            except Exception as exc:  # noqa: BLE001
-                _reset_interpret()
-                larger_error = f"{failed}; then {type(exc).__name__}: {_first_lines(str(exc))}"
-                break
-            larger_fallback = failed
-            larger_error = None
     (run_dir / OUTPUTS_FILE).write_bytes(pack_arrays(outputs))
     seconds["correctness"] = time.perf_counter() - t0
-    compiled = [c.seconds for c in [*executables, larger_exe] if c is not None and c.seconds is not None]
+    compiled = [c.seconds for c in executables if c.seconds is not None]
     seconds["interpret_compile"] = sum(compiled)  # overlapping the stages above: not part of their sum
-    return {"ok": True, "run_error": run_error, "larger_error": larger_error, "seconds": seconds,
-            "larger_mode": larger_choice, "larger_fallback": larger_fallback}  # fmt: skip
+    return {"ok": True, "run_error": run_error, "seconds": seconds}
 
 
 COMPILE_THREADS = 2
 """Interpret-mode programs compiled at once, in the background (XLA compiles without the GIL)."""
 _COMPILE_SLOTS = threading.BoundedSemaphore(COMPILE_THREADS)
-
-
-def _lower_larger(
-    candidate: Any, larger: InputConfig, choices: list[tuple[str, str]], start: int, interpret: Any
-) -> tuple[Any, _BackgroundCompile, int, Any]:
-    """Trace and lower the larger-shape program in the first mode from `start` that lowers it, and start
-    its compile: (traced, compile, choice, interpret params). The last mode's error is raised."""
-    import jax
-    from jax.experimental.pallas import tpu as pltpu
-
-    for choice in range(start, len(choices)):
-        mode, compile_mode = choices[choice]
-        params = True if mode == "plain" else interpret  # True: Pallas's own (plain) interpreter
-        try:
-            with pltpu.force_tpu_interpret_mode(params):
-                traced = jax.jit(bind_static(candidate, larger.static)).trace(*_specs(larger))
-                lowered = traced.lower()
-        except Exception:
-            _reset_interpret()
-            if choice == len(choices) - 1:
-                raise
-            continue  # a program the plain interpreter cannot lower: the next mode
-        return (
-            traced,
-            _BackgroundCompile(lowered, INTERPRET_COMPILE_OPTIONS.get(compile_mode, {})),
-            choice,
-            params,
-        )
-    raise ValueError("no interpret mode left for the larger-shape check")
 
 
 class _BackgroundCompile:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from maxkernel.tools import taskcode
+from maxkernel.tools import validation_sizing as sizing
 from maxkernel.tools.results import (
     ArraySpec,
     CorrectnessResult,
@@ -33,7 +36,7 @@ def describe_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     ctx.guard()
     ctx.stage("load")
     try:
-        ref = taskcode.Reference(payload["source"])
+        ref = taskcode.reference_for(payload["source"], None)
         ctx.stage("trace")
         own = taskcode.abstract_inputs(ref, "tpu" if ref.accepts_scale else None)
         tolerances = payload["tolerances"]
@@ -43,41 +46,233 @@ def describe_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         ):
             cfg.index_values = values
         scale = payload.get("scale") or "auto"
-        mode, factor, note = _validation_mode(scale, ref)
-        if mode == "cpu":
-            val = taskcode.abstract_inputs(ref, "cpu")
-            val_configs = [_config(ref, d, s, tolerances, i) for i, (d, s) in enumerate(val)]
-        elif mode == "shrink":
-            keep = taskcode.keep_multiple_for(ref.format, factor)
-            mapping = taskcode.shrink_map(own, factor, keep)
-            if keep > taskcode.TILE_MULTIPLE:
-                note += f"; power-of-two multiples up to {keep} kept"
-            val_configs = []
-            for i, (d, s) in enumerate(own):
-                d2, s2 = taskcode.shrink_config(d, s, mapping)
-                val_configs.append(_config(ref, d2, s2, tolerances, i))
-        else:
-            val_configs = own_configs
-        budget = payload.get("memory_budget")
-        need = 4 * sum(c.input_bytes() + c.output_bytes() for c in val_configs)
-        reference_s = _time_reference(ref, val_configs) if budget is None or need <= budget else 0.0
+        sized = _size_validation(ref, own, scale, payload, lambda: ctx.stage("reference"))
+        val_configs = [
+            _config(taskcode.reference_for(ref.source, sized.knobs), d, s, tolerances, i, sized.knobs)
+            for i, (d, s) in enumerate(sized.configs)
+        ]
+        larger = None
+        if sized.larger is not None:
+            larger_ref = taskcode.reference_for(ref.source, sized.larger.values)
+            d, s = sized.larger.configs[0]
+            larger = _config(larger_ref, d, s, tolerances, 0, sized.larger.values)
+        ctx.stage("reference")  # a crash from here on is the size's: `tasks.load_task` asks again smaller
+        reference_s = sized.reference_seconds
+        if reference_s is None:  # sized without running (an explicit scale): run it once here
+            budget = payload.get("memory_budget")
+            need = 4 * sum(c.input_bytes() + c.output_bytes() for c in val_configs)
+            reference_s = _time_reference(ref, val_configs) if budget is None or need <= budget else 0.0
         if ctx.violations:
             return {"ok": False, "error": "the task's code did something the sandbox forbids when loaded or "
                     "run: " + "; ".join(ctx.violations)}  # fmt: skip
         return {
             "ok": True,
             "reference_seconds": reference_s,
+            "predicted_set_seconds": sized.predicted_set_seconds,
             "configs": [c.model_dump(mode="json") for c in own_configs],
             "validation_configs": [c.model_dump(mode="json") for c in val_configs],
-            "validation_mode": mode,
-            "validation_factor": factor,
-            "validation_note": note,
+            "larger_config": larger.model_dump(mode="json") if larger is not None else None,
+            "validation_mode": sized.mode,
+            "validation_factor": sized.factor,
+            "validation_note": sized.note,
         }
     except taskcode.TaskCodeError as exc:
         if ctx.violations:
             return {"ok": False, "error": "the task's code did something the sandbox forbids: "
                     + "; ".join(ctx.violations)}  # fmt: skip
         return {"ok": False, "error": str(exc)}
+
+
+@dataclass
+class _Sized:
+    """The validation sizes `describe_job` settled on."""
+
+    mode: str
+    configs: list[tuple[list[ArraySpec], list[Any]]]
+    note: str
+    factor: float = 1.0
+    knobs: dict[str, int] = field(default_factory=dict)
+    larger: sizing.Probe | None = None
+    predicted_set_seconds: float = 0.0
+    cost: sizing.Cost = field(default_factory=sizing.Cost)
+    reference_seconds: float | None = None
+    """Measured while sizing (the reference ran there), else None."""
+
+
+REFERENCE_RETRIES = 3
+"""How many times a reference that fails at the planned validation size (out of memory, an XLA:CPU error)
+is planned again at a quarter of the budget before the task is refused."""
+
+
+def _size_validation(
+    ref: taskcode.Reference,
+    own: list[tuple[list[ArraySpec], list[Any]]],
+    scale: str,
+    payload: dict[str, Any],
+    running: Callable[[], None] = lambda: None,
+) -> _Sized:
+    """Pick the validation sizes (see `validation_sizing`): an explicit `--scale` as asked; the task's own
+    CPU scale where it has one; else the budget search, run and measured, and shrunk further when the
+    reference fails there."""
+    mode, factor, note = _validation_mode(scale, ref)
+    if mode == "cpu":
+        return _Sized("cpu", taskcode.abstract_inputs(ref, "cpu"), note)
+    if mode == "task":
+        return _Sized("task", own, note)
+    if mode == "shrink":
+        keep = taskcode.keep_multiple_for(ref.format, factor)
+        if keep > taskcode.TILE_MULTIPLE:
+            note += f"; power-of-two multiples up to {keep} kept"
+        return _Sized("shrink", _shrunk(own, factor, keep), note, factor=factor)
+    rates = sizing.Rates(**payload["rates"]) if payload.get("rates") else sizing.DEFAULT_RATES
+    budget = sizing.Budget(
+        seconds_per_set=float(payload.get("seconds_per_set") or sizing.Budget.seconds_per_set),
+        memory_bytes=int(payload.get("memory_budget") or sizing.Budget.memory_bytes),
+    )
+    failures: list[str] = []
+    tried: list[tuple[list[ArraySpec], list[Any]]] | None = None
+    failed_at: int | None = None
+    for _attempt in range(REFERENCE_RETRIES + 1):
+        sized = _plan(ref, own, budget, rates)
+        if failures:
+            sized.note += "; smaller than planned: at the larger size " + failures[-1]
+        if failures and sized.configs == tried:
+            break  # a smaller budget found nothing smaller
+        tried = sized.configs
+        running()
+        error = _run_planned(ref, sized)
+        if error is None:
+            if (
+                failed_at is not None
+                and sized.larger is not None
+                and sized.larger.cost.peak_bytes >= failed_at
+            ):
+                sized.larger = None  # no larger check where the reference already failed
+            return sized
+        failed_at = min(failed_at or sized.cost.peak_bytes, sized.cost.peak_bytes)
+        failures.append(error)
+        # Strictly smaller than what failed: a quarter of its predicted time and memory.
+        budget = sizing.Budget(
+            seconds_per_set=min(budget.seconds_per_set, sized.cost.candidate_seconds(rates)) / 4,
+            memory_bytes=min(budget.memory_bytes, max(sized.cost.peak_bytes, 4 * sized.cost.io_bytes)) // 4,
+        )
+    raise taskcode.TaskCodeError(
+        "the reference cannot run at any validation size this machine allows: " + "; then ".join(failures)
+    )
+
+
+def _plan(
+    ref: taskcode.Reference,
+    own: list[tuple[list[ArraySpec], list[Any]]],
+    budget: sizing.Budget,
+    rates: sizing.Rates,
+) -> _Sized:
+    def probe_of(values: dict[str, int]) -> sizing.Probe:
+        r = taskcode.reference_for(ref.source, values) if values else ref
+        configs = taskcode.abstract_inputs(r, None) if values else own
+        cost, structure, dims = sizing.Cost(), (), ()
+        for dyn, static in configs:
+            c, st, dm = sizing.program_cost(r.computation, dyn, static)
+            cost, structure, dims = cost + c, structure + st, dims + dm
+        return sizing.Probe(
+            dict(values),
+            configs,
+            cost,
+            structure,
+            dims,
+            int_max_of=lambda: taskcode.integer_maxima(r, configs),
+        )
+
+    try:
+        own_probe = probe_of({})
+    except Exception as exc:  # noqa: BLE001 - the reference itself does not trace at its own shapes
+        raise taskcode.TaskCodeError(
+            f"the reference computation failed to trace: {type(exc).__name__}: {_first_lines(str(exc), 4)}"
+        ) from exc
+    if budget.fits(own_probe.cost, rates):
+        note = f"the task's own shapes ({own_probe.cost.describe(rates)}; within the budget)"
+        return _Sized(
+            "task",
+            own,
+            note,
+            predicted_set_seconds=own_probe.cost.candidate_seconds(rates),
+            cost=own_probe.cost,
+        )
+    knobs = taskcode.find_task_knobs(ref.source)
+    keep = taskcode.SHRINK_KEEP_MULTIPLE.get(ref.format, taskcode.TILE_MULTIPLE)
+    plan = sizing.plan_knobs(probe_of, knobs, own_probe, budget, rates, keep)
+    if plan.probe.values:
+        from maxkernel.tools.generator_knobs import describe as describe_knobs
+
+        change = describe_knobs(knobs, plan.probe.values)
+        return _Sized(
+            "knobs",
+            plan.probe.configs,
+            sizing.describe_plan(plan, rates, budget, change),
+            knobs=plan.probe.values,
+            larger=plan.larger,
+            predicted_set_seconds=plan.probe.cost.candidate_seconds(rates),
+            cost=plan.probe.cost,
+        )
+    # No knob moves a shape: scale the arrays' dimensions, halving until the prediction fits.
+    factor, configs, cost = 1.0, own, own_probe.cost
+    while not budget.fits(cost, rates) and factor > 1 / 256:
+        factor /= 2
+        keep_f = taskcode.keep_multiple_for(ref.format, factor)
+        configs = _shrunk(own, factor, keep_f)
+        try:
+            cost = sizing.Cost()
+            for dyn, static in configs:
+                cost = cost + sizing.program_cost(ref.computation, dyn, static)[0]
+        except Exception:  # noqa: BLE001 - a dimension the reference derives broke: stop one step earlier
+            factor *= 2
+            configs = (
+                _shrunk(own, factor, taskcode.keep_multiple_for(ref.format, factor)) if factor < 1 else own
+            )
+            break
+    if factor >= 1:
+        return _Sized(
+            "task", own, f"the task's own shapes ({own_probe.cost.describe(rates)}; nothing to shrink)"
+        )
+    note = (
+        f"the task's shapes shrunk x{factor:g} (no generator literal sets them; tile multiples kept; "
+        f"{cost.describe(rates)})"
+    )
+    return _Sized("shrink", configs, note, factor=factor, predicted_set_seconds=cost.candidate_seconds(rates))
+
+
+def _shrunk(
+    own: list[tuple[list[ArraySpec], list[Any]]], factor: float, keep: int
+) -> list[tuple[list[ArraySpec], list[Any]]]:
+    mapping = taskcode.shrink_map(own, factor, keep)
+    return [taskcode.shrink_config(d, s, mapping) for d, s in own]
+
+
+def _run_planned(ref: taskcode.Reference, sized: _Sized) -> str | None:
+    """Run the reference once at the planned sizes (the task's own inputs there, or zeros for scaled
+    arrays); record the time; the error, if it fails (out of memory, an XLA:CPU failure), else None."""
+    import jax
+
+    r = taskcode.reference_for(ref.source, sized.knobs) if sized.knobs else ref
+    t0 = time.perf_counter()
+    try:
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            if sized.mode in taskcode.OWN_INPUT_MODES:
+                arrays = [dyn for dyn, _ in r.raw_inputs(None)]
+            else:
+                arrays = [[np.zeros(a.shape, np_dtype(a.dtype)) for a in dyn] for dyn, _ in sized.configs]
+            for args, (_dyn, static) in zip(arrays, sized.configs, strict=True):
+                fn = bind_static(r.computation, static)
+                jax.block_until_ready((fn if r.skip_jit else jax.jit(fn))(*args))
+            del arrays
+    except Exception as exc:  # noqa: BLE001 - OOM, XLA:CPU errors: the size, not the task, is at fault
+        return f"{_describe_configs(sized.configs)}: {sizing.error_gist(exc)}"
+    sized.reference_seconds = round(time.perf_counter() - t0, 4)
+    return None
+
+
+def _describe_configs(configs: list[tuple[list[ArraySpec], list[Any]]]) -> str:
+    return "; ".join(", ".join(str(a) for a in dyn) for dyn, _ in configs)
 
 
 def _time_reference(ref: taskcode.Reference, configs: list[InputConfig]) -> float:
@@ -88,8 +283,10 @@ def _time_reference(ref: taskcode.Reference, configs: list[InputConfig]) -> floa
     t0 = time.perf_counter()
     for cfg in configs:
         args = [np.zeros(a.shape, np_dtype(a.dtype)) for a in cfg.dynamic]
+        r = taskcode.reference_for(ref.source, cfg.knobs) if cfg.knobs else ref
+        fn = bind_static(r.computation, cfg.static)
         try:
-            jax.block_until_ready(jax.jit(bind_static(ref.computation, cfg.static))(*args))
+            jax.block_until_ready((fn if r.skip_jit else jax.jit(fn))(*args))
         except Exception as exc:
             raise taskcode.TaskCodeError(
                 f"the reference failed on shapes {cfg.describe()}: {type(exc).__name__}: {_first_lines(str(exc), 4)}"
@@ -98,14 +295,14 @@ def _time_reference(ref: taskcode.Reference, configs: list[InputConfig]) -> floa
 
 
 def _validation_mode(scale: str, ref: taskcode.Reference) -> tuple[str, float, str]:
+    """What `--scale` asks for: `tpu` the task's own shapes, a factor the arrays scaled, `cpu`/`auto` the
+    task's CPU scale where its generator has one, else the budget search (mode `budget`)."""
     if scale == "tpu":
-        return "task", 1.0, "the task's own shapes"
+        return "task", 1.0, "the task's own shapes (--scale tpu)"
     if scale in ("cpu", "auto"):
         if ref.accepts_scale:
             return "cpu", 1.0, "the task's CPU-scale shapes (get_inputs(scale='cpu'))"
-        if scale == "cpu":
-            return "shrink", 0.25, "the task's shapes shrunk x0.25 (tile multiples kept)"
-        return "task", 1.0, "the task's own shapes"
+        return "budget", 1.0, ""
     try:
         factor = float(scale)
     except ValueError as exc:
@@ -120,11 +317,18 @@ def _validation_mode(scale: str, ref: taskcode.Reference) -> tuple[str, float, s
 
 
 def _config(
-    ref: taskcode.Reference, dyn: list[ArraySpec], static: list[Any], tolerances: dict[str, Any], index: int
+    ref: taskcode.Reference,
+    dyn: list[ArraySpec],
+    static: list[Any],
+    tolerances: dict[str, Any],
+    index: int,
+    knobs: dict[str, int] | None = None,
 ) -> InputConfig:
     outs = taskcode.output_specs(ref, dyn, static)
     atol, rtol = _tolerance(tolerances, index, outs)
-    return InputConfig(dynamic=dyn, static=static, outputs=outs, atol=atol, rtol=rtol)
+    return InputConfig(
+        dynamic=dyn, static=static, outputs=outs, atol=atol, rtol=rtol, knobs=dict(knobs or {})
+    )
 
 
 def _tolerance(tolerances: dict[str, Any], index: int, outs: list[ArraySpec]) -> tuple[float, float]:
@@ -184,16 +388,21 @@ def build_input_sets(
     mode = task["validation_mode"]
     hold = set(task.get("hold_inputs") or [])
     n_sets = max(n_sets, 1)
+    # Draw families: the sample's own statistics for the first fresh set, then wider ones (scaled, shifted,
+    # special values), so a kernel that is right only inside the public sample's range is caught; always
+    # within the task's declared input domain.
     out: list[list[tuple[list[np.ndarray], str]]] = []
-    if mode in ("task", "cpu"):
+    if mode in taskcode.OWN_INPUT_MODES:
         if own_inputs is None:
-            raw = ref.raw_inputs("cpu" if mode == "cpu" else ("tpu" if ref.accepts_scale else None))
-            own_inputs = [[taskcode.to_numpy(a) for a in dyn] for dyn, _static in raw]
+            own_inputs = taskcode.own_validation_inputs(ref.source, task)
         for ci, own in enumerate(own_inputs):
             sets = [(own, "task")]
+            domains = taskcode.input_domains(task, len(own))
             for s in range(1, n_sets):
                 rng = np.random.default_rng([seed, ci, s])
-                sets.append(([taskcode.random_like(a, rng, i in hold) for i, a in enumerate(own)], "random"))
+                draws = [taskcode.random_like(a, rng, i in hold, wide=s >= 2, domain=domains[i])
+                         for i, a in enumerate(own)]  # fmt: skip
+                sets.append((draws, "random"))
             out.append(sets)
         return out
 
@@ -221,12 +430,10 @@ def build_input_sets(
         for s in range(n_sets):
             rng = np.random.default_rng([seed, ci, s, 7])
             st = [{k: float(v) for k, v in d.items()} for d in observed[ci]]
-            sets.append(
-                (
-                    [taskcode.random_from_spec(spec, rng, st[i]) for i, spec in enumerate(cfg.dynamic)],
-                    "random",
-                )
-            )
+            domains = taskcode.input_domains(task, len(cfg.dynamic))
+            draws = [taskcode.random_from_spec(spec, rng, st[i], wide=s >= 1 and i not in hold, domain=domains[i])
+                     for i, spec in enumerate(cfg.dynamic)]  # fmt: skip
+            sets.append((draws, "random"))
         out.append(sets)
     return out
 
@@ -249,9 +456,13 @@ def run_reference(
 
 
 def reference_fn(ref: taskcode.Reference, cfg: InputConfig) -> Any:
+    """The reference for one configuration: the task's code with the config's generator knobs applied,
+    jitted (as the task's own runner would, unless the module says `_skip_jit`)."""
     import jax
 
-    return jax.jit(bind_static(ref.computation, cfg.static))
+    r = taskcode.reference_for(ref.source, cfg.knobs) if cfg.knobs else ref
+    fn = bind_static(r.computation, cfg.static)
+    return fn if r.skip_jit else jax.jit(fn)
 
 
 def compare(

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,19 +36,27 @@ from pydantic import BaseModel, Field
 
 from maxkernel.tools import taskcode
 from maxkernel.tools.candidate import (
+    JUDGE_COMPILE,
     OUTPUTS_FILE,
     PROGRAMS_FILE,
     STAGE_AWAIT_INPUTS,
-    larger_modes,
+    checked_program_file,
     output_name,
     pick_interpret_compile,
     tpu_program_file,
 )
 from maxkernel.tools.checks import check_pallas_does_work
 from maxkernel.tools.evaluation import compare, summarise, with_reference
-from maxkernel.tools.judge import EXPECTED_FILE, INPUTS_FILE, STAGE_INPUTS_READY
+from maxkernel.tools.judge import EXPECTED_FILE, INPUTS_FILE, JUDGED_FILE, STAGE_INPUTS_READY
 from maxkernel.tools.program_tree import same_program, skeleton
-from maxkernel.tools.readback import MAX_JSON_BYTES, ReadBackError, load_arrays, read_capped, remove_tree
+from maxkernel.tools.readback import (
+    MAX_JSON_BYTES,
+    ReadBackError,
+    bounded_json,
+    load_arrays,
+    read_capped,
+    remove_tree,
+)
 from maxkernel.tools.reference_cache import REFERENCE_ESTIMATES, TASK_INPUTS, TASK_INPUTS_FILE
 from maxkernel.tools.results import (
     CANDIDATE_STAGES,
@@ -71,14 +78,19 @@ from maxkernel.tools.sandbox import (
     SandboxOutcome,
     accelerator_present,
     fresh_run_dir,
+    machine_load_factor,
     task_read_paths,
 )
 from maxkernel.tools.store import ResultsStore, evaluation_key, sha256_text
 from maxkernel.tools.tasks import KernelTask
-from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, first_generation
+from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, first_generation, get_spec
 
 TIMEOUT_FLOOR_S = 60.0
 TIMEOUT_CEILING_S = 600.0
+INTERPRET_ALLOWANCE = 3.0
+"""How many times its predicted interpret-mode time an evaluation may take before it is stopped."""
+LARGER_SET_WEIGHT = 3.0
+"""The larger-shape check costs at most this many validation sets (`validation_sizing.Budget.larger_factor`)."""
 COMPILE_BUDGET_S = 20.0
 """Seconds per TPU generation (trace, export and Mosaic compile) in the derived default timeout."""
 REFERENCE_ESTIMATE_BUDGET_S = 60.0
@@ -104,9 +116,14 @@ CANDIDATE_PRELOAD = (
     "jax.export",
     "jax.experimental.pallas",
     "jax.experimental.pallas.tpu",
+    "jax._src.pallas.hlo_interpreter",
+    "jax._src.pallas.mosaic.interpret.interpret_pallas_call",
     "ml_dtypes",
     "ctypes",
+    "zipfile",
+    "encodings.cp437",  # zipfile decodes member names with it (np.load of the inputs), lazily
     "maxkernel.tools.candidate",
+    "maxkernel.tools.program_artifacts",
     "maxkernel.tools.program_tree",
     "maxkernel.tools.taskcode",
     "maxkernel.tools.estimate",
@@ -154,19 +171,6 @@ class EvalOptions(BaseModel):
         return self.model_dump(mode="json", exclude={"allow_unsandboxed", "zygote"})
 
 
-def machine_load_factor() -> float:
-    """How much slower than idle this machine runs now: the 1-minute load average per core, in [1, 8].
-
-    A shared machine under load (a bench with parallel jobs, other users) stretches every stage of an
-    evaluation alike; without this a reference that takes 20 s idle times out at 90 s under a load of 8
-    per core, and a correct task is reported as failed."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # not available on this platform
-        return 1.0
-    return float(min(8.0, max(1.0, load / max(1, os.cpu_count() or 1))))
-
-
 class EvalJob(BaseModel):
     """One evaluation to run, whatever runs it: all it needs, as plain data (a Ray worker gets it as JSON)."""
 
@@ -210,8 +214,13 @@ def default_timeout(task: KernelTask, options: EvalOptions, *, load_factor: floa
         + COMPILE_BUDGET_S * max(1, len(options.tpu))
         + 10.0 * task.reference_seconds * options.input_sets
     )
+    # The candidate's interpret-mode runs, as the validation sizing predicted them (every set and the
+    # larger check), with room for a kernel slower than the prediction: a task that had to be validated
+    # over its budget gets the time it needs rather than the ceiling.
+    interpret = INTERPRET_ALLOWANCE * task.predicted_set_seconds * (options.input_sets + LARGER_SET_WEIGHT)
     factor = machine_load_factor() if load_factor is None else load_factor
-    return float(min(TIMEOUT_CEILING_S, max(TIMEOUT_FLOOR_S, derived * factor)))
+    ceiling = max(TIMEOUT_CEILING_S, (30.0 + interpret) * factor)
+    return float(min(ceiling, max(TIMEOUT_FLOOR_S, (derived + interpret) * factor)))
 
 
 def reference_estimate_allowance(n_uncached: int, *, load_factor: float | None = None) -> float:
@@ -297,6 +306,12 @@ def larger_config(task: KernelTask, options: EvalOptions) -> tuple[InputConfig |
         return None, "skipped: not requested"
     if not task.validation_configs or not task.configs:
         return None, "skipped: the task has no configurations"
+    if (
+        task.larger_config is not None
+    ):  # sized with the task's own generator (`validation_sizing.Plan.larger`)
+        return _within_larger_budget(task.larger_config, options)
+    if task.validation_mode == "knobs":
+        return None, "skipped: no larger size fits the validation budget"
     val, own = task.validation_configs[0], task.configs[0]
     if not all(a.dtype.startswith(("float", "bfloat")) for a in val.dynamic):
         return None, "skipped: integer or boolean inputs (index-like values cannot be drawn at other shapes)"
@@ -312,6 +327,10 @@ def larger_config(task: KernelTask, options: EvalOptions) -> tuple[InputConfig |
         static = [v if v == o else g for v, o, g in zip(val.static, own.static, static, strict=True)]
     outputs, _ = taskcode.shrink_config(val.outputs, [], mapping)
     cfg = InputConfig(dynamic=dynamic, static=static, outputs=outputs, atol=val.atol, rtol=val.rtol)
+    return _within_larger_budget(cfg, options)
+
+
+def _within_larger_budget(cfg: InputConfig, options: EvalOptions) -> tuple[InputConfig | None, str]:
     budget = (options.memory_mb << 20) // LARGER_MEMORY_FRACTION
     need = cfg.input_bytes() + cfg.output_bytes()
     if need > budget:
@@ -346,7 +365,7 @@ def _run(
     file_mb = _output_cap(task, options, larger)
     task_json = task.model_dump(mode="json")
     interpret_compile = [pick_interpret_compile(c, options.input_sets) for c in task.validation_configs]
-    larger_choices = larger_modes(larger) if larger is not None else []
+    lowering = get_spec(first_generation(options.tpu))
     larger_json = larger.model_dump(mode="json") if larger is not None else None
     task_inputs = TASK_INPUTS.get(task)  # the task's own sets from an earlier evaluation: not secret
     if task_inputs is not None:
@@ -387,7 +406,8 @@ def _run(
             "larger_config": larger_json,
             "estimate_generations": estimate_generations(options),
             "interpret_compile": interpret_compile,
-            "larger_modes": larger_choices,
+            # the TPU the exports are lowered for (the few Mosaic rules that ask which chip they target)
+            "lowering_device": [lowering.device_kind, 1],
         },
         cand_dir,
         SandboxLimits(
@@ -456,7 +476,11 @@ def _orchestrate(
             read_capped(cand.run_dir / tpu_program_file(i), MAX_PROGRAM_BYTES) if err is None else None
             for i, err in enumerate(programs["export_errors"])
         ]
-    except (ReadBackError, ValueError, KeyError, TypeError) as exc:
+        checked_blobs = [
+            read_capped(cand.run_dir / checked_program_file(i), MAX_PROGRAM_BYTES) if err is None else None
+            for i, err in enumerate(programs["checked_errors"])
+        ]
+    except (ReadBackError, ValueError, KeyError, TypeError, RecursionError) as exc:
         cand.kill()
         judge.send(b"")
         return _fail(result, "sandbox", f"malformed read-back from the candidate's process: {exc}")
@@ -464,7 +488,7 @@ def _orchestrate(
     if not any("violation" in e for e in cand.events()):  # a violation is reported first: wait for it
         try:
             early = _tree_failure(task, result, programs)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             return _fail(result, "sandbox", f"malformed read-back from the candidate's process: {exc}")
         if early is not None:
             _record_seconds(early, programs.get("seconds"))
@@ -474,6 +498,7 @@ def _orchestrate(
     expected_kernels = checks[0].pallas_calls if checks else None
     request = {
         "programs": [base64.b64encode(b).decode() if b is not None else None for b in blobs],
+        "checked": [base64.b64encode(b).decode() if b is not None else None for b in checked_blobs],
         "tpu": options.tpu,
         "expected_kernels": expected_kernels,
         "timing": device,
@@ -501,31 +526,27 @@ def _orchestrate(
     if isinstance(cand_seconds, dict):  # the candidate's own report, for the breakdown only
         _record_seconds(result, {"interpret_compile": cand_seconds.get("interpret_compile")})
     _interpret_cost_signal(result, interpret_s, judge_out.value.get("seconds"))
-    result = _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
-                      cached_ref, larger_note)  # fmt: skip
-    reported = cand_out.value or {}
-    _say_how_interpreted(result, cand.payload, reported.get("larger_mode"), reported.get("larger_fallback"))
+    try:
+        result = _verdict(task, options, result, programs, checks, cand, cand_out, judge_out.value,
+                          cached_ref, larger_note)  # fmt: skip
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        return _fail(result, "sandbox", f"malformed read-back from the candidate's process: {exc}")
+    _say_how_interpreted(result, cand.payload)
     return result
 
 
-def _say_how_interpreted(
-    result: EvalResult, payload: dict[str, Any], larger_choice: Any, fallback: Any = None
-) -> None:
-    """Which interpret mode and compile ran per program: the agent's choices (`payload`, its own data), and
-    for the larger check the one the candidate's process reports it ran in (an index into the agent's
-    list; anything else records nothing), with why it left the first when it says so (`fallback`)."""
+def _say_how_interpreted(result: EvalResult, payload: dict[str, Any]) -> None:
+    """Which interpret modes and compiles ran per program (the agent's own choices): every validation
+    config in the judge's plain interpreter and in the candidate's TPU interpret mode, the larger check in
+    the judge's plain interpreter only."""
     corr = result.correctness
     if corr is None:
         return
     corr.interpret_compile = list(payload.get("interpret_compile") or [])
-    corr.interpret_modes = ["tpu"] * len(corr.interpret_compile)
-    choices = payload.get("larger_modes") or []
-    if corr.larger is not None and type(larger_choice) is int and 0 <= larger_choice < len(choices):
-        mode, compile_mode = choices[larger_choice]
-        corr.interpret_modes.append(mode)
-        corr.interpret_compile.append(compile_mode)
-        if isinstance(fallback, str) and fallback and larger_choice > 0:
-            corr.larger_check += f"; ran in {mode} interpret mode: the {fallback[:400]}"
+    corr.interpret_modes = ["plain+tpu"] * len(corr.interpret_compile)
+    if corr.larger is not None:
+        corr.interpret_modes.append("plain")
+        corr.interpret_compile.append(JUDGE_COMPILE)
 
 
 def _interpret_cost_signal(result: EvalResult, interpret_s: float, judge_seconds: Any) -> None:
@@ -542,6 +563,9 @@ def _interpret_cost_signal(result: EvalResult, interpret_s: float, judge_seconds
         )
 
 
+MACHINE_LOWERING_SIGNS = ("Unsupported TPU device kind", "Unsupported TPU chip version")
+"""A lowering for the TPU that failed because of the machine doing it (the device kind it was asked for is
+unknown to this JAX), never because of the kernel: returned as infrastructure, never stored."""
 OUT_OF_MEMORY_SIGNS = ("mmap error: 12", "Cannot allocate memory", "std::bad_alloc", "MemoryError", "ENOMEM")
 """What a process that hit its address-space limit (RLIMIT_AS) leaves in its stderr: libtpu's allocator
 (`low_level_alloc.cc ... RAW: mmap error: 12`), libc, C++ and Python."""
@@ -610,26 +634,31 @@ def _candidate_failure(result: EvalResult, outcome: SandboxOutcome, *, timeout: 
 
 
 def _read_programs(run_dir: Path, task: KernelTask) -> dict[str, Any]:
-    data = json.loads(read_capped(run_dir / PROGRAMS_FILE, MAX_JSON_BYTES))
+    data = bounded_json(read_capped(run_dir / PROGRAMS_FILE, MAX_JSON_BYTES))
     if not isinstance(data, dict):
         raise ValueError("programs.json is not an object")
     val, prod, errs = data.get("validation"), data.get("production"), data.get("export_errors")
-    if not (isinstance(val, list) and isinstance(prod, list) and isinstance(errs, list)):
+    checked = data.get("checked_errors")
+    if not all(isinstance(x, list) for x in (val, prod, errs, checked)):
         raise ValueError("programs.json lacks its lists")
-    if len(val) != len(task.validation_configs) or len(prod) != len(task.configs) or len(errs) != len(prod):
+    n_val = len(task.validation_configs)
+    if (
+        len(val) != n_val
+        or len(prod) != len(task.configs)
+        or len(errs) != len(prod)
+        or len(checked) != n_val + 1
+    ):
         raise ValueError("programs.json has the wrong number of programs")
-    for entry in [*val, *prod]:
-        if not isinstance(entry, dict) or not isinstance(entry.get("plain"), dict):
-            raise ValueError("a program entry is malformed")
     larger = data.get("larger")
-    for entry in [*val, *([larger] if larger is not None else [])]:
-        if not isinstance(entry, dict) or not all(
-            isinstance(entry.get(k), dict) for k in ("interpret", "plain")
-        ):
-            raise ValueError("a validation program entry is malformed")
+    for entry in [*val, *prod, *([larger] if larger is not None else [])]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("tree"), dict):
+            raise ValueError("a program entry is malformed")
         if not isinstance(entry.get("out"), list):
-            raise ValueError("a validation program entry is malformed")
+            raise ValueError("a program entry is malformed")
     data["export_errors"] = [None if e is None else str(e)[:20_000] for e in errs]
+    data["checked_errors"] = [None if e is None else str(e)[:20_000] for e in checked]
+    error = data.get("larger_trace_error")
+    data["larger_trace_error"] = None if error is None else str(error)[:4000]
     return data
 
 
@@ -637,7 +666,7 @@ def _check_trees(task: KernelTask, programs: dict[str, Any], result: EvalResult)
     """Pallas-does-the-work on every interpret-mode trace; the first failing check is the one reported."""
     checks = []
     for entry in programs["validation"]:
-        check, warnings = check_pallas_does_work(entry["interpret"])
+        check, warnings = check_pallas_does_work(entry["tree"])
         checks.append(check)
         for w in warnings:
             if w not in result.warnings:
@@ -674,7 +703,23 @@ def _verdict(
         if isinstance(tc, dict) and not tc.get("ok") and programs["export_errors"][ci] is None:
             result.uses_pallas = False
             return _fail(result, "pallas", f"in the program compiled for the TPU: {tc.get('reason')}")
+    # What was checked is what ships: the checked programs' platform sites are their kernels, and their
+    # kernels are the shipped program's at other shapes (the judge's reading of both).
+    for ci, info in enumerate(judge.get("checked") or []):
+        if isinstance(info, dict) and not info.get("ok") and programs["checked_errors"][ci] is None:
+            what = "the larger check shape" if ci == len(task.validation_configs) else "the validation shapes"
+            return _fail(result, "consistency", f"the checked program at {what}: {info.get('reason')}")
+    if judge.get("consistency"):
+        return _fail(
+            result, "consistency", "what was checked is not what ships: " + str(judge["consistency"])
+        )
     export_error = next((e for e in programs["export_errors"] if e), None)
+    machine = next((e for e in [*programs["export_errors"], *programs["checked_errors"]]
+                    if e and any(sign in e for sign in MACHINE_LOWERING_SIGNS)), None)  # fmt: skip
+    if machine:
+        return _fail(
+            result, "infrastructure", f"this machine could not lower the program for the TPU: {machine}"
+        )
     for gen in options.tpu:
         if export_error:
             result.tpu_compile[gen] = CompileOutcome(
@@ -689,7 +734,7 @@ def _verdict(
     if not options.tpu:
         result.warnings.append("no TPU generation requested: compiled means lowered for interpret mode only")
 
-    _correctness(task, options, result, cand, cand_out, judge, larger_note)
+    _correctness(task, options, result, cand, cand_out, judge, larger_note, programs)
     failed = [g for g, o in result.tpu_compile.items() if not o.ok]
     if result.error is not None:
         return result
@@ -740,13 +785,11 @@ def _tree_failure(task: KernelTask, result: EvalResult, programs: dict[str, Any]
                          + (f" (config {ci})" if ci else ""))  # fmt: skip
     if result.pallas is not None and not result.pallas.ok:
         return _fail(result, "pallas", result.pallas.reason or "Pallas does not do the work")
+    # One trace per shape: the interpret-mode program and the TPU program are derived from the same jaxpr, so
+    # there is no second trace at a shape to compare. Across shapes the program must stay the same.
     for ci, entry in enumerate(programs["validation"]):
-        diff = same_program(skeleton(entry["interpret"]), skeleton(entry["plain"]), exact=True)
-        if diff:
-            return _fail(result, "consistency", "the program traced in TPU interpret mode is not the one "
-                         f"traced for the TPU ({diff}): a kernel must not depend on interpret mode")  # fmt: skip
-        prod = programs["production"][ci]["plain"]
-        diff = same_program(skeleton(entry["plain"]), skeleton(prod), exact=False)
+        prod = programs["production"][ci]["tree"]
+        diff = same_program(skeleton(entry["tree"]), skeleton(prod), exact=False)
         if diff:
             return _fail(result, "consistency", "the program at the validation shapes is not the one at the "
                          f"task's own shapes ({diff}): a kernel must not branch on shape")  # fmt: skip
@@ -755,10 +798,9 @@ def _tree_failure(task: KernelTask, result: EvalResult, programs: dict[str, Any]
             return _fail(result, "pallas", f"at the task's own shapes: {prod_check.reason}")
     larger = programs.get("larger")
     if larger is not None and programs["validation"]:
-        first = programs["validation"][0]["plain"]
-        plain = skeleton(larger["plain"])
-        diff = same_program(skeleton(larger["interpret"]), plain, exact=True)
-        diff = diff or same_program(skeleton(first), plain, exact=False)
+        diff = same_program(
+            skeleton(programs["validation"][0]["tree"]), skeleton(larger["tree"]), exact=False
+        )
         if diff:
             return _fail(result, "consistency", "the program at the larger check shape is not the one at the "
                          f"validation shapes ({diff}): a kernel must not branch on shape")  # fmt: skip
@@ -785,9 +827,13 @@ def _correctness(
     cand_out: SandboxOutcome,
     judge: dict[str, Any],
     larger_note: str = "",
+    programs: dict[str, Any] | None = None,
 ) -> None:
-    """Compare the candidate's outputs with the judge's, here, in numpy. A malformed read-back or a dead
-    candidate is a failed set, never an exception."""
+    """Compare, here in numpy, the outputs of the judge's own run of the checked programs (the evidence)
+    with the judge's expected outputs, and the candidate's TPU-interpret-mode outputs (a cross-check: an
+    input set passes only when both match). A malformed read-back or a dead candidate is a failed set, never
+    an exception."""
+    programs = programs or {}
     val: list[InputConfig] = task.validation_configs
     origins = judge.get("origins") or [["task"] + ["random"] * (options.input_sets - 1)] * len(val)
     correctness = CorrectnessResult(ok=True, scale=task.validation_note, larger_check=larger_note)
@@ -798,12 +844,7 @@ def _correctness(
     correctness.larger_check = larger_note
     result.correctness = correctness
     n_sets = options.input_sets
-    wanted = {output_name(ci, si, k): spec for ci, cfg in enumerate(val)
-              for si in range(n_sets) for k, spec in enumerate(cfg.outputs)}  # fmt: skip
-    larger_names = {output_name(len(val), 0, k): spec for k, spec in enumerate(larger_cfg.outputs)} \
-        if larger_cfg is not None else {}  # fmt: skip
-    value = cand_out.value or {}
-    run_error = value.get("run_error") if cand_out.ok else None
+    n = len(val)
     if not cand_out.ok:
         stage = _candidate_stage(cand_out)
         msg = cand_out.error or "the candidate's process failed"
@@ -813,24 +854,39 @@ def _correctness(
         correctness.sets.append(SetCheck(config=0, input_set=0, origin="task", ok=False, message=msg))
         summarise(correctness)
         return
+    specs = {output_name(ci, si, k): spec for ci, cfg in enumerate(val)
+             for si in range(n_sets) for k, spec in enumerate(cfg.outputs)}  # fmt: skip
+    larger_specs = {output_name(n, 0, k): spec for k, spec in enumerate(larger_cfg.outputs)} \
+        if larger_cfg is not None else {}  # fmt: skip
+    # What the judge ran: every set of a program, up to the set it failed on.
+    judged_errors = judge.get("judged_errors") if isinstance(judge.get("judged_errors"), dict) else {}
+    ran_until: dict[int, int] = {}
+    for ci in range(n + (larger_cfg is not None)):
+        err = judged_errors.get(str(ci))
+        upto = (n_sets if ci < n else 1) if not isinstance(err, dict) else err.get("set")
+        ran_until[ci] = upto if isinstance(upto, int) else 0
+    judged_specs = {
+        k: v for k, v in {**specs, **larger_specs}.items() if _index(k)[1] < ran_until[_index(k)[0]]
+    }
+    # What the candidate's process ran (validation configs only), up to its first failure.
+    value = cand_out.value or {}
+    run_error = value.get("run_error")
     stop = None
     if isinstance(run_error, dict):
         try:
             stop = (int(run_error["config"]), int(run_error["input_set"]))
         except (KeyError, TypeError, ValueError):
             stop = (0, 0)
-        wanted = {k: v for k, v in wanted.items() if _index(k) < stop}
-    larger_error = value.get("larger_error") if cand_out.ok else None
-    if stop is None and larger_error is None:
-        wanted.update(larger_names)
+    cand_specs = {k: v for k, v in specs.items() if stop is None or _index(k) < stop}
+    judge_dir = Path(judge_dir_of(cand))
     try:
-        got = load_arrays(cand.run_dir / OUTPUTS_FILE, MAX_ARRAY_FILE_BYTES, wanted)
-        want = load_arrays(
-            Path(judge_dir_of(cand)) / EXPECTED_FILE,
-            MAX_ARRAY_FILE_BYTES,
-            {**{output_name(ci, si, k): spec for ci, cfg in enumerate(val)
-                for si in range(n_sets) for k, spec in enumerate(cfg.outputs)}, **larger_names},
-        )  # fmt: skip
+        want = load_arrays(judge_dir / EXPECTED_FILE, MAX_ARRAY_FILE_BYTES, {**specs, **larger_specs})
+        judged = load_arrays(judge_dir / JUDGED_FILE, MAX_ARRAY_FILE_BYTES, judged_specs)
+    except ReadBackError as exc:  # the judge's own files: the harness is broken, not the candidate
+        _fail(result, "infrastructure", f"the judge's outputs could not be read: {exc}")
+        return
+    try:
+        got = load_arrays(cand.run_dir / OUTPUTS_FILE, MAX_ARRAY_FILE_BYTES, cand_specs)
     except ReadBackError as exc:
         correctness.sets.append(
             SetCheck(config=0, input_set=0, origin="task", ok=False, message=f"unusable outputs: {exc}")
@@ -838,29 +894,43 @@ def _correctness(
         summarise(correctness)
         result.correct = False
         return
+    checked_errors = programs.get("checked_errors") or []
+
+    def judged_check(ci: int, si: int, cfg: InputConfig, origin: str) -> SetCheck:
+        if si >= ran_until[ci]:
+            err = judged_errors.get(str(ci)) or {}
+            message = str(err.get("message", "the judge did not run this set"))[:4000]
+            if ci < len(checked_errors) and checked_errors[ci]:
+                message = f"the checked program could not be lowered: {checked_errors[ci][:4000]}"
+            return SetCheck(config=ci, input_set=si, origin=origin, ok=False, message=message)  # type: ignore[arg-type]
+        g = [judged[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
+        w = [want[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
+        return compare(g, w, cfg, ci, si, origin)
+
     for ci, cfg in enumerate(val):
         for si in range(n_sets):
             origin = origins[ci][si] if ci < len(origins) and si < len(origins[ci]) else "random"
-            if stop is not None and (ci, si) >= stop:
-                msg = str(run_error.get("message", "the candidate failed on this input set"))[:4000]
-                correctness.sets.append(
-                    SetCheck(config=ci, input_set=si, origin=origin, ok=False, message=msg)
-                )
-                break
-            g = [got[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
-            w = [want[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
-            correctness.sets.append(compare(g, w, cfg, ci, si, origin))
-        if stop is not None and ci >= stop[0]:
-            break
-    if larger_cfg is not None and stop is None:
-        n = len(val)
-        if larger_error is not None:
+            check = judged_check(ci, si, cfg, origin)
+            if check.ok:  # the candidate's own run must agree (it also catches memory hazards)
+                if stop is not None and (ci, si) >= stop:
+                    msg = str(run_error.get("message", "the candidate failed on this input set"))[:4000]
+                    check = SetCheck(config=ci, input_set=si, origin=origin, ok=False,
+                                     message=f"in TPU interpret mode: {msg}")  # fmt: skip
+                else:
+                    g = [got[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
+                    w = [want[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
+                    cross = compare(g, w, cfg, ci, si, origin)
+                    if not cross.ok:
+                        cross.message = f"in TPU interpret mode (the candidate's own run): {cross.message}"
+                        check = cross
+            correctness.sets.append(check)
+    if larger_cfg is not None:
+        trace_error = programs.get("larger_trace_error")
+        if trace_error:
             check = SetCheck(config=n, input_set=0, origin="random", ok=False,
-                             message=f"at the larger check shape: {str(larger_error)[:4000]}")  # fmt: skip
+                             message=f"at the larger check shape: {trace_error}")  # fmt: skip
         else:
-            g = [got[output_name(n, 0, k)] for k in range(len(larger_cfg.outputs))]
-            w = [want[output_name(n, 0, k)] for k in range(len(larger_cfg.outputs))]
-            check = compare(g, w, larger_cfg, n, 0, "random")
+            check = judged_check(n, 0, larger_cfg, "random")
             if check.message:
                 check.message = f"at the larger check shape {larger_cfg.describe()}: {check.message}"
         correctness.larger = check
@@ -931,7 +1001,7 @@ def _audit_claims(cand_ests: dict[str, Any], audit: Any, gens: list[str]) -> str
     process, so its figures are claims; the judge's audit of the shipped Mosaic kernels gives floors no
     honest estimate goes below (`mosaic_audit`). One contradicted generation withholds them all: the
     process that made them is not to be believed."""
-    from maxkernel.tools.mosaic_audit import ProgramAudit, contradiction
+    from maxkernel.tools.mosaic_audit import ProgramAudit, contradiction, unpriceable
     from maxkernel.tools.tpu_specs import get_spec
 
     claimed = {g: c for g, c in cand_ests.items() if g in gens and isinstance(c, dict) and "error" not in c}
@@ -941,6 +1011,9 @@ def _audit_claims(cand_ests: dict[str, Any], audit: Any, gens: list[str]) -> str
         trusted = ProgramAudit.model_validate(audit)
     except ValueError:
         trusted = ProgramAudit(error="the judge returned no audit")
+    reason = unpriceable(trusted)
+    if reason:
+        return f"estimate withheld: {reason} (read off the TPU program it shipped)"
     for gen, claim in claimed.items():
         reason = contradiction(claim, trusted, get_spec(gen))
         if reason:

@@ -171,6 +171,10 @@ FORBIDDEN = frozenset("pure_callback io_callback callback host_callback outside_
 WARN_ONLY = frozenset({"debug_callback", "debug_print"})
 """Host callbacks that only print: surfaced as a warning, not rejected."""
 
+PLATFORM_DEPENDENT = frozenset({"platform_index"})
+"""Lowering that differs by platform (`lax.platform_dependent`): the CPU interpreter that checks a kernel
+and the TPU that runs it would take different branches. Refused anywhere in a candidate."""
+
 SHAPE_MASKING: frozenset[str] = frozenset(
     """lt le gt ge eq ne and or not select_n iota broadcast_in_dim convert_element_type min max rem
     pad slice dynamic_slice dynamic_update_slice concatenate reshape squeeze expand_dims transpose

@@ -36,12 +36,15 @@ import numpy as np
 
 from maxkernel.tools import taskcode
 from maxkernel.tools.candidate import input_name, output_name
+from maxkernel.tools.mosaic_audit import ProgramAudit
 from maxkernel.tools.readback import pack_arrays
 from maxkernel.tools.results import CompileOutcome, InputConfig, np_dtype
 from maxkernel.tools.worker import WorkerContext
 
 INPUTS_FILE = "inputs.npz"
 EXPECTED_FILE = "expected.npz"
+JUDGED_FILE = "judged.npz"
+"""The checked programs' outputs on the judge's inputs, computed here: the evidence of correctness."""
 STAGE_INPUTS_READY = "inputs_ready"
 MAX_PROGRAMS_BYTES = 256 << 20
 
@@ -86,7 +89,7 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         larger = None
         if payload.get("larger") and input_sets:
             larger = _larger_set(ref, payload["larger"], int(payload["larger_budget_bytes"]),
-                                 input_sets[0][0][0], seed, len(val))  # fmt: skip
+                                 input_sets[0][0][0], seed, len(val), task)  # fmt: skip
     except taskcode.TaskCodeError as exc:
         return {"ok": False, "stage": "task", "message": str(exc)}
     if ctx.violations:
@@ -96,7 +99,9 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
               for si, (arrs, _o) in enumerate(sets) for k, a in enumerate(arrs)}  # fmt: skip
     outputs = {output_name(ci, si, k): a for ci, sets in enumerate(expected)
                for si, outs in enumerate(sets) for k, a in enumerate(outs)}  # fmt: skip
+    larger_inputs: list[np.ndarray] | None = None
     if larger is not None and larger.get("ran"):
+        larger_inputs = list(larger["inputs"].values())
         inputs.update(larger.pop("inputs"))
         outputs.update(larger.pop("outputs"))
     (run_dir / INPUTS_FILE).write_bytes(pack_arrays(inputs))
@@ -119,21 +124,39 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     message = sys.stdin.buffer.readline(MAX_PROGRAMS_BYTES)
     if not message.strip():
         return base  # the candidate never got as far as a program: nothing to compile
-    request = json.loads(message)
+    try:
+        request = json.loads(message)
+        if not isinstance(request, dict):
+            raise ValueError("not an object")
+    except ValueError:  # the agent's own message: a malformed one means the harness is broken
+        return {"ok": False, "stage": "toolchain", "message": "the agent's program request is malformed"}
     ctx.stage("compile")
     t0 = time.perf_counter()
     programs: list[bytes | None] = [
         base64.b64decode(p) if isinstance(p, str) else None for p in request.get("programs", [])
     ]
+    checked_blobs: list[bytes | None] = [
+        base64.b64decode(p) if isinstance(p, str) else None for p in request.get("checked", [])
+    ]
     try:
-        tpu_checks, compiles, audit = _inspect_and_compile(programs, own, list(request.get("tpu", [])),
-                                                           request.get("expected_kernels"))  # fmt: skip
+        tpu_checks, compiles, audits = _inspect_and_compile(programs, own, list(request.get("tpu", [])),
+                                                            request.get("expected_kernels"))  # fmt: skip
+        checked = _inspect_checked(checked_blobs, request.get("expected_kernels"))
     except ToolchainBroken as exc:
         return {"ok": False, "stage": "toolchain", "message": str(exc)}
     seconds["compile"] = time.perf_counter() - t0
     base["tpu_checks"] = tpu_checks
     base["tpu_compile"] = compiles
-    base["kernel_audit"] = audit
+    base["kernel_audit"] = audits[0] if audits else ProgramAudit(error="no TPU program").model_dump()
+    base["checked"] = [info for info, _exp in checked]
+    base["consistency"] = _shapes_consistency(checked, audits, len(val))
+
+    # The evidence of correctness: the checked programs, run here on the inputs drawn here.
+    ctx.stage("judge_run")
+    t0 = time.perf_counter()
+    judged, judged_errors = _run_checked(checked, input_sets, larger_inputs)
+    base["judged_errors"] = judged_errors
+    seconds["judge_run"] = time.perf_counter() - t0
     if request.get("timing") and programs and programs[0] is not None:
         ctx.stage("timing")
         base["timing"] = _measure(ref, own[0], programs[0], payload, ctx.secret)
@@ -141,6 +164,7 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     # they never coexist with it (in the fallback mode it could otherwise read them).
     if sys.stdin.buffer.readline(64).strip() == b"release":
         (run_dir / EXPECTED_FILE).write_bytes(pack_arrays(outputs))
+        (run_dir / JUDGED_FILE).write_bytes(pack_arrays(judged))
     return base
 
 
@@ -174,27 +198,40 @@ def _larger_set(
     like: list[np.ndarray],
     seed: int,
     index: int,
+    task: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One secret input set at the agent's larger check shape and the reference's outputs on it, stored as
-    config `index` (after the validation configs). The draws follow the statistics of the first validation
-    set's inputs (`like`). Never fails the task: a reference that cannot run there, or outputs over the
-    memory budget, make it a skipped check, with the reason."""
+    config `index` (after the validation configs). The draws are the wide family around the statistics of
+    the first validation set's inputs (`like`), within the task's input domain. Never fails the task: a
+    reference that cannot run there, or outputs over the memory budget, make it a skipped check, with the
+    reason."""
     from maxkernel.tools.evaluation import reference_fn, run_reference
 
     t0 = time.perf_counter()
     cfg = InputConfig.model_validate(cfg_json)
     try:
-        cfg.outputs = taskcode.output_specs(ref, cfg.dynamic, cfg.static)
+        cfg.outputs = taskcode.output_specs(
+            taskcode.reference_for(ref.source, cfg.knobs), cfg.dynamic, cfg.static
+        )
         need = cfg.input_bytes() + cfg.output_bytes()
         if need > budget:
             return {"ran": False, "reason": f"the reference's inputs and outputs at {cfg.describe()} need "
                     f"{need >> 20} MiB, over the budget of {budget >> 20} MiB"}  # fmt: skip
         rng = np.random.default_rng([seed, index, 0, 11])
-        stats = [
-            {"min": float(a.min()), "max": float(a.max()), "mean": float(a.mean()), "std": float(a.std())}
-            for a in (np.asarray(x, np.float64) for x in like)
-        ]
-        arrays = [taskcode.random_from_spec(s, rng, st) for s, st in zip(cfg.dynamic, stats, strict=True)]
+        task = task or {}
+        domains = taskcode.input_domains(task, len(cfg.dynamic))
+        if task.get("larger_config") is not None:  # a size the task's own generator makes: its values there
+            hold = set(task.get("hold_inputs") or [])
+            own = taskcode.reference_for(ref.source, cfg.knobs).raw_inputs(None)[0][0]
+            arrays = [taskcode.random_like(taskcode.to_numpy(a), rng, i in hold, wide=True, domain=domains[i])
+                      for i, a in enumerate(own)]  # fmt: skip
+        else:
+            stats = [
+                {"min": float(a.min()), "max": float(a.max()), "mean": float(a.mean()), "std": float(a.std())}
+                for a in (np.asarray(x, np.float64) for x in like)
+            ]
+            arrays = [taskcode.random_from_spec(s, rng, st, wide=True, domain=d)
+                      for s, st, d in zip(cfg.dynamic, stats, domains, strict=True)]  # fmt: skip
         outs = run_reference(ref, cfg, arrays, reference_fn(ref, cfg))
     except Exception as exc:  # noqa: BLE001 - the reference was written for its own shapes; skip, say why
         return {"ran": False, "reason": f"the reference does not run at {cfg.describe()}: "
@@ -244,11 +281,12 @@ def _inspect_and_compile(
 
     checks: list[dict[str, Any]] = []
     exported: list[Any] = []
-    audit = ProgramAudit(error="no TPU program").model_dump()
+    audits: list[dict[str, Any]] = []
     for blob in programs:
         if blob is None:
             exported.append(None)
             checks.append(TpuProgramCheck(ok=False, reason="no TPU program").model_dump())
+            audits.append(ProgramAudit(error="no TPU program").model_dump())
             continue
         try:
             exp = export.deserialize(bytearray(blob))
@@ -257,11 +295,11 @@ def _inspect_and_compile(
             exported.append(exp)
             text = exp.mlir_module()
             checks.append(check_tpu_program(text, expected_kernels).model_dump())
-            if len(exported) == 1:
-                audit = audit_tpu_program(text).model_dump()
+            audits.append(audit_tpu_program(text).model_dump())
         except Exception as exc:  # noqa: BLE001 - a malformed artifact is the candidate's failure
             _raise_if_toolchain(exc)
             exported.append(None)
+            audits.append(ProgramAudit(error=f"not a valid export: {str(exc)[:300]}").model_dump())
             checks.append(
                 TpuProgramCheck(ok=False, reason=f"the TPU program is not a valid export: {exc}").model_dump()
             )
@@ -287,7 +325,127 @@ def _inspect_and_compile(
                 break
         outcome.seconds = round(time.perf_counter() - t0, 3)
         compiles[gen] = outcome.model_dump()
-    return checks, compiles, audit
+    return checks, compiles, audits
+
+
+def _inspect_checked(
+    blobs: list[bytes | None], expected_kernels: int | None
+) -> list[tuple[dict[str, Any], Any]]:
+    """Per checked program (validation configs, then the larger check): whether it is what it must be — a
+    module for ("cpu", "tpu") whose only platform-dependent sites are its kernels, whose TPU side passes
+    the rules the shipped program passes — with the audit of its kernels, and the deserialized program
+    (None when it must not run)."""
+    from jax import export
+
+    from maxkernel.tools.mosaic_audit import audit_tpu_program
+    from maxkernel.tools.stablehlo_check import check_tpu_program, tpu_view
+
+    out: list[tuple[dict[str, Any], Any]] = []
+    for blob in blobs:
+        if blob is None:
+            out.append(({"ok": False, "reason": "no checked program"}, None))
+            continue
+        try:
+            exp = export.deserialize(bytearray(blob))
+            if tuple(exp.platforms) != ("cpu", "tpu"):
+                raise ValueError(f"lowered for {exp.platforms}, not for ('cpu', 'tpu')")
+            view = tpu_view(exp.mlir_module())
+            if view.problem:
+                out.append(({"ok": False, "reason": view.problem}, None))
+                continue
+            check = check_tpu_program(view.text, expected_kernels)
+            info = {
+                "ok": check.ok,
+                "reason": check.reason,
+                "audit": audit_tpu_program(view.text).model_dump(),
+            }
+            out.append((info, exp if check.ok else None))
+        except Exception as exc:  # noqa: BLE001 - a malformed artifact is the candidate's failure
+            _raise_if_toolchain(exc)
+            out.append(({"ok": False, "reason": f"the checked program is not a valid export: {exc}"}, None))
+    return out
+
+
+def _shapes_consistency(
+    checked: list[tuple[dict[str, Any], Any]], shipped: list[dict[str, Any]], n_val: int
+) -> str | None:
+    """Why the kernels that were checked (validation shapes, larger check) and the kernels that ship (the
+    task's own shapes) are not one kernel at several shapes, read off the programs here; None if they are.
+    Every audited program must also write every block of its outputs."""
+    from maxkernel.tools.mosaic_audit import ProgramAudit, different_kernels, uncovered_outputs
+
+    ships = [ProgramAudit.model_validate(a) for a in shipped]
+    for i, audit in enumerate(ships):
+        reason = uncovered_outputs(audit)
+        if reason:
+            return f"in the program that ships (config {i}): {reason}"
+    for ci, (info, _exp) in enumerate(checked):
+        if "audit" not in info:
+            continue
+        audit = ProgramAudit.model_validate(info["audit"])
+        what = f"the validation shapes (config {ci})" if ci < n_val else "the larger check shape"
+        reason = uncovered_outputs(audit)
+        if reason:
+            return f"at {what}: {reason}"
+        target = ships[ci] if ci < min(n_val, len(ships)) else (ships[0] if ships else None)
+        if target is not None:
+            reason = different_kernels(audit, target, what)
+            if reason:
+                return reason
+    return None
+
+
+JUDGE_RUN_OPTIONS = {
+    "xla_cpu_use_fusion_emitters": False,
+    "xla_cpu_parallel_codegen_split_count": 1,
+    # XLA:CPU folds a transpose into a bf16 x bf16 -> f32 dot it has no kernel for ("Unsupported element type
+    # for DotThunk::Execute") when the transpose sits between two kernels: a fact of this CPU, not a kernel's
+    "xla_disable_hlo_passes": "transpose-folding",
+}
+"""How the judge compiles a checked program's CPU side (Pallas's plain interpreter): fusion emitters off
+is 2-5x faster to compile for these loop-shaped programs (`candidate.JUDGE_COMPILE`)."""
+
+
+def _run_checked(
+    checked: list[tuple[dict[str, Any], Any]],
+    input_sets: list[list[tuple[list[np.ndarray], str]]],
+    larger_inputs: list[np.ndarray] | None,
+) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
+    """Run each checked program on the CPU on this judge's inputs: outputs under `output_name`, and per
+    program index its first failure, `{"set": index or None (none ran), "message": ...}` (a program that
+    does not run is the candidate's failure)."""
+    import jax
+
+    runs: list[tuple[int, list[list[np.ndarray]]]] = [
+        (ci, [arrays for arrays, _origin in sets]) for ci, sets in enumerate(input_sets)
+    ]
+    if larger_inputs is not None:
+        runs.append((len(input_sets), [larger_inputs]))
+    judged: dict[str, np.ndarray] = {}
+    errors: dict[str, dict[str, Any]] = {}
+    for ci, sets in runs:
+        info, exp = checked[ci] if ci < len(checked) else ({"reason": "no checked program"}, None)
+        if exp is None:
+            errors[str(ci)] = {"set": None, "message": "the judge has no program to run: "
+                               + str(info.get("reason"))[:2000]}  # fmt: skip
+            continue
+        try:
+            compiled = jax.jit(exp.call).trace(*sets[0]).lower().compile(compiler_options=JUDGE_RUN_OPTIONS)
+        except Exception as exc:  # noqa: BLE001 - what the candidate handed over does not compile here
+            _raise_if_toolchain(exc)
+            errors[str(ci)] = {"set": None, "message": "the checked program does not compile for the CPU: "
+                               f"{type(exc).__name__}: {_first_lines(str(exc), 4)}"}  # fmt: skip
+            continue
+        for si, arrays in enumerate(sets):
+            try:
+                leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(compiled(*arrays))]
+            except Exception as exc:  # noqa: BLE001 - the kernel failed on this input set
+                errors[str(ci)] = {"set": si, "message": f"running input set {si}: {type(exc).__name__}: "
+                                   + _first_lines(str(exc), 4)}  # fmt: skip
+                break
+            for k, leaf in enumerate(leaves):
+                judged[output_name(ci, si, k)] = leaf
+    return judged, errors
 
 
 class ToolchainBroken(Exception):

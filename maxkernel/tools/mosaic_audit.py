@@ -56,6 +56,21 @@ _ITEMSIZE = {"f64": 8, "i64": 8, "f32": 4, "i32": 4, "ui32": 4, "bf16": 2, "f16"
 _ITEMSIZE_FLOOR = 0.5  # an element type not listed (fp8 variants, int4): the smallest there is
 
 
+class WindowAudit(BaseModel):
+    """One block window of a kernel: its block, the array it walks, and (outputs) whether the grid's block
+    indices cover the whole array."""
+
+    block: tuple[int, ...]
+    array: tuple[int, ...] | None = None
+    space: str = ""
+    output: bool = False
+    covered: bool | None = Field(
+        None,
+        description="every block of the array visited by the grid: written (outputs) or read (inputs); "
+        "None: unknown",
+    )
+
+
 class KernelAudit(BaseModel):
     """One Mosaic kernel of the shipped program, as the judge reads it (lower bounds)."""
 
@@ -66,6 +81,15 @@ class KernelAudit(BaseModel):
     hbm_bytes_floor: float = Field(description="auto-pipelined VMEM block traffic, at least")
     mxu_flops_floor: float = Field(description="matmul flops that run on every step, at least")
     unreplayed_windows: int = Field(0, description="windows whose index map could not be replayed (1 each)")
+    semantics: list[str] = Field(default_factory=list, description="dimension semantics per grid axis")
+    windows: list[WindowAudit] = Field(default_factory=list)
+    compute_ops: list[str] = Field(default_factory=list, description="the compute op kinds of the body")
+    manual_dma: int = Field(
+        0, description="DMA starts in the body (manual copies the pipeline does not count)"
+    )
+    manual_dma_in_loops: int = Field(
+        0, description="of those, inside a loop whose trip count is not a constant (data-dependent)"
+    )
 
 
 class ProgramAudit(BaseModel):
@@ -107,6 +131,19 @@ CLAIM_FIELDS = (
     "est_mxu_flops",
     "est_grid_steps",
 )
+
+
+def unpriceable(audit: ProgramAudit) -> str | None:
+    """Why no estimate of these kernels can be trusted whatever it claims (None: one can): a manual DMA
+    inside a loop whose trip count is not a constant moves a data-dependent number of bytes, which neither
+    the block model nor these floors count."""
+    for i, k in enumerate(audit.kernels):
+        if k.manual_dma_in_loops:
+            return (
+                f"kernel {i} starts {k.manual_dma_in_loops} manual DMA(s) inside a loop whose trip count depends "
+                "on data: the HBM bytes it moves cannot be priced"
+            )
+    return None
 
 
 def contradiction(claim: Any, audit: ProgramAudit, spec: TpuSpec) -> str | None:
@@ -162,10 +199,32 @@ def kernel_bodies(stablehlo_text: str) -> list[bytes]:
     return bodies
 
 
+def kernel_signatures(stablehlo_text: str) -> list[tuple[list[tuple[int, ...] | None], int, bool]]:
+    """Per `tpu_custom_call`, in order: the shapes of its operands then results, how many results, and
+    whether an output aliases an input (a kernel that updates part of an input in place)."""
+    from maxkernel.tools.stablehlo_check import tensor_types
+
+    out = []
+    for line in stablehlo_text.splitlines():
+        if "tpu_custom_call" not in line:
+            continue
+        bare = _BACKEND_CONFIG.sub("", line)
+        signature = bare.rsplit("} : ", 1)[1] if "} : " in bare else ""  # after the attribute dictionary
+        signature = signature.split(" loc(", 1)[0]
+        types = [d for d, _t in tensor_types(signature)]
+        tail = signature.rsplit("->", 1)[1] if "->" in signature else ""
+        n_results = max(1, len(re.findall(r"tensor<", tail)))
+        out.append((types, n_results, "output_operand_aliases" in bare))
+    return out
+
+
 def audit_tpu_program(stablehlo_text: str) -> ProgramAudit:
     """Audit every kernel of an exported TPU program; a failure is reported in `error`, never raised."""
     try:
-        return ProgramAudit(kernels=[audit_kernel(b) for b in kernel_bodies(stablehlo_text)])
+        bodies = kernel_bodies(stablehlo_text)
+        sigs = kernel_signatures(stablehlo_text)
+        sigs += [([], 0, False)] * (len(bodies) - len(sigs))
+        return ProgramAudit(kernels=[audit_kernel(b, sig) for b, sig in zip(bodies, sigs, strict=False)])
     except Exception as exc:  # noqa: BLE001 - what cannot be read is reported, and the claim withheld
         return ProgramAudit(error=f"{type(exc).__name__}: {str(exc)[:400]}")
 
@@ -205,8 +264,9 @@ def _symbol(attr: Any) -> str:
     return str(attr).lstrip("@").strip('"')
 
 
-def audit_kernel(body: bytes) -> KernelAudit:
-    """One serialized Mosaic module: its kernel function and the index-map functions it names."""
+def audit_kernel(body: bytes, signature: tuple[list[Any], int, bool] = ([], 0, False)) -> KernelAudit:
+    """One serialized Mosaic module: its kernel function and the index-map functions it names.
+    `signature`: the custom call's operand and result shapes (`kernel_signatures`), for coverage."""
     module, ctx = _parse_mosaic(body)
     with ctx:
         funcs = {}
@@ -234,8 +294,16 @@ def audit_kernel(body: bytes) -> KernelAudit:
         operands = args[len(grid) + n_prefetch : len(grid) + n_prefetch + len(window_list)]
         hbm = 0.0
         unreplayed = 0
-        for window, arg in zip(window_list, operands, strict=False):
+        shapes, n_results, aliased = signature
+        arrays = shapes[n_prefetch:] if len(shapes) - n_prefetch == len(window_list) else []
+        audits: list[WindowAudit] = []
+        for w, (window, arg) in enumerate(zip(window_list, operands, strict=False)):
             shape, dtype, space = _memref(str(arg.type))
+            bounds = _ints(_attr(window, "window_bounds")) or shape
+            array = arrays[w] if w < len(arrays) else None
+            output = bool(arrays) and w >= len(window_list) - n_results
+            audit = WindowAudit(block=bounds, array=array, space=space, output=output)
+            audits.append(audit)
             if space != "vmem":
                 continue  # HBM/ANY operands move by hand; SMEM is not counted as HBM traffic here
             transform = _attr(window, "transform_indices")
@@ -246,7 +314,10 @@ def audit_kernel(body: bytes) -> KernelAudit:
             if transfers is None:
                 transfers, unreplayed = 1, unreplayed + 1
             hbm += transfers * math.prod(shape) * _ITEMSIZE.get(dtype, _ITEMSIZE_FLOOR)
+            if fn is not None and array is not None and not (output and aliased):
+                audit.covered = _covers(fn, grid, bounds, array)
         flops = _matmul_flops(block, {}) * steps
+        compute, dma, dma_in_loops = _body_ops(block)
         return KernelAudit(
             name=_symbol(_attr(kernel, "sym_name")),
             grid=grid,
@@ -255,6 +326,11 @@ def audit_kernel(body: bytes) -> KernelAudit:
             hbm_bytes_floor=hbm,
             mxu_flops_floor=flops,
             unreplayed_windows=unreplayed,
+            semantics=semantics,
+            windows=audits,
+            compute_ops=sorted(compute),
+            manual_dma=dma,
+            manual_dma_in_loops=dma_in_loops,
         )
 
 
@@ -420,3 +496,123 @@ def _matmul_flops(block: Any, env: dict[Any, Any]) -> float:
                 env.update(zip(op.results, out, strict=True))
         # scf.if (pl.when), scf.while and other regions: may not run every step; nothing counted
     return total
+
+
+# --------------------------------------------------------------------------------------------------------
+# The same kernel at two shapes; what a kernel's body does
+# --------------------------------------------------------------------------------------------------------
+
+COMPUTE_PREFIXES = ("math.", "tpu.matmul", "vector.multi_reduction", "vector.contract", "tpu.all_reduce")
+COMPUTE_OPS = frozenset(
+    """arith.addf arith.subf arith.mulf arith.divf arith.remf arith.negf arith.maximumf arith.minimumf
+    arith.addi arith.subi arith.muli arith.divsi arith.divui arith.remsi arith.remui arith.xori
+    arith.shli arith.shrsi arith.shrui tpu.prng_random_bits""".split()
+)
+"""Body ops that compute a result, as opposed to index, mask and layout ops (compare, select, iota,
+shape casts, constants), which may differ with the shape: the op kinds two shapes of one kernel share."""
+
+
+def _body_ops(block: Any) -> tuple[set[str], int, int]:
+    """(compute op kinds, DMA starts, DMA starts inside loops whose bounds are not constants) of a body."""
+    compute: set[str] = set()
+    dma = dma_in_loops = 0
+    stack: list[tuple[Any, bool]] = [(block, False)]
+    while stack:
+        blk, in_dynamic_loop = stack.pop()
+        for op in blk.operations:
+            op = op.operation
+            name = op.name
+            if name in COMPUTE_OPS or name.startswith(COMPUTE_PREFIXES):
+                compute.add(name)
+            if name == "tpu.enqueue_dma":
+                dma += 1
+                dma_in_loops += int(in_dynamic_loop)
+            dynamic = in_dynamic_loop
+            if name == "scf.while" or (name == "scf.for" and not _constant_bounds(op)):
+                dynamic = True
+            for region in op.regions:
+                for inner in region.blocks:
+                    stack.append((inner, dynamic))
+    return compute, dma, dma_in_loops
+
+
+def _constant_bounds(op: Any) -> bool:
+    for v in list(op.operands)[:3]:
+        owner = getattr(v, "owner", None)
+        if owner is None or getattr(owner, "name", "") != "arith.constant":
+            return False
+    return True
+
+
+def _covers(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], array: tuple[int, ...]) -> bool | None:
+    """Whether the block indices an output's index map gives over the whole grid cover every block of the
+    array; None when the map cannot be replayed or the grid is too long to replay whole."""
+    if len(block) != len(array) or any(b <= 0 for b in block):
+        return None
+    if (math.prod(grid) if grid else 1) > MAX_EXACT_STEPS:
+        return None
+    need = tuple(-(-a // b) for a, b in zip(array, block, strict=True))
+    seen: set[tuple[int, ...]] = set()
+    for idx in _grid_chunks(grid, MAX_EXACT_STEPS):
+        outs = _eval_function(fn, idx[: len(grid)])
+        if outs is None or len(outs) != len(block):
+            return None
+        n = len(idx[0])
+        cols = np.stack([np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,))
+                         for o in outs], axis=1)  # fmt: skip
+        inside = np.all((cols >= 0) & (cols < np.asarray(need)), axis=1)
+        seen.update(map(tuple, np.unique(cols[inside], axis=0).tolist()))
+    return len(seen) == math.prod(need)
+
+
+def _block_follows(b_small: int, a_small: int, b_big: int, a_big: int) -> bool:
+    """One block dimension of one kernel at two shapes: the same constant, or the whole array dimension
+    at either (a `min(dim, BLOCK)` choice)."""
+    return b_small == b_big or b_small == a_small or b_big == a_big
+
+
+def _tiles_whole_array(x: WindowAudit, y: WindowAudit) -> bool:
+    """A window whose block is chosen from the shape (a tile that divides the dimension, 384 of 768 at one
+    shape and 512 of 4096 at another): at both shapes the grid visits every block of the whole array, so
+    the kernel reads (or writes) all of it at either shape whatever the block."""
+    return x.covered is True and y.covered is True
+
+
+def different_kernels(checked: ProgramAudit, shipped: ProgramAudit, what: str) -> str | None:
+    """Why the kernels of the checked program (validation shapes) and of the program that ships (the task's
+    own) are not one kernel at two shapes; None when they are. Both audits are the judge's own reading."""
+    if checked.error or shipped.error:
+        return None  # unreadable programs are reported where they are audited
+    if len(checked.kernels) != len(shipped.kernels):
+        return (
+            f"{len(checked.kernels)} kernel(s) at {what} vs {len(shipped.kernels)} in the program that ships"
+        )
+    for i, (a, b) in enumerate(zip(checked.kernels, shipped.kernels, strict=True)):
+        if len(a.grid) != len(b.grid) or a.semantics != b.semantics:
+            return f"kernel {i}: grid {a.grid} {a.semantics} at {what} vs {b.grid} {b.semantics} shipped"
+        if len(a.windows) != len(b.windows):
+            return f"kernel {i}: {len(a.windows)} block windows at {what} vs {len(b.windows)} shipped"
+        for w, (x, y) in enumerate(zip(a.windows, b.windows, strict=True)):
+            if x.array is None or y.array is None or len(x.block) != len(y.block):
+                continue
+            if len(x.block) != len(x.array) or len(y.block) != len(y.array):
+                continue
+            follows = all(_block_follows(*d) for d in zip(x.block, x.array, y.block, y.array, strict=True))
+            if not follows and not _tiles_whole_array(x, y):
+                return (f"kernel {i}: window {w} has blocks {x.block} of {x.array} at {what} but {y.block} of "
+                        f"{y.array} shipped (neither the same block, nor the whole dimension, nor a grid that visits "
+                        "every block at both shapes)")  # fmt: skip
+        if set(a.compute_ops) != set(b.compute_ops):
+            diff = sorted(set(a.compute_ops) ^ set(b.compute_ops))
+            return f"kernel {i}: different operations at {what} and shipped ({', '.join(diff[:6])})"
+    return None
+
+
+def uncovered_outputs(audit: ProgramAudit) -> str | None:
+    """Why some kernel leaves blocks of an output unwritten (the grid does not reach them), or None."""
+    for i, k in enumerate(audit.kernels):
+        for w, win in enumerate(k.windows):
+            if win.output and win.covered is False:
+                return (f"kernel {i} (grid {k.grid}) never writes some blocks {win.block} of its output "
+                        f"{win.array} (window {w}): the grid does not cover the output")  # fmt: skip
+    return None

@@ -212,13 +212,12 @@ def profile_job(payload: dict[str, Any], ctx: Any) -> dict[str, Any]:
         stats = {"min": -1.0, "max": 1.0, "mean": 0.0, "std": 0.5}
         inputs = [jax.numpy.asarray(taskcode.random_from_spec(s, rng, stats)) for s in val.dynamic]
     else:
-        dyn, _ = ref.raw_inputs("cpu" if mode == "cpu" else ("tpu" if ref.accepts_scale else None))[0]
-        inputs = [jax.numpy.asarray(a) for a in dyn]
+        inputs = [jax.numpy.asarray(a) for a in taskcode.own_validation_inputs(ref.source, task)[0]]
     traces = Path(ctx.run_dir) / "traces"
     repeats = int(payload.get("repeats", 3))
     ctx.stage("trace")
     ref_dir = capture_trace(
-        bind_static(ref.computation, val.static),
+        bind_static(taskcode.reference_for(ref.source, val.knobs).computation, val.static),
         inputs,
         traces,
         label="cpu (XLA reference)",

@@ -42,13 +42,51 @@ def _closed_jaxprs(value: Any) -> list[Any]:
     return out
 
 
+def _block_dim(b: Any) -> int:
+    """One block dimension: an int, `pl.Blocked(n)`; -1 for a squeezed or unknown one."""
+    if isinstance(b, int):
+        return b
+    size = getattr(b, "block_size", None)
+    return int(size) if isinstance(size, int) else -1
+
+
+def _literal(v: Any) -> float | None:
+    """A scalar literal operand's value (a jaxpr `Literal`), else None."""
+    val = getattr(v, "val", None)
+    if val is None or getattr(val, "shape", ()) != ():
+        return None
+    try:
+        return float(val)
+    except (TypeError, ValueError):
+        return None
+
+
 def to_tree(jaxpr: Any) -> Tree:
-    """Serialise a (closed) jaxpr into the tree the checks read."""
+    """Serialise a (closed) jaxpr into the tree the checks read. Each equation carries its operands' and
+    results' shapes, variable numbers local to its jaxpr (`iv`/`ov`: what feeds what, for the liveness of
+    kernel work), and scalar literal operands (`lit`: operand position -> value)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr) if not hasattr(jaxpr, "eqns") else jaxpr
+    ids: dict[Any, int] = {}
+
+    def vid(v: Any) -> int:
+        if _literal(v) is not None or not hasattr(v, "aval") or type(v).__name__ == "Literal":
+            return -1
+        return ids.setdefault(v, len(ids))
+
+    invars = [vid(v) for v in jaxpr.invars]
     eqns = []
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        node: Tree = {"p": name, "out": [_shape(v.aval) for v in eqn.outvars]}
+        node: Tree = {
+            "p": name,
+            "out": [_shape(v.aval) for v in eqn.outvars],
+            "in": [_shape(getattr(v, "aval", None)) for v in eqn.invars],
+            "iv": [vid(v) for v in eqn.invars],
+            "ov": [vid(v) for v in eqn.outvars],
+        }
+        lits = {str(i): x for i, v in enumerate(eqn.invars) if (x := _literal(v)) is not None}
+        if lits:
+            node["lit"] = lits
         params = eqn.params
         if name == "dot_general":
             lhs = eqn.invars[0].aval
@@ -63,10 +101,12 @@ def to_tree(jaxpr: Any) -> Tree:
             gm = params.get("grid_mapping")
             node["grid"] = [int(g) if isinstance(g, int) else -1 for g in (getattr(gm, "grid", ()) or ())]
             node["blocks"] = [
-                [int(b) if isinstance(b, int) else -1 for b in (getattr(bm, "block_shape", ()) or ())]
+                [_block_dim(b) for b in (getattr(bm, "block_shape", ()) or ())]
                 for bm in (getattr(gm, "block_mappings", ()) or ())
             ]
+            node["n_prefetch"] = int(getattr(gm, "num_index_operands", 0) or 0)
             node["body"] = to_tree(params["jaxpr"])
+            node["n_out"] = len(eqn.outvars)
         elif name == "cond":
             node["branches"] = [to_tree(b) for b in _closed_jaxprs(params.get("branches", ()))]
         else:
@@ -74,7 +114,13 @@ def to_tree(jaxpr: Any) -> Tree:
             if subs:
                 node["subs"] = subs
         eqns.append(node)
-    return {"eqns": eqns}
+    return {
+        "eqns": eqns,
+        "invars": invars,
+        "outvars": [vid(v) for v in jaxpr.outvars],
+        "in": [_shape(v.aval) for v in jaxpr.invars],
+        "outs": [_shape(getattr(v, "aval", None)) for v in jaxpr.outvars],
+    }
 
 
 def tree_eqns(tree: Tree, *, kernels: bool = False) -> Iterator[Tree]:

@@ -10,7 +10,9 @@ does not fit raises `ReadBackError`, which the harness turns into a rejection, n
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -26,6 +28,12 @@ MAX_TAIL_BYTES = 4000
 """How much of stderr is quoted back in a message."""
 MAX_RUN_DIR_ENTRIES = 2000
 """A candidate needs a handful of files; more than this is abuse, reported and deleted unread."""
+MAX_JSON_DEPTH = 400
+"""Nesting a read-back JSON document may have: a program tree nests about three levels per jaxpr level
+(real programs: a few dozen); Python's parser and the walkers recurse, so deeper is refused unread."""
+NPY_HEADER_SLACK = 4096
+"""Bytes an .npy member may hold beyond its array's data (its header)."""
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
 class ReadBackError(Exception):
@@ -53,6 +61,57 @@ def read_capped(path: Path, cap: int) -> bytes:
     if len(data) > cap:
         raise ReadBackError(f"{path.name} grew past the {cap}-byte cap while being read")
     return data
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest nesting of `[`/`{` in a JSON document (brackets inside strings do not count)."""
+    bare = np.frombuffer(_JSON_STRING.sub(b'""', data), np.uint8)
+    if bare.size == 0:
+        return 0
+    delta = (bare == ord("[")).astype(np.int64) + (bare == ord("{")) - (bare == ord("]")) - (bare == ord("}"))
+    return int(np.cumsum(delta).max(initial=0))
+
+
+def bounded_json(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """`json.loads` of untrusted bytes (already size-capped by the caller), refused when nested deeper than
+    `max_depth` (Python's parser and every recursive reader would otherwise fail with RecursionError)."""
+    raw = data.encode() if isinstance(data, str) else data
+    if json_depth(raw) > max_depth:
+        raise ReadBackError(f"a JSON document nested deeper than {max_depth} levels")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ReadBackError(f"not valid JSON: {str(exc)[:200]}") from exc
+
+
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_ALIASES = 64
+MAX_YAML_DEPTH = 64
+"""A task's YAML is a few kilobytes of settings: these bounds refuse an alias bomb (a few hundred bytes
+that expand into gigabytes once anything walks the result) before it is built."""
+
+
+def bounded_yaml(text: str) -> Any:
+    """`yaml.safe_load` of a task's YAML, refused (ValueError) when it is over `MAX_YAML_BYTES`, uses more
+    than `MAX_YAML_ALIASES` aliases or nests deeper than `MAX_YAML_DEPTH`; the events are counted before
+    any object is built. YAML syntax errors propagate as `yaml.YAMLError`."""
+    import yaml
+
+    if len(text) > MAX_YAML_BYTES:
+        raise ValueError(f"the YAML is {len(text)} characters, over the {MAX_YAML_BYTES} cap")
+    aliases = depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            aliases += 1
+            if aliases > MAX_YAML_ALIASES:
+                raise ValueError(f"the YAML uses more than {MAX_YAML_ALIASES} aliases (an alias bomb?)")
+        elif isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise ValueError(f"the YAML nests deeper than {MAX_YAML_DEPTH} levels")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return yaml.safe_load(text)
 
 
 def tail_text(path: Path, n: int = MAX_TAIL_BYTES) -> str:
@@ -100,7 +159,9 @@ def count_entries(root: Path, cap: int = MAX_RUN_DIR_ENTRIES) -> int:
 
 def load_arrays(path: Path, cap: int, expected: dict[str, ArraySpec]) -> dict[str, np.ndarray]:
     """An .npz of exactly the named arrays with exactly the given shapes and dtypes (bfloat16 travels as
-    uint16 bits, as `pack_arrays` writes it)."""
+    uint16 bits, as `pack_arrays` writes it). Each member's *decompressed* size is checked against what its
+    expected array needs before it is read: a compressed member (a zip bomb) cannot make this process
+    inflate more than the arrays it asked for."""
     data = read_capped(path, cap)
     out: dict[str, np.ndarray] = {}
     try:
@@ -111,6 +172,12 @@ def load_arrays(path: Path, cap: int, expected: dict[str, ArraySpec]) -> dict[st
                 extra = sorted(names - set(expected))[:3]
                 raise ReadBackError(f"{path.name}: arrays missing {missing}, unexpected {extra}")
             for name, spec in expected.items():
+                size = z.zip.getinfo(f"{name}.npy").file_size
+                need = int(np.prod(spec.shape, dtype=np.int64)) * np_dtype(spec.dtype).itemsize
+                if size > need + NPY_HEADER_SLACK:
+                    raise ReadBackError(
+                        f"{path.name}: {name} decompresses to {size} bytes; a {spec} array needs {need}"
+                    )
                 arr = z[name]
                 want = np_dtype(spec.dtype)
                 raw = np.dtype(np.uint16) if spec.dtype == "bfloat16" else want

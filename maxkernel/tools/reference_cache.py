@@ -37,6 +37,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from maxkernel.tools import taskcode
 from maxkernel.tools.candidate import input_name
 from maxkernel.tools.results import np_dtype
 from maxkernel.tools.store import sha256_text, toolchain_versions
@@ -75,7 +76,7 @@ class TaskInputCache:
         the agent before the candidate saw it; `origins` from the judge's signed result). Only sets the
         judge labelled "task", with exactly the validation configs' shapes and dtypes, are kept. Returns
         whether anything was kept."""
-        if task.validation_mode not in ("task", "cpu") or not isinstance(origins, list):
+        if task.validation_mode not in taskcode.OWN_INPUT_MODES or not isinstance(origins, list):
             return False  # shrunk shapes: set 0 is a secret draw like the others
         if len(origins) != len(task.validation_configs):
             return False

@@ -128,6 +128,11 @@ class InputConfig(BaseModel):
         description="contents of the task's own small integer inputs (group sizes, lengths), by position: "
         "the block model replays index maps and guards that read them as scalar prefetch",
     )
+    knobs: dict[str, int] = Field(
+        default_factory=dict,
+        description="the task generator's size literals as set for this configuration (`generator_knobs`); "
+        "empty: the task's code as it is",
+    )
 
     def input_bytes(self) -> int:
         return sum(a.nbytes() for a in self.dynamic)

@@ -43,6 +43,7 @@ from maxkernel.tools.readback import (
     MAX_JSON_BYTES,
     MAX_RUN_DIR_ENTRIES,
     ReadBackError,
+    bounded_json,
     count_entries,
     file_size,
     read_capped,
@@ -70,6 +71,19 @@ ENV_PASSED = ("LANG", "LC_ALL", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 _warned_no_bwrap = False
 _zygote_warned: set[str] = set()
 _bwrap_checked: bool | None = None
+
+
+def machine_load_factor() -> float:
+    """How much slower than idle this machine runs now: the 1-minute load average per core, in [1, 8].
+
+    A shared machine under load (a bench with parallel jobs, other users) stretches every stage of an
+    evaluation alike; without this a reference that takes 20 s idle times out at 90 s under a load of 8
+    per core, and a correct task is reported as failed."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return 1.0
+    return float(min(8.0, max(1.0, load / max(1, os.cpu_count() or 1))))
 
 
 class SandboxLimits(BaseModel):
@@ -230,6 +244,59 @@ def _package_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
+def _unreadable_by_others(path: Path) -> str | None:
+    """The first of `path` and its ancestors that a user other than its owner and group cannot reach
+    (a folder without o+x, or the path itself without o+r), as 'PATH (mode)'; None when all can be."""
+    path = Path(path)
+    chain = [*reversed(path.parents), path]
+    for i, p in enumerate(chain):
+        try:
+            mode = p.stat().st_mode
+        except OSError:
+            return None  # not there: nothing to read, the caller reports what is missing
+        need = 0o001 if i < len(chain) - 1 else (0o005 if p.is_dir() else 0o004)
+        if mode & need != need:
+            return f"{p} (mode {oct(mode & 0o777)})"
+    return None
+
+
+_fallback_problem: dict[str, str | None] = {}
+
+
+def fallback_unreadable() -> str | None:
+    """Why a child dropped to `nobody` in the fallback cannot run here, or None. The worker imports what a
+    job needs as root and only then drops, so the interpreter and the standard library may be private; but
+    JAX and jaxlib import modules lazily (the Pallas interpreters, export), after the drop, and maxkernel's
+    own modules are read then too: those packages must be readable by other users. A checkout or venv in
+    a private folder (a 0700 temp dir, /root/...) is common in containers; the answer says which path and
+    what to do."""
+    key = sys.prefix
+    if key not in _fallback_problem:
+        import jax
+        import numpy
+
+        paths = [Path(numpy.__file__).resolve(), Path(jax.__file__).resolve(),
+                 _package_root() / "maxkernel" / "tools" / "worker.py"]  # fmt: skip
+        try:
+            import jaxlib
+
+            paths.append(Path(jaxlib.__file__).resolve())
+        except ImportError:
+            pass
+        bad = next((b for b in map(_unreadable_by_others, paths) if b), None)
+        _fallback_problem[key] = (
+            None
+            if bad is None
+            else (
+                f"without bubblewrap the candidate runs as `nobody`, who cannot read {bad}: install bubblewrap "
+                "(apt-get install bubblewrap), or make the interpreter, the virtual environment and this checkout "
+                "readable by other users (e.g. chmod o+rX on each folder above them and -R on them), or move "
+                "them out of the private folder"
+            )
+        )
+    return _fallback_problem[key]
+
+
 def fresh_run_dir(parent: Path, stem: str) -> Path:
     """A run directory of its own for one child: concurrent children (search branches, bench jobs) never
     share job, progress or result files, even when they evaluate the same thing."""
@@ -249,9 +316,9 @@ def read_progress(run_dir: Path) -> list[dict[str, Any]]:
     events = []
     for line in text.splitlines():
         try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash mid-write
+            event = bounded_json(line, max_depth=8)
+        except ReadBackError:
+            continue  # a line cut short by a crash mid-write, or not an event
         if isinstance(event, dict):
             events.append(event)
     return events
@@ -368,6 +435,12 @@ class SandboxedChild:
             inner = python_cmd
             as_nobody = os.geteuid() == 0 and limits.fallback_as_nobody
             if as_nobody:
+                problem = fallback_unreadable()
+                if problem is not None:
+                    os.close(key_r)
+                    self.refused = problem
+                    self.isolation = "fallback"
+                    return
                 env["MAXKERNEL_DROP_TO_NOBODY"] = "1"  # the worker drops once its modules are loaded
             self.isolation = "fallback"
         if as_nobody:
@@ -546,17 +619,21 @@ class SandboxedChild:
         if timed_out:
             return SandboxOutcome(ok=False, error=f"timed out after {self.limits.timeout_s:g} s", **base)
         try:
-            envelope = json.loads(read_capped(run_dir / RESULT_FILE, MAX_JSON_BYTES))
-            body = envelope["body"]
-            forged = not hmac.compare_digest(str(envelope["mac"]), sign(self._key, body))
-            result = json.loads(body)
-            if not isinstance(result, dict):
-                raise TypeError("the result is not an object")
+            raw = read_capped(run_dir / RESULT_FILE, MAX_JSON_BYTES)
         except ReadBackError as exc:
             if (run_dir / RESULT_FILE).exists() or (run_dir / RESULT_FILE).is_symlink():
                 return SandboxOutcome(ok=False, error=f"the child left an unreadable result: {exc}", **base)
             return SandboxOutcome(ok=False, error=_death_message(code, stderr_tail, "process"), **base)
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        try:
+            envelope = bounded_json(raw)
+            body = envelope["body"]
+            if not isinstance(body, str):
+                raise TypeError("the result's body is not text")
+            forged = not hmac.compare_digest(str(envelope["mac"]), sign(self._key, body))
+            result = bounded_json(body)
+            if not isinstance(result, dict):
+                raise TypeError("the result is not an object")
+        except (ReadBackError, KeyError, TypeError, UnicodeDecodeError) as exc:
             return SandboxOutcome(ok=False, error=f"the child wrote an unreadable result: {exc}", **base)
         if forged:
             base["violations"] = [*base["violations"], "forged the result file"]

@@ -61,6 +61,11 @@ def _package_versions() -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def package_versions() -> dict[str, str]:
+    """jax, jaxlib and libtpu versions ("absent" where not installed)."""
+    return dict(_package_versions())
+
+
 def toolchain_versions() -> dict[str, str]:
     """What a stored verdict or estimate depends on besides its inputs: the JAX toolchain and the harness's
     own code (which holds the estimators too)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import json
 import math
 import sys
 import types
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from maxkernel.tools import generator_knobs
 from maxkernel.tools.results import ArraySpec
 
 
@@ -35,7 +37,9 @@ class TaskCodeError(Exception):
     """The task itself is broken (not the candidate): exit code 2 territory."""
 
 
-def load_module(path: Path, name: str) -> types.ModuleType:
+def load_module(path: Path, name: str, text: str | None = None) -> types.ModuleType:
+    """Import `path` as module `name`; with `text`, that source instead of the file's (a task whose
+    generator knobs were changed), still under the file's name so tracebacks point at it."""
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise TaskCodeError(f"cannot import {path}")
@@ -44,7 +48,10 @@ def load_module(path: Path, name: str) -> types.ModuleType:
     # Let the module import siblings (helpers next to reference.py).
     sys.path.insert(0, str(path.parent))
     try:
-        spec.loader.exec_module(module)
+        if text is None:
+            spec.loader.exec_module(module)
+        else:
+            exec(compile(text, str(path), "exec"), module.__dict__)
     finally:
         sys.path.remove(str(path.parent))
     return module
@@ -59,18 +66,73 @@ def task_source(task: dict[str, Any]) -> dict[str, Any]:
     return {k: task.get(k) for k in SOURCE_FIELDS}
 
 
+GENERATORS = {"jaxbench": "create_inputs"}
+"""The input generator's name per format (`get_inputs` elsewhere)."""
+
+JAXBENCH_DTYPE = "bfloat16"
+"""JAXBench's own runner calls `create_inputs(dtype=jnp.bfloat16)` whenever the generator takes a `dtype`
+(its f32-default KernelBench workloads included); a workload is loaded as that runner loads it."""
+
+
+def _knob_texts(source: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Where a task's generator knobs live: `where` -> (text, generator name)."""
+    fmt = source["format"]
+    generator = GENERATORS.get(fmt, "get_inputs")
+    ref_path = Path(source["reference_path"])
+    try:
+        text = ref_path.read_text()
+    except OSError:
+        return {}
+    out = {}
+    if fmt == "jaxbench" or f"def {generator}" in text or not source.get("input_gen_code"):
+        out[generator_knobs.MODULE] = (text, generator)
+    else:
+        out[generator_knobs.INPUT_GEN_CODE] = (str(source["input_gen_code"]), generator)
+    return out
+
+
+def find_task_knobs(source: dict[str, Any]) -> list[generator_knobs.Knob]:
+    """The size knobs of a task's generator (see `generator_knobs`)."""
+    return [
+        knob
+        for where, (text, generator) in _knob_texts(source).items()
+        for knob in generator_knobs.find_knobs(text, where, generator)
+    ]
+
+
+def _with_knobs(source: dict[str, Any], knobs: dict[str, int]) -> dict[str, str]:
+    """The texts of a task's code with `knobs` applied, per `where`."""
+    out = {}
+    for where, (text, generator) in _knob_texts(source).items():
+        mine = {k: v for k, v in knobs.items() if k.startswith(where + ":")}
+        if mine:
+            out[where] = generator_knobs.apply(text, generator_knobs.find_knobs(text, where, generator), mine)
+    if len(out) != len({k.split(":", 1)[0] for k in knobs}):
+        raise TaskCodeError(f"the task's generator has no knobs {sorted(knobs)}")
+    return out
+
+
 class Reference:
-    """The task's reference: how to make inputs, and the computation itself."""
+    """The task's reference: how to make inputs, and the computation itself.
+
+    `knobs` (generator literal -> value, see `generator_knobs`) loads the task's code with those literals
+    changed: the validation sizes of a task without CPU-scale inputs."""
 
     @classmethod
     def of_task(cls, task: dict[str, Any]) -> Reference:
         return cls(task_source(task))
 
-    def __init__(self, source: dict[str, Any]) -> None:
+    def __init__(self, source: dict[str, Any], knobs: dict[str, int] | None = None) -> None:
         self.format: str = source["format"]
+        self.source = source
+        self.knobs = dict(knobs or {})
         ref_path = Path(source["reference_path"])
+        texts = _with_knobs(source, self.knobs) if self.knobs else {}
+        name = "maxkernel_reference" + (
+            f"_{abs(hash(tuple(sorted(self.knobs.items()))))}" if self.knobs else ""
+        )
         try:
-            self.module = load_module(ref_path, "maxkernel_reference")
+            self.module = load_module(ref_path, name, texts.get(generator_knobs.MODULE))
         except TaskCodeError:
             raise
         except SyntaxError as exc:
@@ -78,29 +140,32 @@ class Reference:
         except Exception as exc:
             raise TaskCodeError(f"importing {ref_path.name} failed: {type(exc).__name__}: {exc}") from exc
         m = self.module
+        self.skip_jit = bool(getattr(m, "_skip_jit", False))
         if self.format == "jaxbench":
             if not callable(getattr(m, "workload", None)) or not callable(getattr(m, "create_inputs", None)):
                 raise TaskCodeError(
                     f"{ref_path.name}: a JAXBench workload needs `create_inputs` and `workload`"
                 )
-            self._get_inputs = m.create_inputs
-            self.computation: Callable[..., Any] = config_follows_shapes(m, m.workload, self._get_inputs)
+            self._get_inputs = _jaxbench_generator(m.create_inputs)
+            self.computation: Callable[..., Any] = (
+                m.workload if self.knobs else config_follows_shapes(m, m.workload, self._get_inputs)
+            )
         else:
             if not callable(getattr(m, "computation", None)):
                 raise TaskCodeError(f"{ref_path.name} has no function `computation`")
             self.computation = m.computation
             get_inputs = getattr(m, "get_inputs", None)
-            if get_inputs is None and source.get("input_gen_code"):
+            code = texts.get(generator_knobs.INPUT_GEN_CODE, source.get("input_gen_code"))
+            if get_inputs is None and code:
                 namespace: dict[str, Any] = {}
                 try:
-                    exec(
-                        compile(source["input_gen_code"], "kernel_task.yaml:input_gen_code", "exec"),
-                        namespace,
-                    )
+                    exec(compile(code, "kernel_task.yaml:input_gen_code", "exec"), namespace)
                 except SyntaxError as exc:
                     raise TaskCodeError(
                         f"syntax error in input_gen_code line {exc.lineno}: {exc.msg}"
                     ) from exc
+                except Exception as exc:
+                    raise TaskCodeError(f"input_gen_code failed: {type(exc).__name__}: {exc}") from exc
                 get_inputs = namespace.get("get_inputs")
             if not callable(get_inputs):
                 raise TaskCodeError(
@@ -122,17 +187,86 @@ class Reference:
         return normalise_inputs(produced, self.format)
 
 
+_REFERENCES: dict[tuple[str, ...], Reference] = {}
+
+OWN_INPUT_MODES = ("task", "cpu", "knobs")
+"""Validation modes whose first input set is the task's own (its generator ran at those sizes); in the
+other mode ("shrink") every set is drawn from the statistics of the task's full-size inputs."""
+
+
+def reference_for(source: dict[str, Any], knobs: dict[str, int] | None) -> Reference:
+    """A `Reference` per (task, knob setting), loaded once per process (a judge reads several configs)."""
+    key = (json.dumps(source, sort_keys=True, default=str), json.dumps(knobs or {}, sort_keys=True))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = Reference(source, knobs)
+    return _REFERENCES[key]
+
+
+def own_validation_inputs(source: dict[str, Any], task: dict[str, Any]) -> list[list[np.ndarray]]:
+    """The task's own inputs at every validation config (a mode in `OWN_INPUT_MODES`), as numpy: its
+    generator run once per knob setting (its CPU scale in mode "cpu")."""
+    mode = task["validation_mode"]
+    out: list[list[np.ndarray]] = []
+    made: dict[str, list[tuple[list[Any], list[Any]]]] = {}
+    for index, cfg in enumerate(task["validation_configs"]):
+        knobs = (cfg.get("knobs") if isinstance(cfg, dict) else getattr(cfg, "knobs", None)) or {}
+        key = json.dumps(knobs, sort_keys=True)
+        if key not in made:
+            ref = reference_for(source, knobs or None)
+            made[key] = ref.raw_inputs("cpu" if mode == "cpu" else ("tpu" if ref.accepts_scale else None))
+        out.append([to_numpy(a) for a in made[key][index][0]])
+    return out
+
+
+def _jaxbench_generator(create_inputs: Callable[..., Any]) -> Callable[..., Any]:
+    """`create_inputs` as JAXBench's runner calls it: `dtype=jnp.bfloat16` when it takes a dtype."""
+    try:
+        takes_dtype = "dtype" in inspect.signature(create_inputs).parameters
+    except (TypeError, ValueError):
+        takes_dtype = False
+
+    @functools.wraps(create_inputs)
+    def generate() -> Any:
+        if takes_dtype:
+            import jax.numpy as jnp
+
+            return create_inputs(dtype=getattr(jnp, JAXBENCH_DTYPE))
+        return create_inputs()
+
+    return generate
+
+
 # What a candidate module may export, in order of preference: our own name, then JAXBench's.
 CANDIDATE_ENTRY_POINTS = ("computation", "workload")
 
 
 def candidate_entry(module: types.ModuleType) -> Callable[..., Any] | None:
-    """The candidate's function: `computation`, or `workload` (a JAXBench hand-written kernel)."""
+    """The candidate's function: `computation`, or `workload` (a JAXBench hand-written kernel).
+
+    A hand-written `workload` may declare fewer arguments than the baseline's: JAXBench's runner calls it
+    with its own module's `create_inputs`, which can leave out what the kernel does not need (a static
+    group size, trailing cumulative lengths). It gets the leading arguments it declares."""
     for name in CANDIDATE_ENTRY_POINTS:
         fn = getattr(module, name, None)
         if callable(fn):
-            return fn
+            return _leading_arguments(fn) if name == "workload" else fn
     return None
+
+
+def _leading_arguments(fn: Callable[..., Any]) -> Callable[..., Any]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return fn
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY) for p in params):
+        return fn
+    n = len(params)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        return fn(*args[:n])
+
+    return call
 
 
 def config_follows_shapes(
@@ -191,8 +325,19 @@ def config_follows_shapes(
 
 def normalise_inputs(produced: Any, fmt: str) -> list[tuple[list[Any], list[Any]]]:
     if fmt == "jaxbench":
-        arrays = list(produced) if isinstance(produced, list | tuple) else [produced]
-        return [(arrays, [])]
+        # As JAXBench's runner: the generator's values are the workload's arguments, in order. Values that are
+        # not arrays (a Python int used as a static size, a float, a tuple) are static arguments: maxkernel
+        # passes them after the arrays, so they must come last.
+        values = list(produced) if isinstance(produced, list | tuple) else [produced]
+        first_static = next((i for i, v in enumerate(values) if not _is_array(v)), len(values))
+        late = [i for i, v in enumerate(values) if i > first_static and _is_array(v)]
+        if late:
+            raise TaskCodeError(
+                f"create_inputs returns a non-array value at position {first_static} before the array at "
+                f"position {late[0]}; static values (Python ints, floats, tuples) are passed after the arrays, "
+                "so return them last"
+            )
+        return [(values[:first_static], values[first_static:])]
     if _is_pair(produced):
         return [(list(produced[0]), list(produced[1]))]
     if isinstance(produced, list) and produced and all(_is_pair(p) for p in produced):
@@ -201,6 +346,10 @@ def normalise_inputs(produced: Any, fmt: str) -> list[tuple[list[Any], list[Any]
         "get_inputs must return (dynamic_args, static_args) or a list of such pairs; "
         f"got {type(produced).__name__}"
     )
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _is_pair(x: Any) -> bool:
@@ -217,8 +366,29 @@ def spec_of(x: Any) -> ArraySpec:
     return ArraySpec(shape=tuple(int(d) for d in x.shape), dtype=str(np.dtype(x.dtype)))
 
 
+_CONCRETE_ERRORS = (
+    "ConcretizationTypeError",
+    "TracerIntegerConversionError",
+    "TracerBoolConversionError",
+    "TracerArrayConversionError",
+)
+"""What a generator raises under abstract evaluation when it needs a concrete value (a static computed with
+`jnp`: `float(1.0 / jnp.sqrt(head_dim))`)."""
+
+
+def _needs_concrete(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if type(seen).__name__ in _CONCRETE_ERRORS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def abstract_inputs(ref: Reference, scale: str | None) -> list[tuple[list[ArraySpec], list[Any]]]:
-    """Shapes and dtypes of the inputs without allocating them (`jax.eval_shape`)."""
+    """Shapes and dtypes of the inputs, without allocating them (`jax.eval_shape`) where the generator
+    allows it. A generator that needs concrete values to compute its statics is run as its own harness runs
+    it: concretely, on the CPU (its arrays are allocated once, then dropped)."""
     import jax
 
     statics: list[list[Any]] = []
@@ -230,12 +400,16 @@ def abstract_inputs(ref: Reference, scale: str | None) -> list[tuple[list[ArrayS
 
     try:
         shapes = jax.eval_shape(dynamic_only)
-    except TaskCodeError:
-        raise
     except Exception as exc:
-        raise TaskCodeError(
-            f"get_inputs could not be traced abstractly: {type(exc).__name__}: {exc}"
-        ) from exc
+        if not _needs_concrete(exc):
+            if isinstance(exc, TaskCodeError):
+                raise
+            raise TaskCodeError(
+                f"get_inputs could not be traced abstractly: {type(exc).__name__}: {exc}"
+            ) from exc
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            concrete = ref.raw_inputs(scale)
+        return [([spec_of(a) for a in dyn], list(st)) for dyn, st in concrete]
     return [([spec_of(a) for a in dyn], list(st)) for dyn, st in zip(shapes, statics, strict=True)]
 
 
@@ -271,6 +445,29 @@ def small_int_inputs(ref: Reference, scale: str | None) -> list[dict[int, Any]]:
     except Exception:  # noqa: BLE001 - values are an optional refinement of the estimate
         return []
     return [{i: np.asarray(a).tolist() for i, a in enumerate(dyn) if a is not None} for dyn in configs]
+
+
+def integer_maxima(
+    ref: Reference, configs: list[tuple[list[ArraySpec], list[Any]]]
+) -> tuple[int | None, ...]:
+    """The largest value of each integer dynamic input (None for the others), all configurations in order.
+    Computed under `jax.jit` like `small_int_inputs`: the float arrays are dead code XLA never makes."""
+    import jax
+    import jax.numpy as jnp
+
+    if not any(not a.dtype.startswith(("float", "bfloat", "bool")) for dyn, _ in configs for a in dyn):
+        return tuple(None for dyn, _ in configs for _a in dyn)
+
+    def maxima() -> list[Any]:
+        return [
+            jnp.max(a) if jnp.issubdtype(a.dtype, jnp.integer) and a.size else None
+            for dyn, _ in ref.raw_inputs(None)
+            for a in dyn
+        ]
+
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        values = jax.jit(maxima)()
+    return tuple(None if v is None else int(v) for v in values)
 
 
 def output_specs(ref: Reference, dynamic: list[ArraySpec], static: list[Any]) -> list[ArraySpec]:
@@ -387,12 +584,47 @@ def larger_map(val: list[ArraySpec], own: list[ArraySpec]) -> dict[int, int] | N
 # --- input sets -------------------------------------------------------------------------------------------
 
 
-def random_like(x: np.ndarray, rng: np.random.Generator, hold: bool = False) -> np.ndarray:
+WIDE_SPREAD = 3.0
+"""The wide draw family's spread, in standard deviations of the task's own values: far enough outside the
+public sample (|x| > 4 for standard normal inputs in about a fifth of the elements) that a kernel that is
+right only inside the sample's range is caught, not so far that a faithful kernel leaves the tolerance."""
+SPECIAL_FRACTION = 0.01
+"""Share of a wide draw's elements replaced by special values (zeros, signed ones, twice the extremes)."""
+
+Domain = tuple[float, float]
+
+
+def _clip(draw: np.ndarray, domain: Domain | None) -> np.ndarray:
+    return draw if domain is None else np.clip(draw, domain[0], domain[1])
+
+
+def _wide(shape: tuple[int, ...], rng: np.random.Generator, stats: dict[str, float],
+          domain: Domain | None) -> np.ndarray:  # fmt: skip
+    """A float draw wider than the sample: scaled and shifted about its mean, with special values."""
+    mean, std = float(stats.get("mean", 0.0)), float(stats.get("std", 1.0)) or 1.0
+    lo, hi = float(stats.get("min", mean - std)), float(stats.get("max", mean + std))
+    shift = float(rng.choice([-1.0, 0.0, 1.0])) * std
+    draw = rng.normal(mean + shift, WIDE_SPREAD * std, size=shape)
+    specials = np.array([0.0, -0.0, 1.0, -1.0, 2.0 * lo, 2.0 * hi, mean])
+    if domain is not None:
+        specials = specials[(specials >= domain[0]) & (specials <= domain[1])]
+    if draw.size and specials.size:
+        mask = rng.random(shape) < SPECIAL_FRACTION
+        draw = np.where(mask, rng.choice(specials, size=shape), draw)
+    return _clip(draw, domain)
+
+
+def random_like(
+    x: np.ndarray, rng: np.random.Generator, hold: bool = False, *, wide: bool = False,
+    domain: Domain | None = None,
+) -> np.ndarray:  # fmt: skip
     """A fresh input with the same shape and dtype and similar values.
 
     Floats: normal draws with the observed mean and spread, clipped to the observed range (keeps positive
-    inputs positive). Integers and booleans: a random permutation of the observed values, which stays in
-    range and keeps sums and multisets (group sizes, page tables, labels) valid.
+    inputs positive); with `wide`, scaled and shifted well past that range, with special values sprinkled in
+    (`_wide`); always within the task's declared `domain` when it has one. Integers and booleans: a random
+    permutation of the observed values, which stays in range and keeps sums and multisets (group sizes,
+    page tables, labels) valid.
     """
     if hold or x.size == 0:
         return x.copy()
@@ -402,15 +634,23 @@ def random_like(x: np.ndarray, rng: np.random.Generator, hold: bool = False) -> 
         mean, std = float(xf.mean()), float(xf.std())
         if std == 0.0:
             return x.copy()
+        if wide:
+            return _wide(x.shape, rng, {"mean": mean, "std": std, "min": lo, "max": hi}, domain).astype(
+                x.dtype
+            )
         draw = np.clip(rng.normal(mean, std, size=x.shape), lo, hi)
-        return draw.astype(x.dtype)
+        return _clip(draw, domain).astype(x.dtype)
     flat = x.reshape(-1).copy()
     rng.shuffle(flat)
     return flat.reshape(x.shape)
 
 
-def random_from_spec(spec: ArraySpec, rng: np.random.Generator, stats: dict[str, float]) -> np.ndarray:
-    """Inputs for shrunk shapes, where the task's own values do not exist: drawn from observed statistics."""
+def random_from_spec(
+    spec: ArraySpec, rng: np.random.Generator, stats: dict[str, float], *, wide: bool = False,
+    domain: Domain | None = None,
+) -> np.ndarray:  # fmt: skip
+    """Inputs for shrunk shapes, where the task's own values do not exist: drawn from observed statistics
+    (`wide`: the wide family, as `random_like`)."""
     dtype = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else None
     if spec.dtype == "bool":
         return rng.random(spec.shape) < stats.get("mean", 0.5)
@@ -419,8 +659,30 @@ def random_from_spec(spec: ArraySpec, rng: np.random.Generator, stats: dict[str,
     import ml_dtypes
 
     std = stats.get("std", 1.0) or 1.0
-    draw = np.clip(rng.normal(stats.get("mean", 0.0), std, size=spec.shape), stats["min"], stats["max"])
+    if wide:
+        draw = _wide(tuple(spec.shape), rng, stats, domain)
+    else:
+        draw = _clip(np.clip(rng.normal(stats.get("mean", 0.0), std, size=spec.shape), stats["min"], stats["max"]),
+                     domain)  # fmt: skip
     return draw.astype(ml_dtypes.bfloat16 if dtype is None else dtype)
+
+
+def input_domains(task: dict[str, Any], n_inputs: int) -> list[Domain | None]:
+    """Per dynamic input, the task's declared input domain (`input_domain` in kernel_task.yaml: one
+    `[lo, hi]` for every floating input, or a mapping from input index to `[lo, hi]`); None where none."""
+    raw = task.get("input_domain")
+    if raw is None:
+        return [None] * n_inputs
+    if isinstance(raw, dict):
+        return [_domain(raw.get(i, raw.get(str(i)))) for i in range(n_inputs)]
+    return [_domain(raw)] * n_inputs
+
+
+def _domain(value: Any) -> Domain | None:
+    if value is None:
+        return None
+    lo, hi = (float(v) for v in value)
+    return (lo, hi)
 
 
 def to_numpy(x: Any) -> np.ndarray:

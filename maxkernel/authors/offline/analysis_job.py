@@ -71,10 +71,17 @@ def analyse_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     configs: list[Config] = []
     seen = set()
     for c in [*payload["configs"], *payload.get("validation_configs", [])]:
+        knobs = c.get("knobs") or {}
+        try:
+            computation = taskcode.reference_for(ref.source, knobs).computation if knobs else None
+        except taskcode.TaskCodeError as exc:
+            return {"ok": False, "task_error": str(exc)}
         cfg = Config(
-            dynamic=[(tuple(a["shape"]), a["dtype"]) for a in c["dynamic"]], static=list(c.get("static", []))
+            dynamic=[(tuple(a["shape"]), a["dtype"]) for a in c["dynamic"]],
+            static=list(c.get("static", [])),
+            computation=computation,
         )
-        key = repr((cfg.dynamic, cfg.static))
+        key = repr((cfg.dynamic, cfg.static, sorted(knobs.items())))
         if key not in seen:
             seen.add(key)
             configs.append(cfg)

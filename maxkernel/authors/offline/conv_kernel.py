@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue, conv_out_of
 from maxkernel.authors.offline.conv_pool import pooled_shape
-from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name
+from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name, int_tuple
 from maxkernel.authors.offline.kernels import SUBLANE, KernelBuilder, LowerError, nbytes
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
 from maxkernel.authors.offline.trace import direct_conv_ok, is_depthwise
@@ -907,4 +907,4 @@ def {s}({", ".join([xn, wn, *ep_names])}):
 
 def _transposed(name: str, perm: tuple[int, ...]) -> str:
     """`jnp.transpose` code, or just the name when the permutation is the identity."""
-    return name if list(perm) == sorted(perm) else f"jnp.transpose({name}, {tuple(perm)})"
+    return name if list(perm) == sorted(perm) else f"jnp.transpose({name}, {int_tuple(perm)})"

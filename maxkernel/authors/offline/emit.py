@@ -84,6 +84,12 @@ def literal_code(value: Any, dtype: str) -> str:
     return str(int(v))
 
 
+def int_tuple(values: Any) -> tuple[int, ...]:
+    """A jaxpr param's integers as Python ints, for emitted code: jnp helpers leave numpy scalars in some
+    (`jnp.repeat`'s broadcast dimensions), whose repr (`np.int64(1)`) would not run in the generated module."""
+    return tuple(int(v) for v in values)
+
+
 def paren(code: str) -> str:
     """Parenthesise anything that is not a plain name or an unsigned number."""
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", code) or re.fullmatch(r"[0-9][0-9eE.+\-]*", code):

@@ -34,6 +34,7 @@ from maxkernel.authors.offline.emit import (
     dtype_code,
     dtype_name,
     elementwise_expr,
+    int_tuple,
     is_float,
     literal_code,
     shape_comment,
@@ -609,7 +610,7 @@ class Builder(KernelBuilder):
         perm = sorted(range(len(present)), key=lambda j: order.index(present[j]))
         if perm != list(range(len(present))):
             src = f"lax.optimization_barrier({cur})" if self.kernel_output(var) else cur
-            lines.append(f"{cur} = jnp.transpose({src}, {tuple(perm)})")
+            lines.append(f"{cur} = jnp.transpose({src}, {int_tuple(perm)})")
         present = [present[j] for j in perm]
         # 3. per-class shape with 1s for absent classes, broadcast partially spanned dims, merge
         expanded = []
@@ -676,7 +677,7 @@ class Builder(KernelBuilder):
             cur_shape = [s for s, i in zip(per_class, index, strict=True) if i == ":"]
         perm = [keep_classes.index(c) for c in present]
         if perm != list(range(len(perm))):
-            lines.append(f"{cur} = jnp.transpose({cur}, {tuple(perm)})")
+            lines.append(f"{cur} = jnp.transpose({cur}, {int_tuple(perm)})")
             cur_shape = [cur_shape[j] for j in perm]
         shape = [self.class_var(c) if c is not None else "1" for c in classes]
         if shape != cur_shape:

@@ -19,6 +19,7 @@ from maxkernel.authors.offline.emit import (
     dtype_code,
     dtype_name,
     elementwise_expr,
+    int_tuple,
     is_float,
     literal_code,
     shape_comment,
@@ -212,15 +213,15 @@ class Lowering:
                         dims.append(f"{x}.shape[{src}]")
                         continue
                 dims.append(self.resolve_int(vals, local))
-            return f"lax.broadcast_in_dim({x}, {_tup(dims)}, {tuple(bd)})"
+            return f"lax.broadcast_in_dim({x}, {_tup(dims)}, {int_tuple(bd)})"
         if name == "transpose":
-            return f"jnp.transpose({x}, {tuple(p['permutation'])})"
+            return f"jnp.transpose({x}, {int_tuple(p['permutation'])})"
         if name == "convert_element_type":
             return f"{x}.astype({dtype_code(dtype_name(e.outvars[0].aval))})"
         if name == "squeeze":
-            return f"lax.squeeze({x}, {tuple(p['dimensions'])})"
+            return f"lax.squeeze({x}, {int_tuple(p['dimensions'])})"
         if name == "expand_dims":
-            return f"lax.expand_dims({x}, {tuple(p['dimensions'])})"
+            return f"lax.expand_dims({x}, {int_tuple(p['dimensions'])})"
         if name in ("copy", "copy_p"):
             return x
         if name == "iota":
@@ -231,7 +232,7 @@ class Lowering:
             starts = resolve_list("start_indices")
             limits = resolve_list("limit_indices")
             strides = p.get("strides")
-            tail = f", {tuple(strides)}" if strides is not None and any(s != 1 for s in strides) else ""
+            tail = f", {int_tuple(strides)}" if strides is not None and any(s != 1 for s in strides) else ""
             return f"lax.slice({x}, {_tup(starts)}, {_tup(limits)}{tail})"
         if name == "concatenate":
             xs = ", ".join(arg(k) for k in range(len(e.invars)))
@@ -246,7 +247,7 @@ class Lowering:
                 cfg.append(f"({lo}, {hi}, {it})")
             return f"lax.pad({x}, {arg(1)}, [{', '.join(cfg)}])"
         if name == "rev":
-            return f"lax.rev({x}, {tuple(p['dimensions'])})"
+            return f"lax.rev({x}, {int_tuple(p['dimensions'])})"
         if name == "dynamic_slice":
             idx = ", ".join(arg(k) for k in range(1, len(e.invars)))
             sizes = resolve_list("slice_sizes")
@@ -270,10 +271,10 @@ class Lowering:
             fill = p.get("fill_value")
             dnc = (
                 "lax.GatherDimensionNumbers("
-                f"offset_dims={tuple(dn.offset_dims)}, collapsed_slice_dims={tuple(dn.collapsed_slice_dims)}, "
-                f"start_index_map={tuple(dn.start_index_map)}, "
-                f"operand_batching_dims={tuple(getattr(dn, 'operand_batching_dims', ()))}, "
-                f"start_indices_batching_dims={tuple(getattr(dn, 'start_indices_batching_dims', ()))})"
+                f"offset_dims={int_tuple(dn.offset_dims)}, collapsed_slice_dims={int_tuple(dn.collapsed_slice_dims)}, "
+                f"start_index_map={int_tuple(dn.start_index_map)}, "
+                f"operand_batching_dims={int_tuple(getattr(dn, 'operand_batching_dims', ()))}, "
+                f"start_indices_batching_dims={int_tuple(getattr(dn, 'start_indices_batching_dims', ()))})"
             )
             src = self.cast_source(e.invars[0])
             cast = ""

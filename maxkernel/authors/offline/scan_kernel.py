@@ -24,6 +24,7 @@ from maxkernel.authors.offline.emit import (
     dtype_code,
     dtype_name,
     elementwise_expr,
+    int_tuple,
     literal_code,
     shape_comment,
 )
@@ -161,18 +162,18 @@ class ScanBuilder(KernelBuilder):
         elif name == "broadcast_in_dim":
             expr = (
                 f"lax.broadcast_in_dim({self.arg(ins[0])}, {self.shape_code(out)}, "
-                f"{tuple(e.params['broadcast_dimensions'])})"
+                f"{int_tuple(e.params['broadcast_dimensions'])})"
             )
         elif name in ("reshape", "squeeze", "expand_dims"):
             expr = f"{self.arg(ins[0])}.reshape({self.shape_code(out)})"
         elif name == "transpose":
-            expr = f"jnp.transpose({self.arg(ins[0])}, {tuple(e.params['permutation'])})"
+            expr = f"jnp.transpose({self.arg(ins[0])}, {int_tuple(e.params['permutation'])})"
         elif name in ("copy", "copy_p"):
             expr = self.arg(ins[0])
         elif name == "iota":
             expr = f"lax.broadcasted_iota({dtype_code(dt)}, {self.shape_code(out)}, {e.params['dimension']})"
         elif name in _REDUCE_FN:
-            expr = f"{_REDUCE_FN[name]}({self.arg(ins[0])}, axis={tuple(e.params['axes'])})"
+            expr = f"{_REDUCE_FN[name]}({self.arg(ins[0])}, axis={int_tuple(e.params['axes'])})"
             self.flop_count += math.prod(int(s) for s in ins[0].aval.shape)
         elif name == "dot_general":
             (lc, rc), (lb, rb) = e.params["dimension_numbers"]
@@ -180,7 +181,7 @@ class ScanBuilder(KernelBuilder):
             pref_code = dtype_code(dtype_name(out.aval)) if pref is not None else "None"
             expr = (
                 f"lax.dot_general({self.arg(ins[0])}, {self.arg(ins[1])}, "
-                f"(({tuple(lc)}, {tuple(rc)}), ({tuple(lb)}, {tuple(rb)})), "
+                f"(({int_tuple(lc)}, {int_tuple(rc)}), ({int_tuple(lb)}, {int_tuple(rb)})), "
                 f"preferred_element_type={pref_code}{precision_arg(e)})"
             )
             k = math.prod(int(ins[0].aval.shape[a]) for a in lc)

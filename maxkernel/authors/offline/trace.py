@@ -1239,6 +1239,9 @@ class Config:
 
     dynamic: list[tuple[tuple[int, ...], str]]
     static: list[Any]
+    computation: Callable[..., Any] | None = None
+    """This configuration's own reference (a task validated with changed generator knobs loads its code
+    with them); None: the one `trace_reference` is given."""
 
 
 @dataclass
@@ -1311,8 +1314,12 @@ def trace_reference(
             specs = [jax.ShapeDtypeStruct(s, np.dtype(_np_dtype(d))) for s, d in cfg.dynamic]
             statics = list(cfg.static)
 
-            def fn(*dyn: Any, _statics: list[Any] = statics) -> Any:
-                return computation(*dyn, *_statics)
+            def fn(
+                *dyn: Any,
+                _statics: list[Any] = statics,
+                _f: Callable[..., Any] = cfg.computation or computation,
+            ) -> Any:
+                return _f(*dyn, *_statics)
 
             SIZE_DECISIONS.start_trace(replay=bool(closed))
             closed.append(flatten(fn, specs))
@@ -1460,6 +1467,10 @@ def _candidates(integer: bool, atoms: list[Atom]) -> Any:
                     f"{a.code} - {b.code}" + (f" + {k}" if k > 0 else f" - {-k}" if k < 0 else ""),
                     tuple(x - y + k for x, y in zip(a.values, b.values, strict=True)),
                 )
+        # a dim plus a size static or another dim (a buffer padded by one group's rows: M + max_group)
+        whole = [a for a in atoms if all(float(x).is_integer() for x in a.values)]
+        for a, b in itertools.combinations(whole, 2):
+            yield f"{a.code} + {b.code}", tuple(x + y for x, y in zip(a.values, b.values, strict=True))
         for a, b, c in itertools.combinations_with_replacement(dims, 3):
             yield (
                 f"{a.code} * {b.code} * {c.code}",
