@@ -7,7 +7,12 @@ seeded RNG. Each run uses the agent graph with the real call-level retries; when
 run ends in its named state and is resumed (what `maxkernel resume THREAD` does), up to --max-resumes.
 Kernel evaluations go through one results store, so only the first run pays for the harness.
 
-    .venv/bin/python benchmarks/flaky_provider.py --runs 4 --failure-rate 0.3
+Then one run per model-call budget (`--budgets`; the same seeded provider each time, up to three rounds, and
+first with no budget for reference): the exact number of calls the provider received, failed and retried
+ones included, against the budget, and the run's stop reason. A budget holds when the provider never
+receives more calls than it allows.
+
+    .venv/bin/python benchmarks/flaky_provider.py --runs 4 --failure-rate 0.3 --budgets 1,2,3,5,8
 """
 
 from __future__ import annotations
@@ -88,9 +93,11 @@ class FlakyProvider(BaseChatModel):
         return ChatResult(generations=[ChatGeneration(message=AIMessage(content=text, usage_metadata=usage))])
 
 
-def one_run(index: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+def one_run(
+    index: int, args: argparse.Namespace, root: Path, max_model_calls: int | None = None, iterations: int = 1
+) -> dict[str, Any]:
     model = FlakyProvider(failure_rate=args.failure_rate, seed=args.seed + index)
-    graph = compile_graph(sqlite_checkpointer(root / "ck.sqlite"), model_retry=None)
+    graph = compile_graph(sqlite_checkpointer(root / "ck.sqlite"))
     ctx = Context(
         model="flaky",
         chat_model=model,
@@ -101,20 +108,21 @@ def one_run(index: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         model_retries=args.retries,
         backoff_initial_s=0.01,
         backoff_max_s=0.05,
+        max_model_calls=max_model_calls,
     )
-    config = {"configurable": {"thread_id": f"flaky-{index}"}}
+    config = {"configurable": {"thread_id": f"flaky-{index}-{max_model_calls}"}}
     inp: Any = {
         "task_path": str(EXAMPLE),
-        "max_iterations": 1,
+        "max_iterations": iterations,
         "tune_max_configs": 0,
         "out_dir": str(root / f"out-{index}"),
     }
-    resumes, ended = 0, "running"
+    resumes, ended, reason = 0, "running", ""
     while True:
         try:
             graph.invoke(inp, config, context=ctx)
             values = graph.get_state(config).values
-            ended = values.get("status", "unknown")
+            ended, reason = values.get("status", "unknown"), values.get("stop_reason") or ""
             correct = values.get("best") is not None and values["best"].kind != "baseline"
             break
         except ModelCallError as exc:
@@ -125,7 +133,7 @@ def one_run(index: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             inp = None  # resume the thread at the failed step
     usage = graph.get_state(config).values.get("usage")
     return {"status": ended, "correct": correct, "calls": model.calls, "failed": model.failures,
-            "resumes": resumes, "recorded": usage.model_calls if usage else 0}  # fmt: skip
+            "resumes": resumes, "recorded": usage.model_calls if usage else 0, "reason": reason}  # fmt: skip
 
 
 def main() -> int:
@@ -135,7 +143,10 @@ def main() -> int:
     p.add_argument("--retries", type=int, default=2, help="call-level retries (Context.model_retries)")
     p.add_argument("--max-resumes", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budgets", default="1,2,3,4,5,8", help="model-call budgets, one run each ('' for none)")
+    p.add_argument("--budget-seed", type=int, default=1, help="provider seed offset of the budget runs")
     args = p.parse_args()
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
     start = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory(prefix="flaky-") as tmp:
@@ -145,6 +156,14 @@ def main() -> int:
             print(f"run {i}: {row['status']}, correct kernel from the model: {row['correct']}, "
                   f"calls {row['calls']} ({row['failed']} failed), resumes {row['resumes']}, "
                   f"calls in the run's usage {row['recorded']}", flush=True)  # fmt: skip
+        held = True
+        for budget in [None, *budgets] if budgets else []:
+            row = one_run(args.budget_seed, args, Path(tmp), max_model_calls=budget, iterations=3)
+            held = held and (budget is None or row["calls"] <= budget)
+            verdict = "" if budget is None else ("held; " if row["calls"] <= budget else "OVERSHOT; ")
+            print(f"budget {budget or 'none'}: the provider received {row['calls']} call(s) "
+                  f"({row['failed']} failed), the run's usage says {row['recorded']}, resumes {row['resumes']}; "
+                  f"{verdict}{row['status']}: {row['reason'] or 'finished'}", flush=True)  # fmt: skip
     ok = sum(r["correct"] for r in rows)
     calls = sum(r["calls"] for r in rows)
     failed = sum(r["failed"] for r in rows)
@@ -154,7 +173,7 @@ def main() -> int:
         f"{calls} calls in all, {failed} failed ({calls / max(1, len(rows)):.1f} per run); "
         f"wall {time.monotonic() - start:.0f} s (measured on this machine)"
     )
-    return 0 if ok == len(rows) else 1
+    return 0 if ok == len(rows) and held else 1
 
 
 if __name__ == "__main__":

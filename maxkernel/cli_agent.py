@@ -191,8 +191,8 @@ def _drive(
     beat: Any = None,
 ) -> None:
     """Stream the run, one line per finished node (search runs: one line per branch verdict); `beat()`
-    after each step (the run's heartbeat)."""
-    seen: dict[str, Any] = {}
+    after each step (the run's heartbeat). A resumed thread's lines carry its round, not this process's."""
+    seen: dict[str, Any] = {"iteration": graph.get_state(config).values.get("iteration", 0)}
     with console.status("working ...") as status:
         for chunk in graph.stream(inp, config, context=ctx, stream_mode="updates"):
             if beat is not None:
@@ -239,6 +239,13 @@ def _run(
             f"\n[bold red]{exc.kind}[/]: " + escape(f"{what} after {exc.attempts} attempt(s)"), soft_wrap=True
         )
         out.print(exc.detail, markup=False, highlight=False, soft_wrap=True)
+        if exc.resume_after is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(exc.resume_after))
+            console.print(
+                f"the provider expects to answer again after {escape(when)} (in {exc.retry_after_s:.0f} s); "
+                "resume then, or raise --backoff-max to wait that long in the process",
+                soft_wrap=True,
+            )
         best = snapshot.values.get("best")
         if best is not None and best.kind == "baseline":
             console.print(
@@ -392,6 +399,15 @@ def optimize_cmd(
     model_retries: Annotated[
         int, typer.Option("--model-retries", min=0, help="retries of a transient model failure")
     ] = 4,
+    backoff_max: Annotated[
+        float,
+        typer.Option(
+            "--backoff-max",
+            min=0,
+            help="longest wait between retries, in seconds; a provider asking for longer (a daily quota) "
+            "stops the run as rate_limited, resumable",
+        ),
+    ] = 120.0,
     request_timeout: Annotated[
         float, typer.Option("--request-timeout", min=1, help="seconds one model call may take")
     ] = 300.0,
@@ -431,6 +447,7 @@ def optimize_cmd(
         "patience": patience,
         "max_repairs": max_repairs,
         "model_retries": model_retries,
+        "backoff_max_s": backoff_max,
         "request_timeout_s": request_timeout,
         "requests_per_second": requests_per_second,
         "model_tools": model_tools,

@@ -77,13 +77,23 @@ class Context:
     max_repairs: int | None = field(default=None, metadata={"description": "repairs per round at most"})
     # --- how model calls are made (authors.model_calls)
     model_retries: int = field(
-        default=4, metadata={"description": "retries of a transient model failure (429, timeout, network)"}
+        default=4,
+        metadata={
+            "description": "retries of a transient model failure (429, timeout, network, 5xx, 529); the only "
+            "retries: neither the provider's SDK nor the graph retries on top of them"
+        },
     )
     request_timeout_s: float = field(default=300.0, metadata={"description": "limit for one model call"})
     backoff_initial_s: float = field(
         default=2.0, metadata={"description": "first retry wait; doubles; the provider's retry delay wins"}
     )
-    backoff_max_s: float = field(default=120.0, metadata={"description": "longest wait between retries"})
+    backoff_max_s: float = field(
+        default=120.0,
+        metadata={
+            "description": "longest wait between retries; a provider asking for longer (a daily quota) ends "
+            "the run as rate_limited, resumable, instead of sleeping"
+        },
+    )
     requests_per_second: float | None = field(
         default=None, metadata={"description": "client-side rate limit for model calls (None: no limit)"}
     )

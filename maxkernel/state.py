@@ -150,6 +150,11 @@ class AgentState(AgentInput):
     run_dir: str | None = None
     budgets: Budgets = Field(default_factory=Budgets)
     usage: Usage = Field(default_factory=Usage)
+    refused_features: list[str] = Field(
+        default_factory=list,
+        description="model features the provider rejected at call time in this thread ('tools', "
+        "'structured_output'): the author uses the plain text protocol instead for the rest of the run",
+    )
     # the current round
     iteration: int = 0
     plan: Plan | None = None

@@ -7,6 +7,7 @@ schema), so authors that use either can be driven offline.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -85,7 +86,18 @@ class Killed(BaseException):  # noqa: N818 - it is what happened
     """Stands in for the process dying mid-call: not an Exception, so nothing on the way catches it."""
 
 
-class RoutedChatModel(BaseChatModel):
+class SyncPath:
+    """`ainvoke` through `invoke` in a worker thread, as a provider without a native async client runs.
+
+    The author calls models with `ainvoke` (so a timeout can cancel the request). LangChain's async
+    generation path reads `.generations` off any BaseException that is not an Exception, which would turn the
+    `Killed` stand-in into an AttributeError; a kill must reach the caller as itself."""
+
+    async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(self.invoke, input, config, **kwargs)  # type: ignore[attr-defined]
+
+
+class RoutedChatModel(SyncPath, BaseChatModel):
     """Replies chosen by what the prompt asks for (first matching substring wins), so concurrent branches
     of a search get the right kind of reply whatever order they run in."""
 
@@ -195,7 +207,7 @@ def gemini_429(delay: str = "0.01s") -> ProviderError:
     )
 
 
-class EventChatModel(BaseChatModel):
+class EventChatModel(SyncPath, BaseChatModel):
     """Plays `events` in order: an Exception is raised, a message is returned, a str becomes a Gemini 3
     message. No structured output unless `structured` (then a JSON string event is parsed into the schema).
     Counts calls and the tokens the returned messages report."""
@@ -248,3 +260,76 @@ class EventChatModel(BaseChatModel):
             return structured_result(msg, schema, include_raw)
 
         return RunnableLambda(parse)
+
+
+class StallingChatModel(BaseChatModel):
+    """A provider with a native async client whose first `stalls` requests hang for `stall_s` seconds before
+    answering; later ones answer `reply` at once. `log` records (time.monotonic(), event) for every request:
+    "start", "cancelled" (the caller gave up and the request was closed), "end". A request a timeout
+    abandoned instead of cancelling shows as a "start" with no "cancelled" before the next "start"."""
+
+    reply: str = "# Plan\nTiled matmul."
+    stalls: int = 1
+    stall_s: float = 5.0
+    log: list[tuple[float, str]] = Field(default_factory=list)
+
+    @property
+    def _llm_type(self) -> str:
+        return "stalling"
+
+    def _generate(self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None,
+                  **kwargs: Any) -> ChatResult:  # fmt: skip
+        raise NotImplementedError("this fake provider answers through its async client only")
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None,
+                         **kwargs: Any) -> ChatResult:  # fmt: skip
+        import time
+
+        self.log.append((time.monotonic(), "start"))
+        stalled = sum(event == "start" for _, event in self.log) <= self.stalls
+        try:
+            if stalled:
+                await asyncio.sleep(self.stall_s)
+        except asyncio.CancelledError:
+            self.log.append((time.monotonic(), "cancelled"))
+            raise
+        self.log.append((time.monotonic(), "end"))
+        usage = {"input_tokens": 100, "output_tokens": 10, "total_tokens": 110}
+        return ChatResult(
+            generations=[ChatGeneration(message=AIMessage(content=self.reply, usage_metadata=usage))]
+        )
+
+    def events(self) -> list[str]:
+        return [event for _, event in self.log]
+
+
+class ToolShyChatModel(EventChatModel):
+    """A model without tool or JSON-mode support behind a tool-capable API (Gemma behind the Gemini API, a
+    local model behind an OpenAI-compatible server): `bind_tools` and `with_structured_output` succeed, and
+    the call then fails with the provider's HTTP 400 (`refusal`, as the integration raises it). Plain calls
+    play `events`. `kinds` records each request: "tools", "structured" or "plain"."""
+
+    refusal: Any = None
+    refuse_plain: bool = False
+    kinds: list[str] = Field(default_factory=list)
+
+    def _event(self, prompt: str) -> Any:
+        self.kinds.append("plain")
+        if self.refuse_plain:
+            self.calls += 1
+            raise self.refusal
+        return super()._event(prompt)
+
+    def _refused(self, kind: str) -> Any:
+        def call(messages: Any) -> Any:
+            self.calls += 1
+            self.kinds.append(kind)
+            raise self.refusal
+
+        return RunnableLambda(call)
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:  # type: ignore[override]
+        return self._refused("tools")
+
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False, **kwargs: Any) -> Any:
+        return self._refused("structured")

@@ -15,10 +15,13 @@ from typer.testing import CliRunner
 
 import maxkernel.authors.llm as llm_module
 from fake_chat import KERNEL, EventChatModel, ProviderError, gemini_429
+from maxkernel.authors import usage_ledger
 from maxkernel.authors.model_calls import ModelCallError
 from maxkernel.checkpointing import sqlite_checkpointer
 from maxkernel.context import Context
 from maxkernel.graph.agent import compile_graph
+from maxkernel.nodes.common import store_at
+from provider_errors import anthropic_overloaded, gemini_error, openai_timeout
 
 TASK = Path(__file__).parent / "data" / "tasks" / "small_matmul"
 STOP = '{"decision": "stop", "reason": "good enough"}'
@@ -32,10 +35,7 @@ def fast_context(tmp_path: Path, model: Any, **kw: Any) -> Context:
         store_path=str(tmp_path / "results.db"),
         work_dir=str(tmp_path / "work"),
         baseline=False,
-        model_retries=2,
-        backoff_initial_s=0.001,
-        backoff_max_s=0.01,
-        **kw,
+        **{"model_retries": 2, "backoff_initial_s": 0.001, "backoff_max_s": 0.01, **kw},
     )
 
 
@@ -53,7 +53,7 @@ def test_a_failed_model_ends_the_run_resumably(
     tmp_path: Path, failure: Exception, kind: str, calls: int
 ) -> None:
     model = EventChatModel(events=[failure] * 3)
-    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"), model_retry=None)
+    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"))
     config = {"configurable": {"thread_id": "t"}}
     with pytest.raises(ModelCallError) as err:
         graph.invoke(
@@ -69,21 +69,31 @@ def test_a_failed_model_ends_the_run_resumably(
     )
 
 
-def test_node_retry_policy_reruns_the_step_after_call_retries_give_up(tmp_path: Path) -> None:
-    from langgraph.types import RetryPolicy
-
-    from maxkernel.graph.agent import transient_model_failure
-
-    model = EventChatModel(events=[gemini_429("0.01s")] * 3 + [ProviderError(404, "gone")])
-    policy = RetryPolicy(
-        initial_interval=0.01, max_attempts=2, jitter=False, retry_on=transient_model_failure
-    )
-    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"), model_retry=policy)
+@pytest.mark.parametrize("retries", [0, 2])
+@pytest.mark.parametrize(
+    "failure",
+    [anthropic_overloaded(), gemini_error(429, "Quota exceeded.", retry_delay="0.001s"), openai_timeout()],
+    ids=["anthropic-529", "gemini-429", "openai-timeout"],
+)
+def test_one_layer_retries_a_storm_exactly_as_asked(
+    tmp_path: Path, failure: BaseException, retries: int
+) -> None:
+    """No node-level retry on top of the call-level one: --model-retries N means N + 1 requests, and the
+    error counts exactly those."""
+    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"))
+    assert all(spec.retry_policy is None for spec in graph.builder.nodes.values())
+    model = EventChatModel(events=[failure] * 12)
     config = {"configurable": {"thread_id": "t"}}
     with pytest.raises(ModelCallError) as err:
-        graph.invoke({"task_path": str(TASK)}, config, context=fast_context(tmp_path, model))
-    # 3 rate-limited calls (call-level retries), then the node ran once more and met a permanent 404
-    assert err.value.kind == "model_not_found" and model.calls == 4
+        graph.invoke(
+            {"task_path": str(TASK)}, config, context=fast_context(tmp_path, model, model_retries=retries)
+        )
+    assert model.calls == retries + 1 and err.value.attempts == retries + 1
+    assert graph.get_state(config).values["usage"].model_calls == 0  # the failed step wrote no state...
+    assert usage_ledger.totals(store_at(str(tmp_path / "results.db")), "t/") == (
+        retries + 1,
+        0,
+    )  # ...the ledger did
 
 
 @pytest.mark.slow  # two harness evaluations (baseline + the model's kernel): ~2 min on 2 shared cores
@@ -93,8 +103,8 @@ def test_cli_rate_limited_run_exits_4_and_resumes_once_the_model_answers(
     import maxkernel.cli_agent  # noqa: F401 - registers the commands
     from maxkernel.cli import app
 
-    # 4 calls per step (1 + 3 retries), and LangGraph's node retry runs the step twice: 8 answers of 429
-    model = EventChatModel(events=[gemini_429("0.01s")] * 8)
+    # 1 call + 3 retries, and nothing retries the step on top of them: 4 answers of 429
+    model = EventChatModel(events=[gemini_429("0.01s")] * 4)
     monkeypatch.setattr(llm_module, "init_model", lambda spec, settings=None: model)
     files = ["--checkpoint-db", str(tmp_path / "ck.sqlite"), "--store", str(tmp_path / "store.db")]
     runner = CliRunner()
@@ -105,7 +115,12 @@ def test_cli_rate_limited_run_exits_4_and_resumes_once_the_model_answers(
          "--work-dir", str(tmp_path / "work"), "--model-retries", "3", *files],
     )  # fmt: skip
     assert first.exit_code == 4, first.output
-    assert model.calls == 8 and "rate_limited" in first.output and "maxkernel resume flaky-1" in first.output
+    assert (
+        model.calls == 4
+        and "after 4 attempt(s)" in first.output
+        and "rate_limited" in first.output
+        and "maxkernel resume flaky-1" in first.output
+    )
     assert "succeeded" not in first.output and not (tmp_path / "out" / "result.json").exists()
     runs = runner.invoke(app, ["runs", "--store", str(tmp_path / "store.db"), "--json"])
     row = json.loads(runs.output.strip().splitlines()[-1])
@@ -121,13 +136,13 @@ def test_cli_rate_limited_run_exits_4_and_resumes_once_the_model_answers(
     assert second.exit_code == 0, second.output
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["status"] == "succeeded" and result["correct"]
-    assert result["model_calls"] == 10  # 8 rate-limited calls (same process: carried over) + 2 answered
+    assert result["model_calls"] == 6  # 4 rate-limited calls (same process: carried over) + 2 answered
     assert result["tokens"] == model.reported_tokens
 
 
 def test_resumed_run_finishes_and_counts_the_failed_calls_too(tmp_path: Path) -> None:
     model = EventChatModel(events=[gemini_429("0.01s")] * 3)
-    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"), model_retry=None)
+    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"))
     config = {"configurable": {"thread_id": "t"}}
     ctx = fast_context(tmp_path, model)
     inp = {"task_path": str(TASK), "out_dir": str(tmp_path / "out"), "max_iterations": 1}
@@ -151,17 +166,18 @@ def test_resumed_run_finishes_and_counts_the_failed_calls_too(tmp_path: Path) ->
 
 def test_context_budgets_reach_the_run(tmp_path: Path) -> None:
     model = EventChatModel(events=[ProviderError(404, "not found")])
-    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"), model_retry=None)
+    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"))
     config = {"configurable": {"thread_id": "t"}}
     ctx = fast_context(
         tmp_path, model, max_model_calls=7, max_tokens=900, max_wall_s=60.0, patience=1, max_repairs=0
     )
-    with pytest.raises(ModelCallError):
-        graph.invoke({"task_path": str(TASK)}, config, context=ctx)
+    graph.invoke({"task_path": str(TASK), "out_dir": str(tmp_path / "out")}, config, context=ctx)
     values = graph.get_state(config).values
     b = values["budgets"]
     assert (b.max_model_calls, b.max_tokens, b.max_wall_s, b.patience) == (7, 900, 60.0, 1)
     assert values["max_repairs"] == 0
+    # The plan's prompt alone (system prompt included) is over 900 tokens: the call is never made.
+    assert model.calls == 0 and values["stop_reason"].startswith("token budget: the next call's prompt")
 
 
 @pytest.mark.parametrize("killed", [False, True], ids=["model-failure-exit", "kill-9-mid-call"])
@@ -177,13 +193,11 @@ def test_usage_of_failed_calls_survives_the_process(tmp_path: Path, killed: bool
     ctx = fast_context(tmp_path, model)
     inp = {"task_path": str(TASK), "out_dir": str(tmp_path / "out"), "max_iterations": 1}
     with pytest.raises(Killed if killed else ModelCallError):
-        compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"), model_retry=None).invoke(
-            inp, config, context=ctx
-        )
+        compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite")).invoke(inp, config, context=ctx)
     common._AUTHORS.clear()  # the process is gone: its authors and their counters with it
 
     model.events = ["# Plan\nTiled matmul.", "I would tile it by 128.", "Still thinking about it."]
-    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"), model_retry=None)
+    graph = compile_graph(sqlite_checkpointer(tmp_path / "ck.sqlite"))
     graph.invoke(None, config, context=ctx)
     usage = graph.get_state(config).values["usage"]
     cut_short = 1 if killed else 0  # the call in flight at the kill never ended: no answer, no error

@@ -14,6 +14,7 @@ from fake_chat import (
     KERNEL,
     EventChatModel,
     ProviderError,
+    StallingChatModel,
     anthropic_message,
     gemini3_message,
     gemini_429,
@@ -68,10 +69,11 @@ def test_retry_delay_from_gemini_retryinfo_header_and_attribute() -> None:
 def test_retries_honour_the_provider_delay_then_succeed() -> None:
     model = EventChatModel(events=[gemini_429("3s"), TimeoutError("timed out"), "fine"])
     waits: list[float] = []
-    reply = invoke_with_retries(model, "hi", FAST, sleep=waits.append)
+    settings = CallSettings(max_retries=3, timeout_s=5.0, backoff_initial_s=0.001, backoff_max_s=10.0)
+    reply = invoke_with_retries(model, "hi", settings, sleep=waits.append)
     assert reply.content[-1]["text"] == "fine" and model.calls == 3
-    assert waits[0] == 3.0  # the provider's 3 s beat our 0.01 s cap on backoff
-    assert 0 < waits[1] <= 0.01
+    assert waits[0] == 3.0  # the provider's 3 s beat our own 0.001 s backoff
+    assert 0 < waits[1] <= 0.002
 
 
 def test_permanent_failures_are_not_retried_and_transient_ones_give_up() -> None:
@@ -86,16 +88,13 @@ def test_permanent_failures_are_not_retried_and_transient_ones_give_up() -> None
 
 
 def test_a_stalled_call_times_out() -> None:
-    class Stalls(EventChatModel):
-        def invoke(self, *a: object, **k: object) -> AIMessage:  # type: ignore[override]
-            time.sleep(5)
-            return AIMessage("late")
-
+    model = StallingChatModel(stall_s=5.0)
     settings = CallSettings(max_retries=0, timeout_s=0.2)
     start = time.monotonic()
     with pytest.raises(ModelCallError) as err:
-        invoke_with_retries(Stalls(events=[]), "hi", settings, sleep=lambda s: None)
+        invoke_with_retries(model, "hi", settings, sleep=lambda s: None)
     assert err.value.kind == "model_timeout" and time.monotonic() - start < 4
+    assert model.events() == ["start", "cancelled"]  # not left running
 
 
 def test_rate_limiter_is_used() -> None:
@@ -266,7 +265,7 @@ def test_tool_node_runs_tools_in_the_graph_and_a_resume_does_not_redo_them(
 
     def graph() -> object:
         saver = sqlite_checkpointer(tmp_path / "ck.sqlite")
-        return build_graph(None).compile(checkpointer=saver, interrupt_before=["validate"])
+        return build_graph().compile(checkpointer=saver, interrupt_before=["validate"])
 
     with pytest.raises(Killed):
         graph().invoke({"task_path": str(TASK), "max_iterations": 1}, config, context=ctx)

@@ -14,8 +14,17 @@ from fake_chat import (
     openai_message,
     openai_reasoning_message,
 )
-from maxkernel.authors.llm import ReflectionReply, declared_tuning_space, parse_decision
-from maxkernel.authors.reply import NoModule, extract_json_object, extract_module, parse_message
+from maxkernel.authors.llm import ReflectionReply, parse_decision
+from maxkernel.authors.reply import (
+    NoModule,
+    code_blocks,
+    extract_json_object,
+    extract_module,
+    fenced,
+    missing_names,
+    parse_message,
+)
+from maxkernel.authors.tuning_space import declared_tuning_space, set_constants, settable_constants
 
 SNIPPET = "x = jnp.ones((8, 128))\n"
 
@@ -126,3 +135,60 @@ def test_declared_tuning_space_is_read_without_running_the_module() -> None:
     assert declared_tuning_space(src) == {"BLOCK_M": [128, 256], "ORDER": ["mn", "nm"]}
     assert declared_tuning_space("BLOCK_M = 128\n") is None
     assert declared_tuning_space("TUNING_SPACE = make_space()\n") is None
+
+
+HEAD, TAIL = KERNEL.split("def computation")
+TAIL = "def computation" + TAIL
+
+
+def test_a_kernel_split_over_two_blocks_is_assembled() -> None:
+    assert missing_names(TAIL) >= {"pl", "jax", "_kernel", "BLOCK_M"} and not missing_names(KERNEL)
+    text = (
+        "First the imports, constants and the kernel body:\n```python\n" + HEAD + "```\n"
+        "Then the wrapper:\n```python\n" + TAIL + "```\n"
+        "Call it like this:\n```python\nout = computation(x, w, b)\nprint(out)\n```\n"
+    )
+    module = extract_module(text)
+    assert module.rstrip() == (HEAD.rstrip() + "\n\n" + TAIL).rstrip()  # usage example left out
+    assert not missing_names(module)
+    compile(module, "kernel.py", "exec")
+
+
+def test_a_complete_block_is_taken_alone_and_an_assembly_must_help() -> None:
+    text = "```python\n" + HEAD + "```\n```python\n" + KERNEL + "```\n"
+    assert extract_module(text) == KERNEL  # complete: nothing pasted in front of it
+    lonely = "```python\n" + SNIPPET + "```\n```python\n" + TAIL + "```\n"
+    assert extract_module(lonely) == TAIL  # the other block does not supply what it lacks: left as it is
+
+
+@pytest.mark.parametrize(
+    "code",
+    ['"""Usage:\n```python\nf(x)\n```\n"""\nx = 1\n', "s = '````'\n", "plain = 1\n", "a = '`'\n"],
+)
+def test_fenced_code_survives_its_own_backticks(code: str) -> None:
+    (block,) = code_blocks("Review this:\n\n" + fenced(code, "python") + "\n\nThanks.")
+    assert block.code == code and block.info == "python" and block.closed
+
+
+def test_tuned_constants_are_set_in_every_form_people_write() -> None:
+    src = (
+        "import jax\n"
+        "BLOCK_M, BLOCK_N = 128, 256  # tiles\n"
+        "(BLOCK_K, ORDER) = (512, 'mn')\n"
+        "STAGES: int = 2\n"
+        "DERIVED = BLOCK_M * 2\n"
+        "def f():\n    BLOCK_M = 1\n    return BLOCK_M\n"
+    )
+    assert settable_constants(src) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "ORDER", "STAGES"}
+    out = set_constants(src, {"BLOCK_M": 256, "BLOCK_N": 128, "ORDER": "nm", "STAGES": 3, "BLOCK_K": 1024})
+    assert out.splitlines()[1:4] == [
+        "BLOCK_M, BLOCK_N = 256, 128  # tiles",
+        "(BLOCK_K, ORDER) = (1024, 'nm')",
+        "STAGES: int = 3",
+    ]
+    assert out.splitlines()[4:] == src.splitlines()[4:]  # a derived constant and a local are not touched
+    with pytest.raises(KeyError, match="DERIVED"):
+        set_constants(src, {"DERIVED": 4})
+    # Offsets are bytes in `ast`: text before a constant on its line with non-ASCII characters still lines up.
+    assert set_constants("π = 3  # ½\nB = 1\n", {"B": 2}) == "π = 3  # ½\nB = 2\n"
+    assert set_constants("A, π = 1, 2\n", {"A": 5}) == "A, π = 5, 2\n"

@@ -26,6 +26,52 @@ class AuthorError(Exception):
     """The author could not produce what was asked (no plan, nothing left to repair). Not a kernel failure."""
 
 
+class BudgetSpent(Exception):
+    """A run budget does not allow the next model call. The message names the budget; the graph stops the
+    run with it as the reason (never a retry, never "the model produced nothing, carry on")."""
+
+
+class RunBudget(BaseModel):
+    """A run's model budgets and what it had spent when the step began, so an author can check them before
+    every call it makes (a plan, a re-ask, a retry), not only between steps. The graph's own checks
+    (`nodes.common.budget_exhausted`) read the same rules, so both name a spent budget the same way."""
+
+    max_model_calls: int | None = Field(None, description="calls at most, failed and re-asked ones included")
+    max_tokens: int | None = Field(None, description="tokens at most, as the provider reports them")
+    max_wall_s: float | None = Field(None, description="seconds at most since `started_at`")
+    started_at: float = Field(0.0, description="time.time() when the run began (0: unknown, no wall limit)")
+    calls: int = Field(0, description="model calls the run had made when the step began")
+    tokens: int = Field(0, description="tokens the run had spent when the step began")
+
+    def spent(self, calls: int, tokens: int, now: float, next_prompt_tokens: int = 0) -> str | None:
+        """The budget that forbids another call after `calls` and `tokens` (None: a call may be made).
+        `next_prompt_tokens` (estimated) refuses a call whose prompt alone would not fit in the tokens left:
+        such a call would overshoot the budget before its reply arrived."""
+        if self.max_model_calls is not None and calls >= self.max_model_calls:
+            return f"model-call budget spent ({calls}/{self.max_model_calls})"
+        if self.max_tokens is not None:
+            if tokens >= self.max_tokens:
+                return f"token budget spent ({tokens}/{self.max_tokens})"
+            if tokens + next_prompt_tokens > self.max_tokens:
+                return (
+                    f"token budget: the next call's prompt (~{next_prompt_tokens} tokens, estimated) does not "
+                    f"fit in the {self.max_tokens - tokens} left ({tokens}/{self.max_tokens} spent)"
+                )
+        left = self.wall_left(now)
+        if left is not None and left <= 0:
+            return self.wall_reason()
+        return None
+
+    def wall_left(self, now: float) -> float | None:
+        """Seconds left on the wall-clock budget (None: none set)."""
+        if self.max_wall_s is None or not self.started_at:
+            return None
+        return self.started_at + self.max_wall_s - now
+
+    def wall_reason(self) -> str:
+        return f"wall-time budget spent ({self.max_wall_s:.0f} s)"
+
+
 class AuthorContext(BaseModel):
     """What an author may look at for one call. Small on purpose: state lives in the graph, not here."""
 
@@ -54,6 +100,14 @@ class AuthorContext(BaseModel):
     )
     usage_key: str = Field(
         "", description="the run (thread/branch) model usage is charged to in the store; empty: not recorded"
+    )
+    budget: RunBudget | None = Field(
+        None, description="the run's model budgets, checked before every model call; None: unlimited"
+    )
+    refused: list[str] = Field(
+        default_factory=list,
+        description="model features the provider refused at call time in this thread ('tools', "
+        "'structured_output'): the plain text protocol is used instead",
     )
     scope: str = Field(
         "",

@@ -5,8 +5,12 @@ tolerances, the JAX version and each target's peak numbers, the plan, the harnes
 Pallas/TPU guide. Replies are parsed, not trusted (`authors.reply`): code is the module that defines
 `computation`; truncated, thinking-only and code-less replies are re-asked once (counted); decisions come
 from structured output, or JSON/keywords in text for models without it. Calls go through
-`authors.model_calls` (timeout, retries honouring the provider's delay, rate limiter); a call that fails
-for good raises `ModelCallError`, which ends the run in a named, resumable state.
+`authors.model_calls` (timeout, retries honouring the provider's delay, rate limiter), the ONE layer that
+retries; a call that fails for good raises `ModelCallError`, which ends the run in a named, resumable
+state. The run's budgets (`AuthorContext.budget`) are checked before every call, re-asks and retries
+included; a spent one raises `BudgetSpent`, which stops the run with that budget as the reason. A provider
+that rejects tools or structured output at call time (HTTP 400 from a model without tool support behind a
+tool-capable API) is asked again in plain text, and the plain protocol is kept for the rest of the thread.
 Model-written kernels declare what the autotuner may vary in a module-level `TUNING_SPACE` literal dict.
 Implement and repair may ask for tools (`authors.model_tools`): the author then returns a `ToolRequest`, the
 graph's tool node runs the calls, and the step calls the author again with the conversation so far.
@@ -19,7 +23,6 @@ a resume gets the same reply instead of a new (billed, different) one.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import logging
@@ -36,14 +39,17 @@ from maxkernel.authors.base import (
     Attempt,
     AuthorContext,
     AuthorError,
+    BudgetSpent,
     Draft,
     Plan,
     Reflection,
+    RunBudget,
     TileConfig,
     ToolRequest,
 )
 from maxkernel.authors.model_calls import (
     CallSettings,
+    ModelCallError,
     invoke_with_retries,
     make_rate_limiter,
 )
@@ -52,8 +58,10 @@ from maxkernel.authors.reply import (
     ParsedReply,
     extract_json_object,
     extract_module,
+    fenced,
     parse_message,
 )
+from maxkernel.authors.tuning_space import declared_tuning_space, set_constants, settable_constants
 from maxkernel.prompts import render, system_prompt
 from maxkernel.tools.store import ResultsStore
 
@@ -107,16 +115,20 @@ class PlanReply(BaseModel):
 
 
 def init_model(spec: str, settings: CallSettings | None = None) -> Any:
-    """A chat model from an init_chat_model string. The provider's own retries are off (ours honour its
-    retry delay and count every attempt); its request timeout is set where the integration takes one."""
+    """A chat model from an init_chat_model string. The provider's own retries are off (`model_calls` is the
+    one layer that retries: it honours the provider's delay, checks the budgets and counts every attempt);
+    its request timeout is set where the integration takes one."""
     from langchain.chat_models import init_chat_model
 
     settings = settings or CallSettings()
     try:
-        try:
-            return init_chat_model(spec, max_retries=0, timeout=settings.timeout_s)
-        except (TypeError, ValueError):  # an integration without these options: ours still apply
-            return init_chat_model(spec)
+        for options in ({"max_retries": 0, "timeout": settings.timeout_s}, {"max_retries": 0}):
+            try:
+                return init_chat_model(spec, **options)
+            except (TypeError, ValueError):  # an integration without these options: try with fewer
+                continue
+        log.warning("%s takes no max_retries: its SDK may retry on its own, under our --model-retries", spec)
+        return init_chat_model(spec)
     except ImportError as exc:
         raise AuthorError(f"model {spec!r} needs its LangChain integration package: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a bad model string is a usage error, reported as such
@@ -183,6 +195,8 @@ class LLMAuthor:
         self._sleep = sleep or time.sleep
         # (calls, tokens) already written to a run's state (nodes.common.usage_of / usage_update)
         self.recorded: tuple[int, int] = (0, 0)
+        # usage key (thread/branch) → features the provider refused there at call time (see `refused`)
+        self._refusals: dict[str, set[str]] = {}
 
     # --- model access -----------------------------------------------------------------------------------
     def _messages(self, ctx: AuthorContext, prompt: str) -> list[Any]:
@@ -203,8 +217,39 @@ class LLMAuthor:
         self.usage.tokens += tokens
         usage_ledger.record(self.store, key, calls=calls, failed=failed, tokens=tokens)
 
-    def _call(self, messages: list[Any], runner: Any = None, key: str = "") -> Any:
-        """One logical call with retries; every attempt is counted (and charged to run `key`)."""
+    def spent(self, ctx: AuthorContext) -> tuple[int, int]:
+        """(calls, tokens) the run has spent so far: the store's ledger for the run when there is one (every
+        call of every process), else what the run's state had when the step began plus this author's calls
+        since it last wrote to the state (the same sum `nodes.common.usage_update` makes)."""
+        budget = ctx.budget or RunBudget()
+        if self.store is not None and ctx.usage_key:
+            return usage_ledger.totals(self.store, ctx.usage_key, since=budget.started_at) or (0, 0)
+        return (
+            budget.calls + self.usage.model_calls - self.recorded[0],
+            budget.tokens + self.usage.tokens - self.recorded[1],
+        )
+
+    def refused(self, ctx: AuthorContext) -> set[str]:
+        """Features the provider refused in this thread: recorded in its state, or found by this process."""
+        return set(ctx.refused) | self._refusals.get(ctx.usage_key, set())
+
+    def refusals_for(self, usage_key: str) -> set[str]:
+        """Features this process found refused for a run (the nodes copy them into its state)."""
+        return set(self._refusals.get(usage_key, set()))
+
+    def _note_refused(self, ctx: AuthorContext, feature: str, exc: ModelCallError) -> None:
+        log.warning(
+            "%s rejected a call with %s (%s); the plain text protocol is used for the rest of this thread",
+            self.name,
+            feature,
+            exc.detail[:200],
+        )
+        self._refusals.setdefault(ctx.usage_key, set()).add(feature)
+
+    def _call(self, ctx: AuthorContext, messages: list[Any], runner: Any = None) -> Any:
+        """One logical call with retries; every attempt is checked against the run's budgets first, counted,
+        and charged to the run (`ctx.usage_key`)."""
+        key = ctx.usage_key
 
         def failed(kind: str, exc: BaseException) -> None:
             self._charge(key, calls=1, failed=1)
@@ -216,6 +261,7 @@ class LLMAuthor:
             rate_limiter=self.rate_limiter,
             sleep=self._sleep,
             on_failure=failed,
+            gate=_RunGate(self, ctx),
         )
         self._charge(key, calls=1)
         return reply
@@ -248,7 +294,7 @@ class LLMAuthor:
             if cached is not None:
                 self.usage.cached_calls += 1
                 return cached
-        tools_left = ctx.tools_left if want_code else 0
+        tools_left = ctx.tools_left if want_code and "tools" not in self.refused(ctx) else 0
         # Bound while tools may be used, and after they were (providers reject tool turns with no tools).
         runner = self._tool_runner(ctx) if want_code and (tools_left > 0 or ctx.tool_messages) else None
         messages = list(conversation)
@@ -256,7 +302,15 @@ class LLMAuthor:
             messages.append(HumanMessage(TOOLS_SPENT))
         reasked = False
         while True:
-            reply = self._call(messages, runner, ctx.usage_key)
+            try:
+                reply = self._call(ctx, messages, runner)
+            except ModelCallError as exc:
+                # A model that takes `bind_tools` and then rejects the call: the same messages in plain text.
+                if runner is None or ctx.tool_messages or not feature_refused(exc):
+                    raise
+                runner, tools_left = None, 0
+                reply = self._call(ctx, messages)
+                self._note_refused(ctx, "tools", exc)
             parsed = parse_message(reply)
             self._count_tokens(messages, parsed, ctx.usage_key)
             requested = getattr(reply, "tool_calls", None) or []
@@ -305,28 +359,46 @@ class LLMAuthor:
         if self.store is not None and (cached := self.store.get_model_reply(key)) is not None:
             self.usage.cached_calls += 1
             return schema.model_validate_json(cached)
-        runner = _structured(self.model, schema)
-        decision: BaseModel | None = None
+        runner = None if "structured_output" in self.refused(ctx) else _structured(self.model, schema)
         if runner is None:
             decision = read(self._ask(ctx, prompt))
         else:
-            out = self._call(messages, _ParseTolerant(runner), ctx.usage_key)
-            raw, parsed = (out.get("raw"), out.get("parsed")) if isinstance(out, dict) else (None, out)
-            if raw is not None:
-                self._count_tokens(messages, parse_message(raw), ctx.usage_key)
-            else:  # structured output hid the provider's usage report: count what was sent
-                self._charge(ctx.usage_key, tokens=sum(len(str(m.content)) for m in messages) // 4)
-            try:
-                decision = parsed if isinstance(parsed, schema) else schema.model_validate(parsed)
-            except ValueError:  # the structured parse failed (or returned None): read the reply's text
-                reply = parse_message(raw) if raw is not None else None
-                if reply is not None and _reply_problem(reply, want_code=False) is None:
-                    decision = read(reply.text)
-                else:  # nothing usable (no raw reply, truncated, thinking only): ask in text, re-asking
-                    decision = read(self._ask(ctx, prompt))
+            decision = self._structured_decision(ctx, prompt, messages, runner, schema, read)
         if self.store is not None:
             self.store.put_model_reply(key, self.name, decision.model_dump_json())
         return decision
+
+    def _structured_decision(
+        self,
+        ctx: AuthorContext,
+        prompt: str,
+        messages: list[Any],
+        runner: Any,
+        schema: type[BaseModel],
+        read: Any,
+    ) -> BaseModel:
+        """One structured-output call; its raw text when the parse fails; the plain text protocol when the
+        provider rejects structured output for this model (noted for the rest of the thread)."""
+        try:
+            out = self._call(ctx, messages, _ParseTolerant(runner))
+        except ModelCallError as exc:
+            if not feature_refused(exc):
+                raise
+            decision = read(self._ask(ctx, prompt))  # the plain text protocol, re-asks included
+            self._note_refused(ctx, "structured_output", exc)
+            return decision
+        raw, parsed = (out.get("raw"), out.get("parsed")) if isinstance(out, dict) else (None, out)
+        if raw is not None:
+            self._count_tokens(messages, parse_message(raw), ctx.usage_key)
+        else:  # structured output hid the provider's usage report: count what was sent
+            self._charge(ctx.usage_key, tokens=sum(len(str(m.content)) for m in messages) // 4)
+        try:
+            return parsed if isinstance(parsed, schema) else schema.model_validate(parsed)
+        except ValueError:  # the structured parse failed (or returned None): read the reply's text
+            reply = parse_message(raw) if raw is not None else None
+            if reply is not None and _reply_problem(reply, want_code=False) is None:
+                return read(reply.text)
+            return read(self._ask(ctx, prompt))  # nothing usable (truncated, thinking only): ask in text
 
     def _common(self, ctx: AuthorContext) -> dict[str, str]:
         task = ctx.task
@@ -334,14 +406,14 @@ class LLMAuthor:
         return {
             "task_id": task.task_id,
             "task_description": task.description or "(no description)",
-            "reference_source": ref,
+            "reference_source": fenced(ref, "python"),
             "tpu_shapes": _shapes(task.configs),
             "validation_shapes": _shapes(task.validation_configs),
             "output_shapes": "; ".join(", ".join(map(str, c.outputs)) for c in task.configs),
             "tolerances": _tolerances(task),
             "targets": _targets(ctx.tpu),
             "starting_point": (
-                f"A correct kernel already exists; improve on it:\n```python\n{ctx.starting_source}\n```"
+                f"A correct kernel already exists; improve on it:\n{fenced(ctx.starting_source, 'python')}"
                 if ctx.starting_source
                 else "(none: write the first kernel)"
             ),
@@ -386,9 +458,9 @@ class LLMAuthor:
                 "repair",
                 **self._common(ctx),
                 plan=plan.text,
-                source=source,
+                source=fenced(source, "python"),
                 stage=stage.strip(),
-                failure=message.strip() or failure,
+                failure=fenced(message.strip() or failure),
                 history=_history(history),
             ),
             want_code=True,
@@ -401,13 +473,21 @@ class LLMAuthor:
         space = declared_tuning_space(source)
         if space is None:
             notes += "; declares no TUNING_SPACE, so autotuning has nothing to vary"
+        elif unset := sorted(set(space) - settable_constants(source)):
+            notes += f"; TUNING_SPACE names {', '.join(unset)} but the module assigns no literal to it at top level"
         return Draft(source=source, notes=notes)
 
     def tuning_space(self, ctx: AuthorContext, plan: Plan) -> list[TileConfig]:
         """The configs the kernel declares in its module-level `TUNING_SPACE` dict (read with `ast`, never
-        executed here); an empty list, logged, when it declares none."""
+        executed here), over the constants the module actually assigns (`authors.tuning_space`); an empty
+        list, logged, when it declares none."""
         source = plan.data.get("source", "")
         space = declared_tuning_space(source)
+        if space and (unset := set(space) - settable_constants(source)):
+            log.warning(
+                "TUNING_SPACE names %s, which the module never sets: not tuned", ", ".join(sorted(unset))
+            )
+            space = {k: v for k, v in space.items() if k not in unset}
         if not space:
             log.warning("the model's kernel declares no TUNING_SPACE: autotuning skipped for it")
             return []
@@ -422,16 +502,14 @@ class LLMAuthor:
         source = plan.data.get("source")
         if not source:
             raise AuthorError("no source to re-render: the plan carries none")
-        for name, value in config.params:
-            literal = repr(value)
-            source, n = re.subn(
-                rf"^{re.escape(name)}\s*(:\s*[^=\n]+)?=\s*[^\n#]+",
-                f"{name} = {literal}",
-                source,
-                flags=re.MULTILINE,
-            )
-            if n == 0:
-                raise AuthorError(f"TUNING_SPACE names {name} but the module has no top-level {name} = ...")
+        try:
+            source = set_constants(source, config.as_dict())
+        except SyntaxError as exc:
+            raise AuthorError(f"the kernel does not parse, so {config.label()} cannot be set: {exc}") from exc
+        except KeyError as exc:
+            raise AuthorError(
+                f"TUNING_SPACE names {exc.args[0]} but the module assigns no literal to it at top level"
+            ) from exc
         return Draft(source=source, config=config, notes=f"{self.name} kernel at {config.label()}")
 
     def write_reference(
@@ -500,6 +578,48 @@ class _ParseTolerant:
         except ValueError:  # OutputParserException, ValidationError, JSONDecodeError are ValueErrors
             return None
 
+    async def ainvoke(self, messages: Any) -> Any:
+        try:
+            return await self.runner.ainvoke(messages)
+        except ValueError:
+            return None
+
+
+class _RunGate:
+    """The run's budgets as one call's retry loop sees them (`model_calls.CallGate`): before every attempt,
+    what the run has spent (`LLMAuthor.spent`) and the prompt about to be sent, against `ctx.budget`."""
+
+    def __init__(self, author: LLMAuthor, ctx: AuthorContext) -> None:
+        self.author = author
+        self.ctx = ctx
+
+    def allow(self, messages: Any) -> float | None:
+        budget = self.ctx.budget
+        if budget is None:
+            return None
+        calls, tokens = self.author.spent(self.ctx)
+        now = time.time()
+        prompt = sum(len(str(getattr(m, "content", m))) for m in messages) // 4  # estimated, as unreported
+        reason = budget.spent(calls, tokens, now, next_prompt_tokens=prompt)
+        if reason is not None:
+            raise BudgetSpent(reason)
+        return budget.wall_left(now)
+
+    def out_of_time(self) -> BudgetSpent:
+        return BudgetSpent((self.ctx.budget or RunBudget()).wall_reason())
+
+
+def feature_refused(exc: ModelCallError) -> bool:
+    """Whether a failed call with tools or structured output may be the provider refusing that feature: a
+    rejected request (HTTP 400/422), or a router's 404 'no endpoints that support tool use'. A plain call
+    tells: the feature is only marked refused when the same messages then get an answer."""
+    if exc.kind == "model_error":
+        return True
+    return exc.kind == "model_not_found" and _FEATURE_WORDS.search(exc.detail) is not None
+
+
+_FEATURE_WORDS = re.compile(r"tool|function|structured|json|response_format|schema", re.IGNORECASE)
+
 
 def _reply_problem(parsed: ParsedReply, want_code: bool) -> str | None:
     """What to tell the model when its reply cannot be used as is (None: it can)."""
@@ -559,33 +679,6 @@ def parse_plan_text(text: str) -> PlanReply:
     m = _STRATEGY_LINE.search(text)
     strategy = m.group("name").strip().strip("*`'\". ") if m else None
     return PlanReply(summary="", strategy=strategy or None, plan=text)
-
-
-def declared_tuning_space(source: str) -> dict[str, list[int | str]] | None:
-    """The module-level `TUNING_SPACE = {"BLOCK_M": [128, 256], ...}` of a kernel, read with `ast`
-    (literal values only; the module is never executed here). None when absent or not a literal dict."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return None
-    for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
-        if isinstance(node, ast.AnnAssign):
-            target = node.target
-        if isinstance(target, ast.Name) and target.id == "TUNING_SPACE" and node.value is not None:
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                return None
-            if not isinstance(value, dict):
-                return None
-            space = {
-                str(k): [x for x in v if isinstance(x, int | str) and not isinstance(x, bool)]
-                for k, v in value.items()
-                if isinstance(v, list | tuple)
-            }
-            return {k: v for k, v in space.items() if v} or None
-    return None
 
 
 def _tolerances(task: Any) -> str:

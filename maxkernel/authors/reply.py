@@ -11,6 +11,7 @@ module is picked out of the text by one rule set, tested on those shapes (tests/
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from typing import Any
 
@@ -162,8 +163,12 @@ def _defines_computation(code: str) -> bool:
     )
 
 
+def _python(block: CodeBlock) -> bool:
+    return block.info.split()[0] in _PYTHON_INFOS if block.info else True
+
+
 def _score(block: CodeBlock, index: int) -> tuple[int, int, int, int, int]:
-    python = block.info.split()[0] in _PYTHON_INFOS if block.info else True
+    python = _python(block)
     return (
         int(_defines_computation(block.code)),
         int("pallas_call" in block.code),
@@ -200,14 +205,81 @@ class NoModule(ValueError):
     """The reply holds no kernel module; `reason` says what it holds instead, for the model to hear."""
 
 
+def _bound_and_loaded(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(names bound anywhere in the module, names read anywhere): enough to tell a module that is missing
+    its imports or helpers from one that has them (scopes are not told apart; a name bound in any scope
+    counts as bound)."""
+    bound: set[str] = set()
+    loaded: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.Global | ast.Nonlocal):
+            bound.update(node.names)
+    return bound, loaded
+
+
+def missing_names(code: str) -> set[str]:
+    """Names `code` reads but never binds or imports (builtins excepted); empty when it does not parse."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    bound, loaded = _bound_and_loaded(tree)
+    return {n for n in loaded - bound if not hasattr(builtins, n)} - {"__file__"}
+
+
+_DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
+                ast.AnnAssign)  # fmt: skip
+
+
+def _only_definitions(code: str) -> bool:
+    """Whether a block only defines things (imports, functions, classes, constants, a docstring): a usage
+    example that calls the kernel at top level must not be pasted into the module."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return False
+    return all(
+        isinstance(n, _DEFINITIONS) or (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+        for n in tree.body
+    )
+
+
+def assembled_module(blocks: list[CodeBlock], best: CodeBlock) -> str | None:
+    """The module a reply spreads over several blocks (imports and `_kernel` in one, `computation` in the
+    next): the closed python blocks that only define things, in reply order, up to and including `best`.
+    None unless the assembly parses, defines `computation` and reads fewer undefined names than `best`."""
+    upto = blocks.index(best)
+    parts = [b.code for b in blocks[: upto + 1] if b.closed and _python(b) and _only_definitions(b.code)]
+    if best.code not in parts:
+        return None
+    code = "\n\n".join(part.rstrip("\n") for part in parts) + "\n"
+    if not _defines_computation(code) or len(missing_names(code)) >= len(missing_names(best.code)):
+        return None
+    return code
+
+
 def extract_module(text: str) -> str:
     """The kernel module in a reply: among fenced blocks, the one that defines `computation` and calls
-    `pallas_call` (closed, python-tagged, later breaking ties); else an unfenced module amid prose."""
+    `pallas_call` (closed, python-tagged, later breaking ties); when that block reads names it never
+    defines (its imports and kernel are in an earlier block), the module assembled from the reply's
+    blocks; else an unfenced module amid prose."""
     blocks = code_blocks(text)
     if blocks:
         scored = sorted(((_score(b, i), b) for i, b in enumerate(blocks)), key=lambda x: x[0])
         best_score, best = scored[-1]
         if best_score[0]:
+            if missing_names(best.code):
+                return assembled_module(blocks, best) or best.code
             return best.code
     found = unfenced_module(text)
     if found is not None:
@@ -218,6 +290,14 @@ def extract_module(text: str) -> str:
             "reply with the whole module in one ```python block"
         )
     raise NoModule("the reply has no code: reply with the whole module in one ```python block")
+
+
+def fenced(text: str, info: str = "") -> str:
+    """`text` in a Markdown code fence longer than any run of backticks inside it (CommonMark closes a fence
+    only on a run at least as long), so a ``` in a kernel's docstring cannot end the block early."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{info}\n{text.rstrip(chr(10))}\n{fence}"
 
 
 def extract_json_object(text: str) -> str | None:

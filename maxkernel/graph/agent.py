@@ -11,6 +11,9 @@ compile, correctness, estimate and timing in one sandboxed job, cached in the re
 the compile stages; `test` re-reads the same `eval_result` and routes on correctness. They are two nodes so
 a human (hitl) and the router see "does it compile" and "is it right" as separate steps, not two runs.
 
+Budgets (model calls, tokens, wall time) are checked before every model call; a step that a spent budget
+stops (plan, implement, repair) goes to finalize with that budget as the stop reason.
+
 State: `maxkernel.state`; run settings: `maxkernel.context`; checkpoints: `maxkernel.checkpointing`.
 """
 
@@ -19,7 +22,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from langgraph.graph import END, START, StateGraph
-from langgraph.types import RetryPolicy
 
 from maxkernel.context import Context
 from maxkernel.graph.convert import compile_convert_graph
@@ -46,45 +48,24 @@ def route_after_prepare(state: AgentState) -> Literal["plan", "finalize"]:
     return "finalize" if state.task is None else "plan"
 
 
-def transient_model_failure(exc: Exception) -> bool:
-    """LangGraph's node-level retry: only model failures that waiting can cure (the call-level retries in
-    authors.model_calls ran first; this re-runs the node once more after a longer pause)."""
-    from maxkernel.authors.model_calls import ModelCallError
-
-    return isinstance(exc, ModelCallError) and exc.transient
-
-
-# Model-calling nodes get one more try of the whole node after the call-level retries gave up.
-MODEL_NODE_RETRY = RetryPolicy(
-    initial_interval=5.0,
-    backoff_factor=2.0,
-    max_interval=60.0,
-    max_attempts=2,
-    retry_on=transient_model_failure,
-)
-
-
-def build_graph(model_retry: RetryPolicy | None = MODEL_NODE_RETRY) -> StateGraph:
+def build_graph() -> StateGraph:
+    """The agent graph. Model-calling nodes have no LangGraph `RetryPolicy`: `authors.model_calls` is the
+    one layer that retries a model call, so a node re-run never multiplies the attempts a user allowed."""
     g = StateGraph(AgentState, context_schema=Context, input_schema=AgentInput)
     g.add_node("convert", compile_convert_graph())
     g.add_node("prepare", prepare)
-    g.add_node("plan", plan, destinations=("implement", "plan", "finalize"), retry_policy=model_retry)
+    g.add_node("plan", plan, destinations=("implement", "plan", "finalize"))
     g.add_node(
-        "implement",
-        implement,
-        destinations=("validate", "implement", "reflect", "model_tools"),
-        retry_policy=model_retry,
+        "implement", implement, destinations=("validate", "implement", "reflect", "model_tools", "finalize")
     )
     g.add_node("model_tools", model_tools, destinations=("implement", "repair"))
     g.add_node("validate", validate)
     g.add_node("test", test)
-    g.add_node(
-        "repair", repair, destinations=("validate", "reflect", "model_tools"), retry_policy=model_retry
-    )
+    g.add_node("repair", repair, destinations=("validate", "reflect", "model_tools", "finalize"))
     g.add_node("on_failure", on_failure, destinations=("repair", "finalize"))
     g.add_node("autotune", autotune)
     g.add_node("profile", profile)
-    g.add_node("reflect", reflect, retry_policy=model_retry)
+    g.add_node("reflect", reflect)
     g.add_node("finalize", finalize)
     g.add_edge(START, "convert")
     g.add_conditional_edges("convert", route_after_convert)
@@ -98,10 +79,9 @@ def build_graph(model_retry: RetryPolicy | None = MODEL_NODE_RETRY) -> StateGrap
     return g
 
 
-def compile_graph(checkpointer: Any = None, model_retry: RetryPolicy | None = MODEL_NODE_RETRY) -> Any:
-    """A compiled agent graph. With no checkpointer it inherits its caller's when run as a subgraph;
-    `model_retry` (None: off) re-runs a model node after a transient model failure."""
-    return build_graph(model_retry).compile(checkpointer=checkpointer, name="maxkernel-agent")
+def compile_graph(checkpointer: Any = None) -> Any:
+    """A compiled agent graph. With no checkpointer it inherits its caller's when run as a subgraph."""
+    return build_graph().compile(checkpointer=checkpointer, name="maxkernel-agent")
 
 
 # For `langgraph dev` / LangGraph Studio: the server supplies its own checkpointer.

@@ -14,7 +14,7 @@ from typing import Any
 from langgraph.config import get_config
 
 from maxkernel.authors.base import Attempt as AuthorAttempt
-from maxkernel.authors.base import Author, AuthorContext, Plan
+from maxkernel.authors.base import Author, AuthorContext, Plan, RunBudget
 from maxkernel.context import Context
 from maxkernel.state import AgentState, Attempt
 from maxkernel.tools.cluster import runner_for
@@ -102,6 +102,8 @@ def author_context(state: AgentState, ctx: Context, *, feedback: str | None = No
         tool_messages=list(state.tool_messages),
         tools_left=tools_left(state, ctx),
         usage_key=usage_key(state),
+        budget=run_budget(state),
+        refused=list(state.refused_features),
         # Stable when a node re-runs after a resume, different for every new step of the run.
         scope=f"{thread_id()}/{state.label or ''}/{state.iteration}/{len(state.attempts)}/{len(state.human)}",
     )
@@ -185,15 +187,22 @@ def better(candidate: Attempt, best: Attempt | None) -> bool:
     return candidate.score() > best.score()
 
 
-def budget_exhausted(state: AgentState) -> str | None:
+def run_budget(state: AgentState) -> RunBudget:
+    """The run's model budgets and what it had spent, as an author checks them before every call."""
     b, u = state.budgets, state.usage
-    if u.model_calls >= b.max_model_calls:
-        return f"model-call budget spent ({u.model_calls}/{b.max_model_calls})"
-    if u.tokens >= b.max_tokens:
-        return f"token budget spent ({u.tokens}/{b.max_tokens})"
-    if u.started_at and time.time() - u.started_at >= b.max_wall_s:
-        return f"wall-time budget spent ({b.max_wall_s:.0f} s)"
-    return None
+    return RunBudget(
+        max_model_calls=b.max_model_calls,
+        max_tokens=b.max_tokens,
+        max_wall_s=b.max_wall_s,
+        started_at=u.started_at,
+        calls=u.model_calls,
+        tokens=u.tokens,
+    )
+
+
+def budget_exhausted(state: AgentState) -> str | None:
+    """The budget the run has spent (None: none), named as the author names it when it refuses a call."""
+    return run_budget(state).spent(state.usage.model_calls, state.usage.tokens, time.time())
 
 
 def tools_left(state: AgentState, ctx: Context) -> int:
@@ -205,6 +214,12 @@ def tools_left(state: AgentState, ctx: Context) -> int:
         return 0
     used = sum(isinstance(m, ToolMessage) for m in state.tool_messages)
     return max(0, ctx.model_tools - used)
+
+
+def budget_stop(state: AgentState, author: Author, before: tuple[int, int], reason: object) -> dict[str, Any]:
+    """The update of a step that a spent budget stopped before a model call: the budget is the run's stop
+    reason (finalize runs next), the calls made so far are recorded, any tool conversation ends."""
+    return {"stop_reason": str(reason), **usage_update(state, author, before), **end_tool_conversation(state)}
 
 
 def end_tool_conversation(state: AgentState) -> dict[str, Any]:
@@ -223,8 +238,10 @@ def usage_key(state: AgentState) -> str:
 
 
 def usage_update(state: AgentState, author: Author, before: tuple[int, int]) -> dict[str, Any]:
-    """The state's usage after a step. With a store, the ledger's totals for this run (every call made,
-    failed ones and those of steps lost to a kill included); else the author's counters since `before`."""
+    """The state's usage of the model after a step. Calls and tokens: with a store, the ledger's totals for
+    this run (every call made, failed ones and those of steps lost to a kill included); else the author's
+    counters since `before`. And the features the provider refused in this run (`refused_features`)."""
+    update = _refusals_update(state, author)
     usage = getattr(author, "usage", None)
     calls, tokens = (usage.model_calls, usage.tokens) if usage is not None else (0, 0)
     if hasattr(author, "recorded"):
@@ -239,6 +256,14 @@ def usage_update(state: AgentState, author: Author, before: tuple[int, int]) -> 
     else:
         new_calls = state.usage.model_calls + calls - before[0]
         new_tokens = state.usage.tokens + tokens - before[1]
-    if (new_calls, new_tokens) == (state.usage.model_calls, state.usage.tokens):
+    if (new_calls, new_tokens) != (state.usage.model_calls, state.usage.tokens):
+        update["usage"] = state.usage.model_copy(update={"model_calls": new_calls, "tokens": new_tokens})
+    return update
+
+
+def _refusals_update(state: AgentState, author: Author) -> dict[str, Any]:
+    found = getattr(author, "refusals_for", None)
+    refused = set(found(usage_key(state))) if callable(found) else set()
+    if refused <= set(state.refused_features):
         return {}
-    return {"usage": state.usage.model_copy(update={"model_calls": new_calls, "tokens": new_tokens})}
+    return {"refused_features": sorted(refused | set(state.refused_features))}

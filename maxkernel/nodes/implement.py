@@ -7,11 +7,13 @@ from typing import Any, Literal
 from langgraph.runtime import Runtime
 from langgraph.types import Command
 
-from maxkernel.authors.base import AuthorError, ToolRequest
+from maxkernel.authors.base import AuthorError, BudgetSpent, ToolRequest
+from maxkernel.authors.reply import fenced
 from maxkernel.context import Context
 from maxkernel.nodes.common import (
     author_context,
     author_for,
+    budget_stop,
     current_plan,
     end_tool_conversation,
     save_source,
@@ -24,13 +26,15 @@ from maxkernel.state import AgentState, HumanFeedback
 
 def implement(
     state: AgentState, runtime: Runtime[Context]
-) -> Command[Literal["validate", "implement", "reflect", "model_tools"]]:
+) -> Command[Literal["validate", "implement", "reflect", "model_tools", "finalize"]]:
     ctx = runtime.context
     author = author_for(ctx, state.label)
     before = usage_of(author)
     plan = current_plan(state)
     try:
         draft = author.implement(author_context(state, ctx), plan)
+    except BudgetSpent as exc:
+        return Command(goto="finalize", update=budget_stop(state, author, before, exc))
     except AuthorError as exc:
         return Command(
             goto="reflect",
@@ -56,7 +60,7 @@ def implement(
         review = ask(
             "code_review",
             f"Round {state.iteration} kernel ({plan.summary}): accept it, edit the module, or respond with what "
-            "to change.\n\n```python\n" + source + "\n```",
+            "to change.\n\n" + fenced(source, "python"),
             iteration=state.iteration,
             plan=plan.summary,
             code=source,

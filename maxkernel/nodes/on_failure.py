@@ -6,6 +6,7 @@ from typing import Literal
 
 from langgraph.types import Command
 
+from maxkernel.authors.reply import fenced
 from maxkernel.nodes.review import FailureReview, ask
 from maxkernel.state import AgentState, HumanFeedback
 
@@ -16,7 +17,7 @@ def on_failure(state: AgentState) -> Command[Literal["repair", "finalize"]]:
     review = ask(
         "failure",
         f"Round {state.iteration}: the kernel failed at {r.error.stage} (repairs so far: {state.repairs}). "
-        f"Accept to retry the repair, respond with a hint, or ignore to stop.\n\n```\n{r.error.message}\n```",
+        f"Accept to retry the repair, respond with a hint, or ignore to stop.\n\n{fenced(r.error.message)}",
         iteration=state.iteration,
         stage=r.error.stage,
         message=r.error.message,

@@ -7,9 +7,9 @@ from typing import Any, Literal
 from langgraph.runtime import Runtime
 from langgraph.types import Command
 
-from maxkernel.authors.base import AuthorError
+from maxkernel.authors.base import AuthorError, BudgetSpent
 from maxkernel.context import Context
-from maxkernel.nodes.common import author_context, author_for, usage_of, usage_update
+from maxkernel.nodes.common import author_context, author_for, budget_stop, usage_of, usage_update
 from maxkernel.nodes.review import PlanReview, ask
 from maxkernel.state import AgentState, HumanFeedback
 
@@ -21,6 +21,8 @@ def plan(state: AgentState, runtime: Runtime[Context]) -> Command[Literal["imple
     iteration = state.iteration + 1
     try:
         proposal = author.plan(author_context(state, ctx))
+    except BudgetSpent as exc:
+        return Command(goto="finalize", update=budget_stop(state, author, before, exc))
     except AuthorError as exc:
         return Command(
             goto="finalize",

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from langgraph.runtime import Runtime
 
 from maxkernel.authors.base import Attempt as AuthorAttempt
-from maxkernel.authors.base import AuthorError
+from maxkernel.authors.base import AuthorError, BudgetSpent
 from maxkernel.context import Context
 from maxkernel.nodes.common import author_context, author_for, budget_exhausted, usage_of, usage_update
 from maxkernel.state import AgentState
@@ -34,6 +34,8 @@ def reflect(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
         history = [AuthorAttempt.model_validate(a.model_dump()) for a in state.attempts]
         try:
             decision = author.reflect(author_context(state, ctx), history)
+        except BudgetSpent as exc:
+            decision, stop = None, str(exc)
         except AuthorError as exc:
             decision = None
             update["errors"] = [f"reflect: {exc}"]

@@ -9,11 +9,12 @@ from langgraph.runtime import Runtime
 from langgraph.types import Command
 
 from maxkernel.authors.base import Attempt as AuthorAttempt
-from maxkernel.authors.base import AuthorError, ToolRequest
+from maxkernel.authors.base import AuthorError, BudgetSpent, ToolRequest
 from maxkernel.context import Context
 from maxkernel.nodes.common import (
     author_context,
     author_for,
+    budget_stop,
     current_plan,
     end_tool_conversation,
     save_source,
@@ -25,7 +26,7 @@ from maxkernel.state import AgentState
 
 def repair(
     state: AgentState, runtime: Runtime[Context]
-) -> Command[Literal["validate", "reflect", "model_tools"]]:
+) -> Command[Literal["validate", "reflect", "model_tools", "finalize"]]:
     ctx = runtime.context
     author = author_for(ctx, state.label)
     before = usage_of(author)
@@ -45,6 +46,8 @@ def repair(
             failure,
             history,
         )
+    except BudgetSpent as exc:
+        return Command(goto="finalize", update=budget_stop(state, author, before, exc))
     except AuthorError as exc:
         return Command(
             goto="reflect",

@@ -2,6 +2,9 @@
 
 Templates hold no logic. `string.Template` keeps code samples' braces literal; a missing value is an error
 (`substitute`), so a template and its caller cannot drift apart silently.
+Code a template shows (the reference, a kernel, a harness message) arrives already fenced
+(`authors.reply.fenced`): the fence is longer than any run of backticks in the code, which a fence written
+into the template could not be.
 """
 
 from __future__ import annotations
