@@ -816,6 +816,7 @@ def render_published(rows: list[TaskRow]) -> list[str]:
             f"| maxkernel, {g} | {m['correct']} / {m['tasks']} | {fmt(v['jaxbench_geomean'])} | "
             f"{fmt(v['correct_geomean'])} | {v['fast1']} / {m['tasks']} | estimated |"
         )
+    return lines
 
 
 def fast_p_table(rows: list[TaskRow]) -> dict[str, dict[str, Any]]:

@@ -35,7 +35,7 @@ def test_mlp_block_becomes_a_verified_standalone_jax_task(mlp, work):
     source = (task_dir / "reference.py").read_text()
     assert "import torch" not in source  # the task no longer depends on PyTorch
     assert "def get_inputs(scale=" in source and "def computation(x, " in source
-    assert "mlp_block.py:19" in source  # lines of the user's file annotate the ops they became
+    assert "mlp_block.py:17" in source  # lines of the user's file annotate the ops they became
     checks = json.loads((task_dir / "conversion.json").read_text())["result"]["checks"]
     assert {c["draw"].split()[0] for c in checks} == {"pytorch", "reference"} and all(c["ok"] for c in checks)
     meta = yaml.safe_load((task_dir / "kernel_task.yaml").read_text())

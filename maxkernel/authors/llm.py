@@ -30,6 +30,7 @@ import re
 import time
 from itertools import product
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
@@ -522,7 +523,8 @@ class LLMAuthor:
         prompt = render("convert", file_name=file_name, source=source,
                         feedback=f"## Feedback on your previous reference\n{feedback}" if feedback else "")  # fmt: skip
         messages = [HumanMessage(prompt)]
-        reply = self._call(messages, key=key)
+        # No task context yet (the reference is what is being written): charged to `key`, no run budget.
+        reply = self._call(SimpleNamespace(usage_key=key, budget=None, refused=()), messages)  # type: ignore[arg-type]
         parsed = parse_message(reply)
         self._count_tokens(messages, parsed, key)
         match = re.search(r"FRAMEWORK:\s*(cuda|triton|pytorch)", parsed.text, re.I)

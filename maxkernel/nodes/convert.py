@@ -40,6 +40,8 @@ def convert_source(state: AgentState, runtime: Runtime[Context]) -> dict[str, An
     kind = source_kind(path)
     if kind == "task":
         return {}
+    if not path.exists():
+        return _refused(None, f"{path} not found")
     if kind == "unknown":
         return _refused(None, f"{path} is neither a task, a PyTorch file, nor a CUDA/Triton kernel")
     if kind == "pytorch":

@@ -47,7 +47,13 @@ from maxkernel.tools.candidate import (
 )
 from maxkernel.tools.checks import check_pallas_does_work
 from maxkernel.tools.evaluation import compare, summarise, with_reference
-from maxkernel.tools.judge import EXPECTED_FILE, INPUTS_FILE, JUDGED_FILE, STAGE_INPUTS_READY
+from maxkernel.tools.judge import (
+    EXPECTED_FILE,
+    INPUTS_FILE,
+    JUDGED_FILE,
+    PRECISE_FILE,
+    STAGE_INPUTS_READY,
+)
 from maxkernel.tools.program_tree import same_program, skeleton
 from maxkernel.tools.readback import (
     MAX_JSON_BYTES,
@@ -882,6 +888,13 @@ def _correctness(
     try:
         want = load_arrays(judge_dir / EXPECTED_FILE, MAX_ARRAY_FILE_BYTES, {**specs, **larger_specs})
         judged = load_arrays(judge_dir / JUDGED_FILE, MAX_ARRAY_FILE_BYTES, judged_specs)
+        listed = judge.get("precise") if isinstance(judge.get("precise"), list) else []
+        all_specs = {**specs, **larger_specs}
+        precise = load_arrays(
+            judge_dir / PRECISE_FILE,
+            MAX_ARRAY_FILE_BYTES,
+            {k: ArraySpec(shape=list(all_specs[k].shape), dtype="float32") for k in listed if k in all_specs},
+        ) if listed and (judge_dir / PRECISE_FILE).is_file() else {}  # fmt: skip
     except ReadBackError as exc:  # the judge's own files: the harness is broken, not the candidate
         _fail(result, "infrastructure", f"the judge's outputs could not be read: {exc}")
         return
@@ -905,7 +918,10 @@ def _correctness(
             return SetCheck(config=ci, input_set=si, origin=origin, ok=False, message=message)  # type: ignore[arg-type]
         g = [judged[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
         w = [want[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
-        return compare(g, w, cfg, ci, si, origin)
+        return compare(g, w, cfg, ci, si, origin, exact(ci, si, len(cfg.outputs)))
+
+    def exact(ci: int, si: int, n_out: int) -> list[Any]:
+        return [precise.get(output_name(ci, si, k)) for k in range(n_out)]
 
     for ci, cfg in enumerate(val):
         for si in range(n_sets):
@@ -919,7 +935,7 @@ def _correctness(
                 else:
                     g = [got[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
                     w = [want[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
-                    cross = compare(g, w, cfg, ci, si, origin)
+                    cross = compare(g, w, cfg, ci, si, origin, exact(ci, si, len(cfg.outputs)))
                     if not cross.ok:
                         cross.message = f"in TPU interpret mode (the candidate's own run): {cross.message}"
                         check = cross

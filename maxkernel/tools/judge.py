@@ -44,6 +44,11 @@ from maxkernel.tools.worker import WorkerContext
 INPUTS_FILE = "inputs.npz"
 EXPECTED_FILE = "expected.npz"
 JUDGED_FILE = "judged.npz"
+# The reference again with its low-precision float inputs widened to float32, for the outputs that are
+# low-precision floats (bf16, f16, f8): an estimate of the exact answer, so a kernel's element that misses
+# the reference by more than the tolerance is still right when it is as close to that estimate as the
+# reference itself is (plus the tolerance). Written with EXPECTED_FILE; names listed in `precise`.
+PRECISE_FILE = "precise.npz"
 """The checked programs' outputs on the judge's inputs, computed here: the evidence of correctness."""
 STAGE_INPUTS_READY = "inputs_ready"
 MAX_PROGRAMS_BYTES = 256 << 20
@@ -83,9 +88,12 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         task_inputs = "cached" if own_inputs is not None else "computed"
         input_sets = build_input_sets(ref, task, val, int(payload["input_sets"]), seed, own_inputs)
         expected = []
-        for cfg, sets in zip(val, input_sets, strict=True):
+        precise: dict[str, np.ndarray] = {}
+        for ci, (cfg, sets) in enumerate(zip(val, input_sets, strict=True)):
             fn = reference_fn(ref, cfg)  # compiled once per configuration
             expected.append([run_reference(ref, cfg, inputs, fn) for inputs, _origin in sets])
+            for si, (inputs, _origin) in enumerate(sets):
+                precise.update(_precise_outputs(fn, inputs, expected[-1][si], ci, si))
         larger = None
         if payload.get("larger") and input_sets:
             larger = _larger_set(ref, payload["larger"], int(payload["larger_budget_bytes"]),
@@ -104,6 +112,7 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         larger_inputs = list(larger["inputs"].values())
         inputs.update(larger.pop("inputs"))
         outputs.update(larger.pop("outputs"))
+        precise.update(larger.pop("precise", {}))
     (run_dir / INPUTS_FILE).write_bytes(pack_arrays(inputs))
     origins = [[origin for _a, origin in sets] for sets in input_sets]
     seconds["reference"] = time.perf_counter() - t0
@@ -111,7 +120,7 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
 
     # While the candidate still traces: the work that does not need its programs (issue 16).
     base: dict[str, Any] = {"ok": True, "origins": origins, "seconds": seconds, "larger": larger,
-                            "task_inputs": task_inputs}  # fmt: skip
+                            "task_inputs": task_inputs, "precise": sorted(precise)}  # fmt: skip
     own = [InputConfig.model_validate(c) for c in task["configs"]]
     t0 = time.perf_counter()
     _warm_tpu_compiler(list(payload.get("tpu") or []))
@@ -165,7 +174,40 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     if sys.stdin.buffer.readline(64).strip() == b"release":
         (run_dir / EXPECTED_FILE).write_bytes(pack_arrays(outputs))
         (run_dir / JUDGED_FILE).write_bytes(pack_arrays(judged))
+        (run_dir / PRECISE_FILE).write_bytes(pack_arrays(precise))
     return base
+
+
+def _low_precision_float(dtype: Any) -> bool:
+    """bfloat16, float16 and the float8 kinds (ml_dtypes' types are numpy kind 'V')."""
+    dt = np.dtype(dtype)
+    return dt.name == "bfloat16" or dt.name.startswith("float8") or (dt.kind == "f" and dt.itemsize < 4)
+
+
+def _precise_outputs(
+    fn: Any, inputs: list[np.ndarray], outs: list[np.ndarray], ci: int, si: int
+) -> dict[str, np.ndarray]:
+    """`PRECISE_FILE`'s arrays for one input set: the (jitted) reference on the same inputs with the
+    low-precision floats widened to float32, as float32, for each low-precision float output whose shape is
+    unchanged. Empty when no output is low-precision, or when the widened reference fails or changes the
+    outputs' structure (then only the tolerance applies)."""
+    import jax
+
+    wanted = [k for k, o in enumerate(outs) if _low_precision_float(o.dtype)]
+    if not wanted:
+        return {}
+    widened = [a.astype(np.float32) if _low_precision_float(a.dtype) else a for a in inputs]
+    try:
+        got = [np.asarray(x) for x in jax.tree_util.tree_leaves(fn(*[jax.numpy.asarray(a) for a in widened]))]
+    except Exception:  # noqa: BLE001 - a reference written for its dtype: the tolerance alone decides
+        return {}
+    if len(got) != len(outs):
+        return {}
+    return {
+        output_name(ci, si, k): got[k].astype(np.float32)
+        for k in wanted
+        if got[k].shape == outs[k].shape and np.issubdtype(got[k].dtype, np.floating)
+    }
 
 
 def _cached_task_inputs(run_dir: Path, name: Any, val: list[InputConfig]) -> list[list[np.ndarray]] | None:
@@ -232,7 +274,9 @@ def _larger_set(
             ]
             arrays = [taskcode.random_from_spec(s, rng, st, wide=True, domain=d)
                       for s, st, d in zip(cfg.dynamic, stats, domains, strict=True)]  # fmt: skip
-        outs = run_reference(ref, cfg, arrays, reference_fn(ref, cfg))
+        fn = reference_fn(ref, cfg)
+        outs = run_reference(ref, cfg, arrays, fn)
+        precise = _precise_outputs(fn, arrays, outs, index, 0)
     except Exception as exc:  # noqa: BLE001 - the reference was written for its own shapes; skip, say why
         return {"ran": False, "reason": f"the reference does not run at {cfg.describe()}: "
                 f"{type(exc).__name__}: {_first_lines(str(exc), 3)}"}  # fmt: skip
@@ -242,6 +286,7 @@ def _larger_set(
         "seconds": round(time.perf_counter() - t0, 4),
         "inputs": {input_name(index, 0, k): a for k, a in enumerate(arrays)},
         "outputs": {output_name(index, 0, k): a for k, a in enumerate(outs)},
+        "precise": precise,
     }
 
 
