@@ -108,7 +108,8 @@ def use_ray(flag: str | None) -> str | None:
 
 
 def fail_usage(message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {escape(message)}")  # a message may hold [brackets]: not markup
+    # a message may hold [brackets] (not markup) and paths (not wrapped: a user copies them)
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     return typer.Exit(2)
 
 
