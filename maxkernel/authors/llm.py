@@ -524,7 +524,7 @@ class LLMAuthor:
                         feedback=f"## Feedback on your previous reference\n{feedback}" if feedback else "")  # fmt: skip
         messages = [HumanMessage(prompt)]
         # No task context yet (the reference is what is being written): charged to `key`, no run budget.
-        reply = self._call(SimpleNamespace(usage_key=key, budget=None, refused=()), messages)  # type: ignore[arg-type]
+        reply = self._call(SimpleNamespace(usage_key=key, budget=None), messages)  # type: ignore[arg-type]
         parsed = parse_message(reply)
         self._count_tokens(messages, parsed, key)
         match = re.search(r"FRAMEWORK:\s*(cuda|triton|pytorch)", parsed.text, re.I)

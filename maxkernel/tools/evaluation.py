@@ -24,6 +24,7 @@ from maxkernel.tools.results import (
     EstimateSummary,
     InputConfig,
     SetCheck,
+    low_precision_float,
     np_dtype,
 )
 from maxkernel.tools.worker import WorkerContext
@@ -339,7 +340,7 @@ def _tolerance(tolerances: dict[str, Any], index: int, outs: list[ArraySpec]) ->
             return float(value[min(index, len(value) - 1)])
         return float(value)
 
-    low_precision = any(o.dtype in ("bfloat16", "float16") or o.dtype.startswith("float8") for o in outs)
+    low_precision = any(low_precision_float(o.dtype) for o in outs)
     default = 2e-2 if low_precision else 1e-3
     atol = pick(tolerances.get("atol"))
     rtol = pick(tolerances.get("rtol"))

@@ -88,6 +88,12 @@ def np_dtype(name: str) -> Any:
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
+def low_precision_float(name: str) -> bool:
+    """bfloat16, float16 and the float8 kinds, by dtype name: looser default tolerances, and the judge's
+    float32 run of the reference beside them (`judge.PRECISE_FILE`)."""
+    return name in ("bfloat16", "float16") or name.startswith("float8")
+
+
 class StageError(BaseModel):
     """Why an evaluation stopped: the stage it stopped in and a message a person (or a model) can act on."""
 
