@@ -125,7 +125,9 @@ _UNARY: dict[str, Callable[[str], str]] = {
     "asinh": lambda a: f"jnp.arcsinh({a})",
     "acosh": lambda a: f"jnp.arccosh({a})",
     "atanh": lambda a: f"jnp.arctanh({a})",
-    "is_finite": lambda a: f"jnp.isfinite({a})",
+    # Mosaic checks finiteness on float32 vectors only ('tpu.weird' op Input type must be F32); widening a
+    # bfloat16/float16 value is exact, so the answer is the same
+    "is_finite": lambda a: f"jnp.isfinite(jnp.asarray({a}, jnp.float32))",
     "square": lambda a: f"{paren(a)} * {paren(a)}",
     "copy": lambda a: a,
     "copy_p": lambda a: a,
