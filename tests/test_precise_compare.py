@@ -1,6 +1,8 @@
 """The correctness comparison for low-precision outputs: the reference rounds too, so the judge runs it once
 more with its bf16 inputs widened to float32, and an element that misses the reference is still right when it
-is as close to that run as the reference itself is (plus the tolerance). A wrong element stays wrong."""
+is as close to that run as the reference itself is (plus the tolerance), or, where the reference's rounding
+cascades, within its worst rounding while the kernel as a whole is as close to that run as the reference. A
+wrong element, or a kernel less precise throughout, stays wrong."""
 
 from __future__ import annotations
 
@@ -61,3 +63,68 @@ def test_a_wrong_element_stays_wrong_with_the_exact_answer_at_hand() -> None:
     assert not check.ok and check.mismatches == 1
     # a leaf without a widened run (an integer output, a failed run) is judged by the tolerance alone
     assert not compare([got], want, CFG, 0, 0, "random", [None]).ok
+
+
+# A bfloat16 SwiGLU block as a model writes it: every op rounds to bf16, as XLA does for the reference.
+def _swiglu(x, g, u, d):
+    return jnp.dot(jax.nn.silu(jnp.dot(x, g)) * jnp.dot(x, u), d)
+
+
+def _blocked_dot(a, b, block=128):
+    # an f32 accumulation over K in blocks, in the kernel's order rather than XLA's
+    acc = jnp.zeros((a.shape[0], b.shape[1]), jnp.float32)
+    for k in range(0, a.shape[1], block):
+        acc = acc + jnp.dot(a[:, k : k + block], b[k : k + block], preferred_element_type=jnp.float32)
+    return acc
+
+
+def _kernel_like(x, g, u, d, *, epilogue_f32=False, narrow=None):
+    a, b = _blocked_dot(x, g), _blocked_dot(x, u)
+    if epilogue_f32:  # the epilogue kept in float32, rounded once before the second matmul
+        h = (a * jax.nn.sigmoid(a) * b).astype(jnp.bfloat16)
+    else:  # rounded after each op, as the reference is
+        a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        h = (a16 * jax.nn.sigmoid(a16)) * b16
+    if narrow is not None:  # a kernel that cuts precision: the hidden activations in a narrower type
+        h = h.astype(narrow).astype(jnp.bfloat16)
+    return _blocked_dot(h, d).astype(jnp.bfloat16)
+
+
+def _swiglu_case():
+    rng = np.random.default_rng(4)
+    shapes = [(256, 512), (512, 1024), (512, 1024), (1024, 512)]
+    args = [rng.normal(size=s).astype(ml_dtypes.bfloat16) for s in shapes]
+    fn = jax.jit(_swiglu)
+    want = [np.asarray(fn(*args))]
+    return args, want, _precise_outputs(fn, args, want, 0, 0)["c0s0o0"]
+
+
+SWIGLU_CFG = InputConfig(dynamic=[ArraySpec(shape=[256, 512], dtype="bfloat16")], atol=1e-2, rtol=1e-2)
+
+
+def test_honest_bf16_chains_that_round_elsewhere_are_right() -> None:
+    """The reference's rounding cascades: a last bit flipped by another accumulation order moves an output
+    near zero by more than the tolerance, at a few elements; an epilogue kept in float32 is closer to the
+    exact answer than the reference and misses it at many. Both are right."""
+    args, want, exact = _swiglu_case()
+    for kw in ({}, {"epilogue_f32": True}):
+        got = [np.asarray(_kernel_like(*args, **kw))]
+        tolerance_only = compare(got, want, SWIGLU_CFG, 0, 0, "random")
+        assert not tolerance_only.ok and tolerance_only.mismatches > 0, kw  # the case must bite
+        check = compare(got, want, SWIGLU_CFG, 0, 0, "random", [exact])
+        assert check.ok, (kw, check.message)
+
+
+def test_less_precise_or_wrong_bf16_chains_stay_wrong() -> None:
+    args, want, exact = _swiglu_case()
+    # precision cut throughout: the kernel is much further from the exact answer than the reference
+    narrow = [np.asarray(_kernel_like(*args, narrow=ml_dtypes.float8_e5m2))]
+    check = compare(narrow, want, SWIGLU_CFG, 0, 0, "random", [exact])
+    assert not check.ok and "rounding allowance refused" in check.message, check.message
+    # an honest kernel with three elements wrong beyond the reference's worst rounding
+    got = np.array(_kernel_like(*args))
+    worst = float(np.abs(want[0].astype(np.float64) - exact).max())
+    for i in ((0, 0), (17, 300), (255, 511)):
+        got[i] = ml_dtypes.bfloat16(float(exact[i]) + 2 * worst + 1.0)
+    check = compare([got], want, SWIGLU_CFG, 0, 0, "random", [exact])
+    assert not check.ok and check.mismatches >= 3 and "beyond the reference's worst rounding" in check.message
