@@ -238,8 +238,9 @@ def _check_softmax(part: Partition, info: AttentionInfo, chain: list[int], reduc
     rmax = g.eqns[reduces[names.index("reduce_max")]]
     rsum = g.eqns[reduces[names.index("reduce_sum")]]
     logits, m = rmax.invars[0], rmax.outvars[0]
-    e_var, l_var = rsum.invars[0], rsum.outvars[0]
     within = set(chain) | set(range(len(g.eqns)))  # derivations may run through not-yet-claimed tails
+    # jax.nn.softmax on bf16 logits sums the exponentials in float32: the sum reads a cast of them
+    e_var, l_var = _strip_casts(part, rsum.invars[0], set(chain)), rsum.outvars[0]
     pe = g.producer.get(e_var)
     if pe is None or g.eqns[pe].primitive.name != "exp":
         return False
