@@ -156,24 +156,22 @@ class Partition:
             )
             if g.kind[i] != "absorbed" and not literal_only:
                 continue
-            if not self._pure_inputs(e) and not literal_only:
+            # its inputs: glue values, or a chain of absorbed floats over them (an expand-dims before the
+            # broadcast of `jnp.repeat`), which become glue with it
+            chain = [q for q in self.float_closure(e.outvars[0]) if q != i]
+            layout = all(g.kind[q] == "absorbed" and g.eqns[q].primitive.name != "iota" for q in chain)
+            if not layout and not literal_only:
                 continue
             cons = [c for v in e.outvars for c in g.consumers.get(v, [])]
             if any(self.status[c] == "glue" for c in cons) or any(v in g.out_set for v in e.outvars):
-                self.status[i] = "glue"
-                if g.kind[i] == "absorbed" and any(self.status[c] != "glue" for c in cons):
-                    # kernels recompute it from its (smaller) source instead of reading XLA's copy
-                    self.dual.add(i)
-
-    def _pure_inputs(self, e: Any) -> bool:
-        """Inputs produced without compute (program inputs, consts, glue)."""
-        for v in e.invars:
-            if is_literal(v) or v in self.g.invars or v in self.g.constvars:
-                continue
-            p = self.g.producer.get(v)
-            if p is None or self.status[p] != "glue":
-                return False
-        return True
+                for q in [i, *chain] if layout else [i]:
+                    if self.status[q] != "float":
+                        continue
+                    self.status[q] = "glue"
+                    qcons = [c for v in g.eqns[q].outvars for c in g.consumers.get(v, [])]
+                    if g.kind[q] == "absorbed" and any(self.status[c] != "glue" for c in qcons):
+                        # kernels recompute it from its (smaller) source instead of reading XLA's copy
+                        self.dual.add(q)
 
     # --- helpers --------------------------------------------------------------------------------------
     def float_closure(self, var: Any) -> list[int]:
@@ -445,6 +443,7 @@ class Partition:
                 raise AssertionError(f"no kernel family takes a `{g.eqns[i].primitive.name}` equation")
         self._layout_only_regions_to_glue()
         self._float_sinks()
+        self._unpulled_layout_to_glue()
         if self.opt.epilogue_reductions:
             absorb_pools(self)  # a pool after a conv: the conv kernel writes the pooled block
 
@@ -464,6 +463,28 @@ class Partition:
                 self.status[i] = "glue"
                 del self.owner[i]
             del self.regions[rid]
+
+    def _unpulled_layout_to_glue(self) -> None:
+        """A region may read a float value it does not compute: the conv kernel takes its input as an array,
+        not the NCHW->NHWC transpose of one. When that value is layout of inputs alone (transposes,
+        reshapes, broadcasts), XLA writes it once outside kernels; anything that computes is left for the
+        region to own (and refused by the lowering if none does)."""
+        g = self.g
+        for r in list(self.regions.values()):
+            for v in self.region_inputs(r):
+                p = g.producer.get(v)
+                if p is None or self.status[p] != "float" or p in self.owner:
+                    continue
+                chain = self.float_closure(v)
+                if all(
+                    g.kind[q] == "absorbed" and g.eqns[q].primitive.name != "iota" and q not in self.owner
+                    for q in chain
+                ):
+                    pulled = set().union(*(o.pulled for o in self.regions.values()))
+                    for q in chain:
+                        self.status[q] = "glue"
+                        if q in pulled:  # another kernel recomputes it from its source
+                            self.dual.add(q)
 
     def homes(self, e: Any) -> list[Region]:
         out: list[Region] = []
