@@ -121,6 +121,15 @@ def test_less_precise_or_wrong_bf16_chains_stay_wrong() -> None:
     narrow = [np.asarray(_kernel_like(*args, narrow=ml_dtypes.float8_e5m2))]
     check = compare(narrow, want, SWIGLU_CFG, 0, 0, "random", [exact])
     assert not check.ok and "rounding allowance refused" in check.message, check.message
+    # the hidden activations accumulated in bf16 over the second matmul's 1024 terms (no f32 accumulator)
+    a, b = _blocked_dot(args[0], args[1]), _blocked_dot(args[0], args[2])
+    a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    h = (a16 * jax.nn.sigmoid(a16)) * b16
+    acc = jnp.zeros((h.shape[0], args[3].shape[1]), jnp.bfloat16)
+    for k in range(h.shape[1]):
+        acc = acc + h[:, k : k + 1] * args[3][k : k + 1, :]
+    check = compare([np.asarray(acc)], want, SWIGLU_CFG, 0, 0, "random", [exact])
+    assert not check.ok and "rounding allowance refused" in check.message, check.message
     # an honest kernel with three elements wrong beyond the reference's worst rounding
     got = np.array(_kernel_like(*args))
     worst = float(np.abs(want[0].astype(np.float64) - exact).max())

@@ -522,8 +522,11 @@ def compare(
 
 
 # How much further from the float32 run than the reference itself a kernel may be, overall (root mean square
-# over the output), for the elements the reference's rounding allowance accepts.
-ROUNDING_RMS_FACTOR = 1.5
+# over the output), for the elements the reference's rounding allowance accepts. XLA runs the reference
+# fused and may skip roundings its program asks for; a kernel that rounds after every op as the program
+# says is up to ~3x further (a bf16 matmul + swish + group norm: 0.0050 against XLA's 0.0017). Cutting
+# precision is much further: bf16 accumulation over K terms grows with sqrt(K), an fp8 operand ~30x.
+ROUNDING_RMS_FACTOR = 4.0
 
 
 def _rounding_allowance(
