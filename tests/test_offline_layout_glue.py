@@ -46,3 +46,29 @@ def test_nchw_convolution_is_one_direct_kernel_with_xla_transposes() -> None:
         nchw_conv_block, kernel, shapes, jnp.bfloat16, np.random.default_rng(2), atol=3e-2, rtol=3e-2
     )
     compiles_at(kernel, [[(64, 64, 112, 112), (128, 64, 3, 3), (128,), (128,)]], jnp.bfloat16)
+
+
+def masked_pair_update(pair, mask, lw, rw, ow):
+    act = pair * mask  # computed from inputs alone, read by two matmuls and nothing else
+    left = jnp.dot(act, lw)
+    right = jax.nn.sigmoid(jnp.dot(act, rw))
+    res = jnp.einsum("ikc,jkc->ijc", left, right)
+    res = res / jnp.sqrt(jnp.mean(res * res, axis=-1, keepdims=True) + 1e-6)
+    return jnp.dot(res, ow) * jax.nn.sigmoid(jnp.dot(pair, ow))
+
+
+def test_a_computed_value_kernels_read_but_do_not_compute_gets_a_kernel_of_its_own() -> None:
+    """The masked activation is a float no matmul pulled in (a triangle update's contraction over the pair's
+    second index cannot take it); before, the lowering refused the task ("a value is needed outside kernels
+    but never written"); now a map kernel writes it once."""
+    shapes = [[(48, 48, 128), (48, 48, 1), (128, 128), (128, 128), (128, 128)]]
+    configs = [Config(dynamic=[(s, "bfloat16") for s in case], static=[]) for case in shapes]
+    program = lower_program(
+        trace_reference(masked_pair_update, configs, ["pair", "mask", "lw", "rw", "ow"]), "t"
+    )
+    names = [k.name for k in program.kernels]
+    assert names[0].startswith("_elementwise"), names
+    _, kernel = load_module(program)
+    check_on_normal_inputs(
+        masked_pair_update, kernel, shapes, jnp.bfloat16, np.random.default_rng(5), atol=5e-2, rtol=5e-2
+    )

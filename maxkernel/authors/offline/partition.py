@@ -467,8 +467,8 @@ class Partition:
     def _unpulled_layout_to_glue(self) -> None:
         """A region may read a float value it does not compute: the conv kernel takes its input as an array,
         not the NCHW->NHWC transpose of one. When that value is layout of inputs alone (transposes,
-        reshapes, broadcasts), XLA writes it once outside kernels; anything that computes is left for the
-        region to own (and refused by the lowering if none does)."""
+        reshapes, broadcasts), XLA writes it once outside kernels; a value that computes is written once by a
+        map kernel of its own."""
         g = self.g
         for r in list(self.regions.values()):
             for v in self.region_inputs(r):
@@ -485,6 +485,9 @@ class Partition:
                         self.status[q] = "glue"
                         if q in pulled:  # another kernel recomputes it from its source
                             self.dual.add(q)
+                elif not self._own_float(self.new_region("map"), p):
+                    # it computes (a masked activation several matmuls read): a map kernel writes it once
+                    raise AssertionError("a float equation failed to start its own region")
 
     def homes(self, e: Any) -> list[Region]:
         out: list[Region] = []
