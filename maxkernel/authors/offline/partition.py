@@ -159,7 +159,7 @@ class Partition:
             # its inputs: glue values, or a chain of absorbed floats over them (an expand-dims before the
             # broadcast of `jnp.repeat`), which become glue with it
             chain = [q for q in self.float_closure(e.outvars[0]) if q != i]
-            layout = all(g.kind[q] == "absorbed" and g.eqns[q].primitive.name != "iota" for q in chain)
+            layout = self._layout_only(chain)
             if not layout and not literal_only:
                 continue
             cons = [c for v in e.outvars for c in g.consumers.get(v, [])]
@@ -174,6 +174,10 @@ class Partition:
                         self.dual.add(q)
 
     # --- helpers --------------------------------------------------------------------------------------
+    def _layout_only(self, eqns: list[int]) -> bool:
+        """Equations that only move data (absorbed layout ops; an iota makes values, so it is not one)."""
+        return all(self.g.kind[q] == "absorbed" and self.g.eqns[q].primitive.name != "iota" for q in eqns)
+
     def float_closure(self, var: Any) -> list[int]:
         """The float equations `var` needs, in program order (empty for inputs and glue values)."""
         out: set[int] = set()
@@ -470,17 +474,14 @@ class Partition:
         reshapes, broadcasts), XLA writes it once outside kernels; a value that computes is written once by a
         map kernel of its own."""
         g = self.g
+        pulled = set().union(*(o.pulled for o in self.regions.values()))
         for r in list(self.regions.values()):
             for v in self.region_inputs(r):
                 p = g.producer.get(v)
                 if p is None or self.status[p] != "float" or p in self.owner:
                     continue
                 chain = self.float_closure(v)
-                if all(
-                    g.kind[q] == "absorbed" and g.eqns[q].primitive.name != "iota" and q not in self.owner
-                    for q in chain
-                ):
-                    pulled = set().union(*(o.pulled for o in self.regions.values()))
+                if self._layout_only(chain) and not any(q in self.owner for q in chain):
                     for q in chain:
                         self.status[q] = "glue"
                         if q in pulled:  # another kernel recomputes it from its source
