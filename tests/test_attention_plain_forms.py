@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from offline_helpers import check_on_normal_inputs, compiles_at, load_module
 
+from maxkernel.authors.base import TileConfig
 from maxkernel.authors.offline.lower import lower_program
 from maxkernel.authors.offline.trace import Config, trace_reference
 
@@ -66,3 +67,31 @@ def test_plain_jax_attention_forms_are_flash_attention() -> None:
         _, kernel = load_module(program)
         check_on_normal_inputs(fn, kernel, shapes, jnp.bfloat16, rng, scale=1.0, atol=2e-2, rtol=2e-2)
         compiles_at(kernel, production, jnp.bfloat16)
+
+
+def finite_fill_attention(q, k, v, lag=0):
+    """Causal attention (shifted by `lag` keys) masked with a finite fill, as many models write it."""
+    n = q.shape[2]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    keep = jnp.arange(n)[:, None] - lag >= jnp.arange(n)[None, :]
+    s = jnp.where(keep, s, -1e9)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype), v)
+
+
+def test_a_finite_mask_fill_still_skips_dead_key_blocks() -> None:
+    """A -1e9 fill underflows exp to exactly 0 beside any live key, so dead key blocks are skipped as with
+    -inf; rows with no live key at all (the first `lag` rows here) average every key in the reference, so
+    their q blocks keep every key block and stay exact."""
+    rng = np.random.default_rng(9)
+    shapes = [[(1, 2, 512, 128)] * 3, [(2, 1, 384, 128)] * 3]
+    for lag in (0, 200):
+
+        def fn(q, k, v, lag=lag):
+            return finite_fill_attention(q, k, v, lag)
+
+        configs = [Config(dynamic=[(s, "bfloat16") for s in case], static=[]) for case in shapes]
+        program = lower_program(trace_reference(fn, configs, ["q", "k", "v"]), "t")
+        assert [k.name for k in program.kernels] == ["_attention"]
+        source, kernel = load_module(program, TileConfig.of(block_q=128, block_kv=128))
+        assert "_schedule(" in source, "the finite fill did not give the block schedule"
+        check_on_normal_inputs(fn, kernel, shapes, jnp.bfloat16, rng, scale=1.0, atol=2e-2, rtol=2e-2)

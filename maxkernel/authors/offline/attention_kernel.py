@@ -49,6 +49,10 @@ LAYOUT_PRIMS = (
 MAX_GROUP_FOLD = 16
 """Most query heads folded into one block per K/V head: the score tile is group x bq x bkv f32 (x3 live)."""
 
+MASK_FILL_AS_NEG_INF = -1e4
+"""A mask fill at or below this (-1e9, `finfo.min`) acts as -inf for block skipping: exp(fill - m) is exactly 0
+in float32 beside any live score above fill + 104."""
+
 
 class AttentionBuilder(PagedAttention, Builder):
     """Flash attention: online softmax over key blocks, scores never leave VMEM."""
@@ -217,8 +221,13 @@ class AttentionBuilder(PagedAttention, Builder):
         main = Scope(lines=[], indent="    ")
         kv_index = self.program_id(self.kv.axis)  # type: ignore[arg-type]
         self.mask_select: tuple[Any, Any] | None = None  # (masked value, its unmasked input), see block_mask
+        self.finite_fill = False  # set by block_mask
         pred = self.block_mask(info.logits if info.softmax else info.probs, "-inf" if info.softmax else "0")
         scheduled = pred is not None and self.plan_schedule(pred)
+        if pred is not None and not scheduled and self.finite_fill:
+            pred = (
+                None  # only the static schedule can see rows with no live key; a data-dependent skip cannot
+            )
         # a mask that reads an operand but is ANDed with a static one (ragged: same segment & causal): the grid
         # walks the static part's live pairs and the whole mask, applied on every step, does the rest
         partial = pred is not None and not scheduled and self.plan_static_conjunct(pred)
@@ -510,7 +519,7 @@ class AttentionBuilder(PagedAttention, Builder):
             '    """Whether any / every score of the (q block, key block) tile survives the mask: the kernel\'s own\n'
             '    mask code, evaluated at trace time to build the schedule."""\n'
             f"{text}\n"
-            f"    return jnp.any({code}), jnp.all({code})\n"
+            f"    return jnp.any({code}), jnp.all({code}), jnp.any(jnp.atleast_1d({code}), axis=-1)\n"
         )
         sched_fn = (
             f"def {stem}_schedule(n_q_blocks, n_kv_blocks, **scalars):\n"
@@ -523,10 +532,16 @@ class AttentionBuilder(PagedAttention, Builder):
             "    with jax.ensure_compile_time_eval():\n"
             "        kv_blocks = jnp.arange(n_kv_blocks, dtype=jnp.int32)\n"
             "        for i in range(n_q_blocks):\n"
-            f"            live, full = jax.vmap(functools.partial({stem}_block_live, i, **scalars))(kv_blocks)\n"
+            f"            live, full, rows = jax.vmap(functools.partial({stem}_block_live, i, **scalars))(kv_blocks)\n"
             "            live, full = live.tolist(), full.tolist()\n"
             "            keep = [j for j, alive in enumerate(live) if alive] or [0]\n"
-            "            for n, j in enumerate(keep):\n"
+            + (
+                "            if not bool(jnp.all(jnp.any(rows, axis=0))):  # a row with no live key: the finite fill\n"
+                "                keep, full = list(range(n_kv_blocks)), [False] * n_kv_blocks  # averages them all\n"
+                if self.finite_fill
+                else ""
+            )
+            + "            for n, j in enumerate(keep):\n"
             "                q_ids.append(i)\n"
             "                kv_ids.append(j)\n"
             "                flags.append((n == 0) | (2 if n == len(keep) - 1 else 0) | (0 if full[j] else 4))\n"
@@ -690,7 +705,15 @@ class AttentionBuilder(PagedAttention, Builder):
             return None
         if e.primitive.name != "select_n" or len(e.invars) != 3 or dtype_name(e.invars[0].aval) != "bool":
             return None
-        if _constant_value(g, e.invars[1], own) != (-math.inf if neutral == "-inf" else 0.0):
+        fill = _constant_value(g, e.invars[1], own)
+        if fill is None:
+            return None
+        if neutral == "-inf" and -math.inf < fill <= MASK_FILL_AS_NEG_INF:
+            # a finite fill (-1e9, finfo.min) underflows exp to exactly 0 beside any live score, so a dead block
+            # contributes nothing -- except to a row with no live key at all, which the reference averages
+            # over every key: the static schedule keeps every block of such a q block (see plan_schedule)
+            self.finite_fill = True
+        elif fill != (-math.inf if neutral == "-inf" else 0.0):
             return None
         if not is_literal(e.invars[2]):
             self.mask_select = (e.outvars[0], e.invars[2])

@@ -42,7 +42,7 @@ from maxkernel.authors.offline.tuning import (
     validate,
     vmem_estimate,
 )
-from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed
+from maxkernel.tools.sandbox import SandboxLimits, fresh_run_dir, run_sandboxed, task_read_paths
 
 LEVEL_NOTES = (
     "full fusion: epilogues (with row reductions) in matmul kernels, flash attention, shared K loops",
@@ -89,8 +89,11 @@ class OfflineAuthor:
             "maxkernel.authors.offline.analysis_job:analyse_job",
             payload,
             run_dir,
-            SandboxLimits(timeout_s=self.timeout_s),
-            read_paths=[Path(task.reference_path).parent],
+            # the task's own code, as the judge and `describe` run it: without bubblewrap a root agent's child
+            # keeps root (a reference in a private folder, as containers keep them, stays readable); no
+            # candidate ever runs in this job
+            SandboxLimits(timeout_s=self.timeout_s, fallback_as_nobody=False),
+            read_paths=task_read_paths(task.reference_path),
         )
         if not outcome.ok:
             # Not cached: a crash or timeout of the analysis is not a fact about the task.
