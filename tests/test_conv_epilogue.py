@@ -75,7 +75,50 @@ def depthwise7_bias_bf16(x, w, b):
     return (y + b.astype(jnp.float32)).astype(x.dtype)
 
 
+def torch_layout_conv_relu_bias(x, w, b):
+    """PyTorch-layout code (JAXBench's): NCHW -> NHWC, the conv, a bias and ReLU, back to NCHW, then a
+    (C, 1, 1) bias. The transpose is a view of the kernel's block: the (C, 1, 1) bias joins the epilogue."""
+    y = lax.conv_general_dilated(
+        jnp.transpose(x, (0, 2, 3, 1)),
+        jnp.transpose(w, (2, 3, 1, 0)),
+        (1, 1),
+        "VALID",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        precision=lax.Precision.HIGHEST,
+    )
+    y = jnp.transpose(jax.nn.relu(y + b.reshape(1, 1, 1, -1)), (0, 3, 1, 2))
+    return y + b.reshape(-1, 1, 1) * 0.5
+
+
+def torch_layout_conv_spatial_mean(x, w, b):
+    """The same, with a mean over (H, W) of the NCHW view: a spatial reduction named in the view's dims."""
+    y = lax.conv_general_dilated(
+        jnp.transpose(x, (0, 2, 3, 1)),
+        jnp.transpose(w, (2, 3, 1, 0)),
+        (1, 1),
+        "VALID",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        precision=lax.Precision.HIGHEST,
+    )
+    y = jnp.transpose(jax.nn.gelu(y + b.reshape(1, 1, 1, -1)), (0, 3, 1, 2))
+    return jnp.mean(y * b.reshape(1, -1, 1, 1), axis=(2, 3))
+
+
 CASES = [
+    (
+        torch_layout_conv_relu_bias,
+        [((2, 16, 12, 20), (32, 16, 3, 3), (32,)), ((1, 8, 9, 11), (24, 8, 3, 3), (24,))],
+        "float32",
+        1e-4,
+        1,
+    ),
+    (
+        torch_layout_conv_spatial_mean,
+        [((2, 16, 12, 20), (32, 16, 3, 3), (32,)), ((1, 8, 9, 11), (24, 8, 3, 3), (24,))],
+        "float32",
+        1e-4,
+        1,
+    ),
     (
         conv_bias_hardswish_bf16,
         [((2, 8, 8, 16), (3, 3, 16, 128), (128,)), ((1, 7, 9, 3), (3, 3, 3, 5), (5,))],
@@ -177,7 +220,7 @@ def test_conv_epilogue_is_fused_correct_and_compiles(fn, shapes, dtype, atol, n_
 
 
 def test_less_fused_levels_keep_the_epilogue_in_its_own_kernel() -> None:
-    fn, shapes, dtype, _, _ = CASES[0]
+    fn, shapes, dtype, _, _ = CASES[2]
     families = [k.family for k in _program(fn, shapes, dtype, level=1).kernels]
     assert families[0] == "conv" and len(families) == 2  # the epilogue: a kernel of its own
 

@@ -59,11 +59,27 @@ reductions the rest of the epilogue may read them (`pixel` values)."""
 
 @dataclass(frozen=True)
 class ConvOut:
-    """The conv output's shape in the reference's layout and which of its dims holds the channels."""
+    """The conv output's shape in the reference's layout and which of its dims holds the channels.
+
+    A transpose of a block (the NHWC -> NCHW transpose of PyTorch-layout code) gives another view of the same
+    kernel block: `perm` says which dim of the conv's own output each of its dims is (None: the conv's
+    layout). The kernel's block does not move; only the shapes of the operands that broadcast against it, the
+    dims a reduction names and the wrapper's final layout of a stored result follow the view."""
 
     shape: tuple[int, ...]
     channel_dim: int
     batch_dim: int = 0
+    perm: tuple[int, ...] | None = None
+
+    def permuted(self, perm: tuple[int, ...]) -> ConvOut:
+        """The view after `transpose(block, perm)`."""
+        base = self.perm or tuple(range(len(self.shape)))
+        return ConvOut(
+            shape=tuple(self.shape[p] for p in perm),
+            channel_dim=perm.index(self.channel_dim),
+            batch_dim=perm.index(self.batch_dim),
+            perm=tuple(base[p] for p in perm),
+        )
 
     @property
     def spatial_dims(self) -> tuple[int, ...]:
@@ -89,6 +105,11 @@ class ConvOut:
             s == (self.channels if d == self.channel_dim else 1) for d, s in enumerate(shape)
         ):
             return "chan"
+        lead = len(self.shape) - len(shape)  # fewer dims: aligned to the trailing ones, as numpy broadcasts
+        if 1 < len(shape) < len(self.shape) and all(
+            s == (self.channels if d + lead == self.channel_dim else 1) for d, s in enumerate(shape)
+        ):
+            return "chan"  # a PyTorch-layout bias: (C, 1, 1) against (N, C, H, W)
         if shape in (self.pixel_shape, self.pixel_shape_keepdims):
             return "pixel"
         return None
@@ -107,6 +128,42 @@ def conv_out_of(conv_eqn: Any) -> ConvOut:
     shape = tuple(int(s) for s in conv_eqn.outvars[0].aval.shape)
     spec = conv_eqn.params["dimension_numbers"].out_spec
     return ConvOut(shape=shape, channel_dim=int(spec[1]), batch_dim=int(spec[0]))
+
+
+def block_views(g: Any, conv_eqn: Any, eqns: list[int]) -> dict[Any, ConvOut]:
+    """The view (layout) of every full-size block value among `eqns` (program order): the conv output in its
+    own layout, what a transpose makes of a block, and what elementwise work on a block keeps."""
+    base = conv_out_of(conv_eqn)
+    views: dict[Any, ConvOut] = {conv_eqn.outvars[0]: base}
+    for j in sorted(eqns):
+        e = g.eqns[j]
+        if e is conv_eqn:
+            continue
+        src = [views[v] for v in e.invars if not is_literal(v) and v in views]
+        if not src:
+            continue
+        if e.primitive.name == "transpose":
+            views[e.outvars[0]] = src[0].permuted(tuple(int(a) for a in e.params["permutation"]))
+            continue
+        for ov in e.outvars:
+            if _shape(ov) == src[0].shape:
+                views[ov] = src[0]
+    return views
+
+
+def eqn_view(views: dict[Any, ConvOut], e: Any, base: ConvOut) -> ConvOut:
+    """The view an equation works in: that of its block operands (the conv's own when it reads none)."""
+    for v in e.invars:
+        if not is_literal(v) and v in views:
+            return views[v]
+    return base
+
+
+def mixes_views(views: dict[Any, ConvOut], e: Any) -> bool:
+    """Does the equation combine blocks of two different views? (Same shapes, different elements: a square
+    NHWC block plus its NCHW transpose.)"""
+    perms = {views[v].perm for v in e.invars if not is_literal(v) and v in views}
+    return len(perms) > 1
 
 
 def spatial_reduction_ok(out: ConvOut, e: Any, produced: set[Any]) -> bool:
@@ -182,6 +239,10 @@ def _eqn_ok(out: ConvOut, e: Any, *, owned: bool) -> bool:
         if out.role(_shape(src)) == "chan" and len(_shape(src)) == 1:
             # a (C,) vector must land on the channel dim (a W-long vector of the same length must not)
             return tuple(e.params["broadcast_dimensions"]) == (out.channel_dim,)
+        if out.role(_shape(src)) == "chan" and len(_shape(src)) < len(out.shape) and out.channels > 1:
+            # (C, 1, 1): its C-long dim must land on the channel dim
+            dims = tuple(int(d) for d in e.params["broadcast_dimensions"])
+            return dims[_shape(src).index(out.channels)] == out.channel_dim
         if out.role(_shape(src)) == "pixel":
             # a per-pixel value keeps its dims in order around the channel dim (a (pixels, 1) column)
             keep = [d for d in range(len(out.shape)) if d != out.channel_dim]
@@ -196,26 +257,35 @@ def epilogue_ok(part: Partition, region: Region, i: int, kind: str) -> bool:
     """May owned equation `i` join the conv region as part of its epilogue?"""
     g = part.g
     conv = g.eqns[min(region.owned)]
-    out = conv_out_of(conv)
+    base = conv_out_of(conv)
     e = g.eqns[i]
+    views = block_views(g, conv, region.eqns())
+    out = eqn_view(views, e, base)
     produced = part.produced_in(region)
     reductions = [
-        g.eqns[j] for j in region.owned if g.kind[j] == "reduce" and not is_channel_reduction(out, g.eqns[j])
+        g.eqns[j]
+        for j in region.owned
+        if g.kind[j] == "reduce" and not is_channel_reduction(eqn_view(views, g.eqns[j], base), g.eqns[j])
     ]
     reduced = {v for r in reductions for v in r.outvars}
     if any(not is_literal(v) and v in reduced for v in e.invars):
         return False  # a reduction is accumulated over the grid: nothing in the kernel may read it
+    if mixes_views(views, e):
+        return False
     if kind == "reduce":
         src = g.producer.get(e.invars[0])
         if src not in region.owned:
             return False
         if is_channel_reduction(out, e):
             return channel_reduction_ok(out, e, produced)  # complete within a step: a per-pixel value
-        if any(reduces_batch(out, r) != reduces_batch(out, e) for r in reductions):
+        if any(reduces_batch(eqn_view(views, r, base), r) != reduces_batch(out, e) for r in reductions):
             return False  # one grid order for all of them: per sample, or over the whole batch
         return spatial_reduction_ok(out, e, produced)
     if kind not in ("elementwise", "absorbed"):
         return False
+    if e.primitive.name == "transpose":
+        # another view of a block (NHWC -> NCHW): free in the kernel, the wrapper lays out what is stored
+        return e.invars[0] in views and e.invars[0] in produced
     if kind == "absorbed" and e.primitive.name not in LAYOUT_PRIMITIVES | {"convert_element_type"}:
         return False
     if not _eqn_ok(out, e, owned=True) or not literals_fixed(g.traces, e):
@@ -255,6 +325,9 @@ class Epilogue:
     pool_windows: tuple[int, ...] | None = (
         None  # (rows, columns) windows of a pool fused after the conv (conv_pool)
     )
+    out_perms: list[tuple[int, ...] | None] = field(default_factory=list)
+    """Per region output: the view it is stored in (`ConvOut.perm`: which conv-output dim each of its dims
+    is), None for the conv's own layout or a reduction."""
 
 
 def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str], pack: int = 1) -> Epilogue:
@@ -265,7 +338,7 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str], pack: int = 
     result back over it, and a pool's W window (which must be `pack` columns) combines a row's groups."""
     part, region = builder.part, builder.region
     g = part.g
-    out = conv_out_of(conv_eqn)
+    base = conv_out_of(conv_eqn)
     conv_var = conv_eqn.outvars[0]
     extra = [v for v in builder.inputs if v not in conv_eqn.invars]
     roles: list[Role] = []
@@ -273,13 +346,25 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str], pack: int = 
     lines: list[str] = []
     cdt = dtype_name(conv_var.aval)
     code[conv_var] = "acc" if cdt == "float32" else f"acc.astype({dtype_code(cdt)})"
+    order = sorted(set(region.owned) | set(region.pulled))
+    views = block_views(g, conv_eqn, order)
+
+    def consumer_view(v: Any) -> ConvOut:
+        """The view of the first region equation that reads `v` (an operand's shape is read in it)."""
+        for p in order:
+            if any(u is v for u in g.eqns[p].invars):
+                owned_use = [c for u in g.eqns[p].outvars for c in g.consumers.get(u, []) if c in order]
+                if p in region.owned or not owned_use:
+                    return eqn_view(views, g.eqns[p], base)
+                return consumer_view(g.eqns[p].outvars[0])
+        return base
+
     for v, ref in zip(extra, in_refs, strict=True):
-        role = out.role(_shape(v))
+        role = consumer_view(v).role(_shape(v))
         if role not in ("chan", "scalar"):
             raise EmitError("a conv epilogue operand that is neither per-channel nor a scalar")
         roles.append(role)
         code[v] = f"{ref}[...]"
-    order = sorted(set(region.owned) | set(region.pulled))
     n = 0
     reductions: dict[Any, tuple[str, str]] = {}
     batch_reduced = False
@@ -300,7 +385,13 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str], pack: int = 
                 args.append(code[v])
         name = e.primitive.name
         ov = e.outvars[0]
-        if name == "reshape" and _shape(e.invars[0]) == out.shape:
+        out = eqn_view(views, e, base) if p in region.owned else consumer_view(ov)
+        if mixes_views(views, e):
+            raise EmitError("a conv epilogue equation combining two layouts of the block")
+        if name == "transpose" and e.invars[0] in views:
+            code[ov] = args[0]  # another view of the same block: the kernel's block does not move
+            continue
+        if name == "reshape" and out.perm is None and _shape(e.invars[0]) == out.shape:
             from maxkernel.authors.offline.conv_pool import pool_split  # conv_pool imports this module
 
             windows = pool_split(out, _shape(e.invars[0]), _shape(ov))
@@ -383,10 +474,19 @@ def build_epilogue(builder: Any, conv_eqn: Any, in_refs: list[str], pack: int = 
         local = f"ep{n}"
         lines.append(f"{local} = {expr}  # {dtype_name(ov.aval)} {out.role(_shape(ov)) or 'pooled'}")
         code[ov] = local
-    if any(v not in reductions and out.role(_shape(v)) == "pixel" for v in builder.outputs):
+    if any(
+        v not in reductions
+        and v not in views
+        and any(w.role(_shape(v)) == "pixel" for w in {base, *views.values()})
+        for v in builder.outputs
+    ):
         raise EmitError("a per-pixel value of the conv epilogue is needed outside the kernel")
     results = [None if v in reductions else code.get(v) for v in builder.outputs]
+    out_perms = [views[v].perm if v in views and v not in reductions else None for v in builder.outputs]
+    if pool_windows is not None and any(q is not None for q in out_perms):
+        raise EmitError("a pool and a transposed layout of one conv output")
     return Epilogue(
+        out_perms=out_perms,
         inputs=extra,
         input_roles=roles,
         lines=lines,

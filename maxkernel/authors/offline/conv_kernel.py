@@ -497,7 +497,7 @@ class ConvBuilder(KernelBuilder):
             if r is None
             else f"    out[{k}] = _crop(out[{k}], (n_b, {', '.join(f'n_o{a} // {q}' for a, q in zip(sp, pool_windows, strict=True))}, n_out))  # pooled"
             if is_pooled[k]
-            else f"    out[{k}] = {_transposed(f'_crop({unpacked(k)}, (n_b, {out_sizes}, n_out))', tuple(from_cl))}"
+            else f"    out[{k}] = {_transposed(f'_crop({unpacked(k)}, (n_b, {out_sizes}, n_out))', _view_perm(from_cl, ep.out_perms[k]))}"
             for k, r in enumerate(ep.results)
         )
         semantics = (
@@ -903,6 +903,12 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             ],
         )
         return spec, f"{s}({', '.join([xn, wn, *ep_names])})"
+
+
+def _view_perm(from_cl: list[int], view: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The transpose from the kernel's channels-last result to a stored output's layout: the conv's own
+    (`from_cl`), or a view of it (`view[k]`: the conv-output dim that the output's dim k is)."""
+    return tuple(from_cl) if view is None else tuple(from_cl[q] for q in view)
 
 
 def _transposed(name: str, perm: tuple[int, ...]) -> str:

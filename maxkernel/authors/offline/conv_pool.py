@@ -113,6 +113,8 @@ def absorb_pools(part: Partition) -> None:
         out = conv_out_of(conv_eqn)
         if any(g.kind[j] == "reduce" and not is_channel_reduction(out, g.eqns[j]) for j in conv.owned):
             continue  # a spatial reduction already walks the rows in order; keep one template at a time
+        if any(g.eqns[j].primitive.name == "transpose" for j in conv.owned):
+            continue  # a transposed view of the block: pools are read in the conv's own layout only
         produced = part.produced_in(conv)
         for v in sorted(produced, key=lambda u: str(u)):
             cons = g.consumers.get(v, [])

@@ -81,18 +81,18 @@ class OnePassMoments:
             pattern = _match(eqn, producer, uses)
             if pattern is None:
                 continue
-            conv = _conv_behind(pattern.y, producer)
-            if conv is not None and conv_moments_axes_ok(conv, pattern.axes):
+            conv, perm = _conv_behind(pattern.y, producer)
+            if conv is not None and conv_moments_axes_ok(conv, tuple(perm[a] for a in pattern.axes)):
                 if conv_ok(conv, _count(pattern.y, pattern.axes), False):
                     self.rewrites[eqn.outvars[0]] = functools.partial(_plain_m2, pattern)
                 continue
             grouped = _Grouped.of(pattern, producer, uses)
             if grouped is None:
                 continue
-            conv = _conv_behind(grouped.src, producer)
+            conv, perm = _conv_behind(grouped.src, producer)
             if (
                 conv is not None
-                and conv_moments_axes_ok(conv, grouped.axes)
+                and conv_moments_axes_ok(conv, tuple(perm[a] for a in grouped.axes))
                 and conv_ok(conv, _count(pattern.y, pattern.axes), True)
             ):
                 self.rewrites[pattern.s] = grouped.first_sum
@@ -147,24 +147,35 @@ def _plain_m2(p: CentredSquares, read: Callable[[Any], Any]) -> Any:
 CHANNEL_PRESERVING = frozenset({"add", "sub", "mul", "convert_element_type"})
 
 
-def _conv_behind(var: Any, producer: dict[Any, Any]) -> Any | None:
+def _conv_behind(var: Any, producer: dict[Any, Any]) -> tuple[Any | None, tuple[int, ...]]:
     """The convolution whose output `var` is, seen through a per-channel epilogue (a bias, a scale, a cast)
-    of the same shape: the conv kernel computes those on its accumulator."""
+    of the same shape, which the conv kernel computes on its accumulator, and through transposes (the
+    NHWC -> NCHW one of PyTorch-layout code, a view of the same block to the kernel); with, per dim of `var`,
+    the conv-output dim it is."""
     shape = tuple(int(d) for d in var.aval.shape)
+    perm = tuple(range(len(shape)))
     while True:
         e = producer.get(var)
         if e is None:
-            return None
+            return None, perm
         if e.primitive.name == "conv_general_dilated":
-            return e
+            return e, perm
+        if e.primitive.name == "transpose" and not _is_lit(e.invars[0]):
+            order = tuple(int(a) for a in e.params["permutation"])
+            perm = tuple(order[p] for p in perm)
+            var = e.invars[0]
+            shape = tuple(int(d) for d in var.aval.shape)
+            continue
         if e.primitive.name not in CHANNEL_PRESERVING:
-            return None
+            return None, perm
         full = [v for v in e.invars if not _is_lit(v) and tuple(int(d) for d in v.aval.shape) == shape]
         small = [v for v in e.invars if not _is_lit(v) and v not in full]
-        if len(full) != 1 or any(math.prod(int(d) for d in v.aval.shape) > shape[-1] for v in small):
-            return None
+        if len(full) != 1 or any(
+            math.prod(int(d) for d in v.aval.shape) > max((*(int(d) for d in v.aval.shape), 1)) for v in small
+        ):
+            return None, perm  # a small operand is one vector (a bias or a scale), whatever dim it is along
         if e.primitive.name == "sub" and e.invars[0] is not full[0]:
-            return None
+            return None, perm
         var = full[0]
 
 
