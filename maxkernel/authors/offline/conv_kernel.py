@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from maxkernel.authors.offline.conv_chw import build_chw, chw_ok
 from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue, conv_out_of
 from maxkernel.authors.offline.conv_pool import pooled_shape
 from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name, int_tuple
@@ -212,6 +213,8 @@ class ConvBuilder(KernelBuilder):
             getattr(q, "name", str(q)) for q in (prec if isinstance(prec, tuple | list) else (prec,)) if q
         }
         prec_code = ", precision=lax.Precision.HIGHEST" if "HIGHEST" in names and xdt == "float32" else ""
+        if chw_ok(self, e, ep, depthwise):  # PyTorch-layout data: no transposes around the kernel
+            return build_chw(self, e, ep, prec_code)
         # per-configuration padding, as code over the kernel sizes where it depends on them
         pads = [tuple(int(a) for a in pp) for pp in p["padding"]]
         if any(
