@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, Epilogue
-from maxkernel.authors.offline.emit import dtype_code, dtype_name, int_tuple
+from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, Epilogue, view_perm
+from maxkernel.authors.offline.emit import dtype_code, dtype_name, transpose_code
 from maxkernel.authors.offline.kernels import nbytes
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
 
@@ -189,7 +189,7 @@ def build_chw(builder: ConvBuilder, e: Any, ep: Epilogue, prec_code: str) -> tup
             else f"    out[{k}] = out[{k}][:, :, 0]  # (N, C_out), over the spatial dims"
         )
         if r is None
-        else f"    out[{k}] = {_transposed(f'out[{k}]', _view_perm(from_k, ep.out_perms[k]))}"
+        else f"    out[{k}] = {transpose_code(f'out[{k}]', view_perm(from_k, ep.out_perms[k]))}"
         for k, r in enumerate(ep.results)
     )
     semantics = (
@@ -228,8 +228,8 @@ def {s}_kernel(x_ref, w_ref, {", ".join(ep_refs + out_refs)}, *, rows, n_kh, n_k
 
 def {s}({", ".join([xn, wn, *ep_names])}):
     """Channels-first direct convolution: whole images in VMEM, one matmul per block of output rows."""
-    x = {_transposed(xn, lhs_spec)}  # (N, C, H, W): undoes the NHWC transpose before it (XLA folds the pair)
-    wt = {_transposed(wn, w_perm)}  # (C_out, KH, KW, C_in)
+    x = {transpose_code(xn, lhs_spec)}  # (N, C, H, W): undoes the NHWC transpose before it (XLA folds the pair)
+    wt = {transpose_code(wn, w_perm)}  # (C_out, KH, KW, C_in)
     n_b, n_c, n_h, width = x.shape
     n_out, n_kh, n_kw = wt.shape[0], wt.shape[1], wt.shape[2]
     n_oh, n_ow = n_h - n_kh + 1, width - n_kw + 1
@@ -383,11 +383,3 @@ def {s}({", ".join([xn, wn, *ep_names])}):
         ],
     )
     return spec, f"{s}({', '.join([xn, wn, *ep_names])})"
-
-
-def _view_perm(from_k: list[int], view: tuple[int, ...] | None) -> tuple[int, ...]:
-    return tuple(from_k) if view is None else tuple(from_k[q] for q in view)
-
-
-def _transposed(name: str, perm: tuple[int, ...]) -> str:
-    return name if list(perm) == sorted(perm) else f"jnp.transpose({name}, {int_tuple(perm)})"

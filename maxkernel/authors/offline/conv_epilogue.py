@@ -124,6 +124,13 @@ class ConvOut:
         return tuple(1 if d == self.channel_dim else s for d, s in enumerate(self.shape))
 
 
+def view_perm(to_conv: list[int], view: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The transpose from a kernel's result to a stored output's layout: `to_conv` lays the result out as the
+    conv's own output (per conv-output dim, the result dim it is); `view` (`ConvOut.perm`) is the output's
+    view of that, None for the conv's own layout."""
+    return tuple(to_conv) if view is None else tuple(to_conv[q] for q in view)
+
+
 def conv_out_of(conv_eqn: Any) -> ConvOut:
     shape = tuple(int(s) for s in conv_eqn.outvars[0].aval.shape)
     spec = conv_eqn.params["dimension_numbers"].out_spec

@@ -49,9 +49,9 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from maxkernel.authors.offline.conv_chw import build_chw, chw_ok
-from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue, conv_out_of
+from maxkernel.authors.offline.conv_epilogue import SPATIAL_REDUCTIONS, build_epilogue, conv_out_of, view_perm
 from maxkernel.authors.offline.conv_pool import pooled_shape
-from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name, int_tuple
+from maxkernel.authors.offline.emit import EmitError, dtype_code, dtype_name, transpose_code
 from maxkernel.authors.offline.kernels import SUBLANE, KernelBuilder, LowerError, nbytes
 from maxkernel.authors.offline.spec import BufferSpec, DimRef, GridAxis, KernelSpec, ParamSpec
 from maxkernel.authors.offline.trace import direct_conv_ok, is_depthwise
@@ -500,7 +500,7 @@ class ConvBuilder(KernelBuilder):
             if r is None
             else f"    out[{k}] = _crop(out[{k}], (n_b, {', '.join(f'n_o{a} // {q}' for a, q in zip(sp, pool_windows, strict=True))}, n_out))  # pooled"
             if is_pooled[k]
-            else f"    out[{k}] = {_transposed(f'_crop({unpacked(k)}, (n_b, {out_sizes}, n_out))', _view_perm(from_cl, ep.out_perms[k]))}"
+            else f"    out[{k}] = {transpose_code(f'_crop({unpacked(k)}, (n_b, {out_sizes}, n_out))', view_perm(from_cl, ep.out_perms[k]))}"
             for k, r in enumerate(ep.results)
         )
         semantics = (
@@ -597,8 +597,8 @@ def {s}_kernel(x_ref, w_ref, {", ".join(ep_refs + out_refs + (["xs_ref"] if stag
 
 def {s}({", ".join([xn, wn, *ep_names])}):
     """Direct convolution: halo'd row blocks in VMEM, one MXU matmul per kernel tap into an f32 accumulator."""
-    x = {_transposed(xn, to_cl)}  # channels last: (N, {", ".join(sp.upper())}, C)
-    wt = {_transposed(wn, w_perm)}  # ({", ".join("K" + a for a in sp)}, C_in, C_out)
+    x = {transpose_code(xn, to_cl)}  # channels last: (N, {", ".join(sp.upper())}, C)
+    wt = {transpose_code(wn, w_perm)}  # ({", ".join("K" + a for a in sp)}, C_in, C_out)
     n_b = x.shape[0]
     n_c, n_out = wt.shape[-2], wt.shape[-1]
 {chr(10).join(f"    n_k{a} = wt.shape[{i}]" for i, a in enumerate(sp))}
@@ -906,14 +906,3 @@ def {s}({", ".join([xn, wn, *ep_names])}):
             ],
         )
         return spec, f"{s}({', '.join([xn, wn, *ep_names])})"
-
-
-def _view_perm(from_cl: list[int], view: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The transpose from the kernel's channels-last result to a stored output's layout: the conv's own
-    (`from_cl`), or a view of it (`view[k]`: the conv-output dim that the output's dim k is)."""
-    return tuple(from_cl) if view is None else tuple(from_cl[q] for q in view)
-
-
-def _transposed(name: str, perm: tuple[int, ...]) -> str:
-    """`jnp.transpose` code, or just the name when the permutation is the identity."""
-    return name if list(perm) == sorted(perm) else f"jnp.transpose({name}, {int_tuple(perm)})"

@@ -84,6 +84,11 @@ def literal_code(value: Any, dtype: str) -> str:
     return str(int(v))
 
 
+def transpose_code(name: str, perm: tuple[int, ...]) -> str:
+    """`jnp.transpose` code, or just the name when the permutation is the identity."""
+    return name if list(perm) == sorted(perm) else f"jnp.transpose({name}, {int_tuple(perm)})"
+
+
 def int_tuple(values: Any) -> tuple[int, ...]:
     """A jaxpr param's integers as Python ints, for emitted code: jnp helpers leave numpy scalars in some
     (`jnp.repeat`'s broadcast dimensions), whose repr (`np.int64(1)`) would not run in the generated module."""
