@@ -129,3 +129,24 @@ def test_bf16_with_few_channels_compiles_channels_first() -> None:
 def test_widths_off_the_lane_tile_keep_the_channels_last_kernel() -> None:
     program = _program(relu_bias, [((2, 16, 12, 20), (32, 16, 3, 3), (32,))])
     assert program.kernels[0].family == "conv" and "channels-first" not in program.kernels[0].title
+
+
+def test_validation_shape_with_cut_channels_gets_zero_channels_padded() -> None:
+    """The task's shape has 16 input channels; a validation shape cut to 3 still runs channels-first (zero
+    channels padded on in the wrapper, a no-op at the task's shape) and matches the reference."""
+    task = ((2, 16, 12, 128), (32, 16, 3, 3), (32,))
+    small = ((2, 3, 10, 128), (32, 3, 3, 3), (32,))
+    program = _program(relu_bias, [task, small])
+    assert "channels-first" in program.kernels[0].title
+    src = render(program, default_config(program, TPU), TPU)
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    rng = np.random.default_rng(7)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in small]
+    with pltpu.force_tpu_interpret_mode():
+        got = ns["computation"](*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(relu_bias(*args)), atol=2e-4, rtol=2e-4)
+    sharding = jax.sharding.SingleDeviceSharding(topology_device("v5e"))
+    avals = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in task]
+    hlo = jax.jit(ns["computation"]).trace(*avals).lower().as_text()
+    assert " pad(" not in hlo and "stablehlo.pad" not in hlo  # nothing padded at the task's shape

@@ -68,6 +68,26 @@ def conv_bias_groupnorm_silu(x, w, g, b, groups):
     return jax.nn.silu(((yg - mean) * lax.rsqrt(var + 1e-5)).reshape(n, h, wd, c) * g + b)
 
 
+def conv_library_instancenorm(x, w, g, b):
+    """PyTorch-style: `jnp.mean` and `jnp.var` (a `jit` of its own that recomputes the mean), then an affine."""
+    y = _conv(x, w) + b
+    mean = jnp.mean(y, axis=(1, 2), keepdims=True)
+    var = jnp.var(y, axis=(1, 2), keepdims=True)
+    return (y - mean) / jnp.sqrt(var + 1e-5) * g + b
+
+
+def conv_nchw_groupnorm_tanh(x, w, g, b, groups):
+    """PyTorch layout: NCHW data around an NHWC conv, the group norm split on the channel dim of the NCHW
+    value, (N, G, C // G, H, W)."""
+    y = jnp.transpose(_conv(jnp.transpose(x, (0, 2, 3, 1)), w), (0, 3, 1, 2))
+    n, c, h, wd = y.shape
+    yg = y.reshape(n, groups, c // groups, h, wd)
+    mean = jnp.mean(yg, axis=(2, 3, 4), keepdims=True)
+    var = jnp.var(yg, axis=(2, 3, 4), keepdims=True)
+    y = ((yg - mean) / jnp.sqrt(var + 1e-5)).reshape(n, c, h, wd)
+    return jnp.tanh(y * g.reshape(1, -1, 1, 1) + b.reshape(1, -1, 1, 1))
+
+
 # per case: the task's own shapes (traced only: the size decisions are made there, as for a task), then
 # an aligned and an odd validation shape, run in interpret mode
 CASES = [
@@ -95,12 +115,24 @@ CASES = [
             ((2, 3, 5, 7, 3), (3, 3, 3, 3, 6)),
         ],
     ),
+    (  # the library's variance is seen through its `jit`, and its repeat of the mean is the caller's
+        conv_library_instancenorm,
+        [
+            ((2, 264, 256, 16), (3, 3, 16, 128)),
+            ((2, 8, 8, 16), (3, 3, 16, 128)),
+            ((3, 7, 9, 3), (3, 3, 3, 5)),
+        ],
+    ),
+    (  # x is NCHW here
+        conv_nchw_groupnorm_tanh,
+        [((2, 16, 16, 16), (3, 3, 16, 128)), ((2, 16, 8, 8), (3, 3, 16, 128)), ((3, 3, 7, 9), (3, 3, 3, 12))],
+    ),
     (
         conv_bias_groupnorm_silu,
         [((2, 16, 16, 16), (3, 3, 16, 128)), ((2, 8, 8, 16), (3, 3, 16, 128)), ((3, 7, 9, 3), (3, 3, 3, 12))],
     ),
 ]
-STATIC = {"conv_bias_groupnorm_silu": [4]}
+STATIC = {"conv_bias_groupnorm_silu": [4], "conv_nchw_groupnorm_tanh": [4]}
 
 
 def _program(fn, shapes):
@@ -181,7 +213,8 @@ def test_two_pass_variance_stays_where_the_row_is_whole() -> None:
     ]
     traced = trace_reference(layer_norm, configs, ["x", "w", "g", "b"], direct_conv=True)
     names = [e.primitive.name for e in traced.primary.jaxpr.eqns]
-    assert "square" in names and names.count("sub") == 2  # (x - mean) twice: the variance's and the output's
+    # (x - mean), the variance's and the output's, is computed once (repeats merged) and squared: two-pass
+    assert "square" in names and names.count("sub") == 1
 
 
 def test_sum_of_squares_matches_the_centred_form_of_a_conv() -> None:

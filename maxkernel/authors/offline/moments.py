@@ -53,6 +53,8 @@ class CentredSquares:
     h: Any  # s / n, broadcast with size-1 dims at `axes`
     axes: tuple[int, ...]
     divide: Any = None  # the equation dividing by n on the way from s to h
+    d: Any = None  # y - h
+    square: Any = None  # the equation squaring d
 
 
 def _is_lit(v: Any) -> bool:
@@ -114,9 +116,9 @@ def _count_divisions(jaxpr: Any, producer: dict[Any, Any], sums: list[Any], firs
     layout ops: `first` (the mean's, already found) and any other with the same literal."""
     found = [first]
     for e in jaxpr.eqns:
-        if e is first or e.primitive.name != "div" or not _is_lit(e.invars[1]) or _is_lit(e.invars[0]):
+        if e is first or e.primitive.name != "div" or _is_lit(e.invars[0]):
             continue
-        if float(e.invars[1].val) != float(first.invars[1].val):
+        if _const(e.invars[1], producer) != float(first.invars[1].val):
             continue
         v = e.invars[0]
         while v not in sums and (p := producer.get(v)) is not None and p.primitive.name in MEAN_LAYOUT:
@@ -124,6 +126,20 @@ def _count_divisions(jaxpr: Any, producer: dict[Any, Any], sums: list[Any], firs
         if v in sums:
             found.append(e)
     return found
+
+
+def _const(v: Any, producer: dict[Any, Any]) -> float | None:
+    """A number known at trace time: a literal, or `jnp.var`'s divisor `n - ddof` (a `sub` of two literals,
+    maybe cast)."""
+    if _is_lit(v):
+        return float(v.val)
+    e = producer.get(v)
+    if e is None or e.primitive.name not in ("sub", "convert_element_type"):
+        return None
+    vals = [_const(u, producer) for u in e.invars]
+    if any(x is None for x in vals):
+        return None
+    return vals[0] - vals[1] if e.primitive.name == "sub" else vals[0]
 
 
 def _count(v: Any, axes: tuple[int, ...]) -> int:
@@ -144,16 +160,58 @@ def _plain_m2(p: CentredSquares, read: Callable[[Any], Any]) -> Any:
     return jnp.maximum(_reduce_sum(jnp.square(y), p.axes) - jnp.reshape(h, s.shape) * s, 0.0)
 
 
-CHANNEL_PRESERVING = frozenset({"add", "sub", "mul", "convert_element_type"})
+ELEMENTWISE = frozenset(
+    """add sub mul div max min neg abs sign exp exp2 expm1 log log1p tanh logistic erf sqrt rsqrt cbrt square
+    integer_pow pow sin cos floor ceil round select_n clamp convert_element_type is_finite eq ne lt le gt ge
+    and or not""".split()
+)
+"""Elementwise ops a conv kernel's epilogue computes on its accumulator (an activation such as Mish or
+GELU, a bias, a scale): a statistic of their result is still accumulated in the conv kernel's pass."""
+
+
+def _small(v: Any) -> bool:
+    """A scalar or one vector (a bias or a scale), whatever dim it is along."""
+    dims = [int(d) for d in v.aval.shape]
+    return math.prod(dims) <= max((*dims, 1))
+
+
+def _elementwise_root(var: Any, producer: dict[Any, Any]) -> Any | None:
+    """The one full-shape value `var` is an elementwise function of (with literals, scalars and vectors
+    beside it), seen through a DAG of elementwise ops (`y * tanh(softplus(y))` reads `y` twice); None when
+    it reads two full-shape values or anything else."""
+    shape = tuple(int(d) for d in var.aval.shape)
+    roots: set[Any] = set()
+    seen: set[Any] = set()
+    stack = [var]
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        e = producer.get(v)
+        if v is not var and (e is None or e.primitive.name not in ELEMENTWISE):
+            roots.add(v)
+            continue
+        if e is None or e.primitive.name not in ELEMENTWISE:
+            return None
+        for u in e.invars:
+            if _is_lit(u):
+                continue
+            if tuple(int(d) for d in u.aval.shape) == shape:
+                stack.append(u)
+            elif not _small(u):
+                return None
+        if len(roots) > 1:
+            return None
+    return next(iter(roots)) if len(roots) == 1 else None
 
 
 def _conv_behind(var: Any, producer: dict[Any, Any]) -> tuple[Any | None, tuple[int, ...]]:
-    """The convolution whose output `var` is, seen through a per-channel epilogue (a bias, a scale, a cast)
-    of the same shape, which the conv kernel computes on its accumulator, and through transposes (the
+    """The convolution whose output `var` is, seen through elementwise work on it that the conv kernel's
+    epilogue computes on its accumulator (a bias, a scale, a cast, an activation) and through transposes (the
     NHWC -> NCHW one of PyTorch-layout code, a view of the same block to the kernel); with, per dim of `var`,
     the conv-output dim it is."""
-    shape = tuple(int(d) for d in var.aval.shape)
-    perm = tuple(range(len(shape)))
+    perm = tuple(range(len(var.aval.shape)))
     while True:
         e = producer.get(var)
         if e is None:
@@ -164,25 +222,18 @@ def _conv_behind(var: Any, producer: dict[Any, Any]) -> tuple[Any | None, tuple[
             order = tuple(int(a) for a in e.params["permutation"])
             perm = tuple(order[p] for p in perm)
             var = e.invars[0]
-            shape = tuple(int(d) for d in var.aval.shape)
             continue
-        if e.primitive.name not in CHANNEL_PRESERVING:
+        root = _elementwise_root(var, producer)
+        if root is None:
             return None, perm
-        full = [v for v in e.invars if not _is_lit(v) and tuple(int(d) for d in v.aval.shape) == shape]
-        small = [v for v in e.invars if not _is_lit(v) and v not in full]
-        if len(full) != 1 or any(
-            math.prod(int(d) for d in v.aval.shape) > max((*(int(d) for d in v.aval.shape), 1)) for v in small
-        ):
-            return None, perm  # a small operand is one vector (a bias or a scale), whatever dim it is along
-        if e.primitive.name == "sub" and e.invars[0] is not full[0]:
-            return None, perm
-        var = full[0]
+        var = root
 
 
 @dataclass(frozen=True)
 class _Grouped:
-    """A group norm written the usual way: the channels-last value `src` (N, *S, C) split as
-    `y = reshape(src, (N, *S, G, C // G))`, its statistics over `S` and the last axis, and the normalised
+    """A group norm written the usual way: the value `src` with its channel dim split in two,
+    `y = reshape(src, (N, *S, G, C // G))` channels-last or `(N, G, C // G, *S)` channels-first (PyTorch
+    layout), its statistics over `S` and the group's members, and the normalised
     `(y - mean) * scale` reshaped back to (N, *S, C). Evaluated per channel instead: the spatial sums of `src`
     and `src^2` per (N, C) (what the conv kernel accumulates), summed over each group's channels (a tiny
     reduction), and the normalisation on `src` itself with the group statistics repeated per channel, so
@@ -192,6 +243,7 @@ class _Grouped:
     src: Any
     axes: tuple[int, ...]  # reduced axes of src (the split value's, less the group-member axis)
     groups: int
+    chan: int  # src's channel dim (split into the group dim `chan` and the member dim `chan + 1` of y)
     merge: Any | None  # reshape(v) back to src's shape, v = (y - h) * scale or (y - h) / scale
     scale: Any | None
     divide: bool
@@ -204,11 +256,16 @@ class _Grouped:
         src = split.invars[0]
         src_shape = tuple(int(d) for d in src.aval.shape)
         y_shape = tuple(int(d) for d in p.y.aval.shape)
-        last = len(src_shape) - 1
-        if len(y_shape) != len(src_shape) + 1 or y_shape[:last] != src_shape[:last]:
+        if len(y_shape) != len(src_shape) + 1:
             return None
-        if y_shape[last] * y_shape[last + 1] != src_shape[last] or last + 1 not in p.axes or last in p.axes:
+        ch = next((d for d in range(len(src_shape)) if y_shape[d] != src_shape[d]), len(src_shape) - 1)
+        if y_shape[:ch] != src_shape[:ch] or y_shape[ch + 2 :] != src_shape[ch + 1 :]:
             return None
+        if y_shape[ch] * y_shape[ch + 1] != src_shape[ch] or ch + 1 not in p.axes or ch in p.axes:
+            return None
+        src_axes = tuple(a if a < ch else a - 1 for a in p.axes if a != ch + 1)
+        if any(d not in src_axes for d in range(ch + 1, len(src_shape))):
+            return None  # the channel dim is the last one kept: per-channel sums are (..., C)
         if np.dtype(src.aval.dtype) != np.float32:
             return None
         merge, scale, divide = None, None, False
@@ -227,7 +284,7 @@ class _Grouped:
                     and sub.primitive.name == "sub"
                     and sub.invars[0] is p.y
                     and sub.invars[1] is p.h
-                    and uses.get(d) == 1
+                    and uses.get(d) == 1 + (d is p.d) * (1 + (p.square.primitive.name == "mul"))
                     and not _is_lit(other)
                     and tuple(int(q) for q in other.aval.shape) == tuple(int(q) for q in p.h.aval.shape)
                     and (op.primitive.name == "mul" or k == 0)
@@ -236,8 +293,9 @@ class _Grouped:
         return _Grouped(
             pattern=p,
             src=src,
-            axes=tuple(a for a in p.axes if a != last + 1),
-            groups=y_shape[last],
+            axes=src_axes,
+            groups=y_shape[ch],
+            chan=ch,
             merge=merge,
             scale=scale,
             divide=divide,
@@ -260,8 +318,8 @@ class _Grouped:
         """A group sum (of values or squares) divided by the group's channel count, then by the reduced
         spatial (+ batch) count: two numbers a kernel names from the shapes (C // G and H * W), where their
         product may not be one it can name."""
-        members = self.src.aval.shape[-1] // self.groups
-        return read(div.invars[0]) / float(members) / (float(div.invars[1].val) / members)
+        members = self.src.aval.shape[self.chan] // self.groups
+        return read(div.invars[0]) / float(members) / (float(self.pattern.divide.invars[1].val) / members)
 
     def m2(self, read: Callable[[Any], Any]) -> Any:
         import jax.numpy as jnp
@@ -271,11 +329,13 @@ class _Grouped:
         return jnp.maximum(ssq - jnp.reshape(h, s.shape) * s, 0.0)
 
     def _per_channel(self, t: Any) -> Any:
-        """(..., G, 1) group values -> (..., C): repeated over each group's channels."""
+        """Group values with size-1 dims at the reduced axes, (..., G, 1, ...) with G at the channel dim ->
+        (..., C, ...): repeated over each group's channels."""
         import jax.numpy as jnp
 
-        c = self.src.aval.shape[-1]
-        return jnp.reshape(jnp.broadcast_to(t, (*t.shape[:-1], c // self.groups)), (*t.shape[:-2], c))
+        k, c = self.chan, self.src.aval.shape[self.chan]
+        full = (*t.shape[: k + 1], c // self.groups, *t.shape[k + 2 :])
+        return jnp.reshape(jnp.broadcast_to(t, full), (*t.shape[:k], c, *t.shape[k + 2 :]))
 
     def normalised(self, read: Callable[[Any], Any]) -> Any:
         x = read(self.src) - self._per_channel(read(self.pattern.h))
@@ -297,9 +357,11 @@ def _match(eqn: Any, producer: dict[Any, Any], uses: dict[Any, int]) -> CentredS
         return None
     d_var = sq.invars[0]
     sub = producer.get(d_var)
+    # `y - mean` may have other uses (the normalisation computes the same difference, and a program traced
+    # with its repeats merged reads it from one equation): they keep it; only its square is rewritten
     if (
         sub is None
-        or uses.get(d_var) != (2 if sq.primitive.name == "mul" else 1)
+        or uses.get(d_var, 0) < (2 if sq.primitive.name == "mul" else 1)
         or sub.primitive.name != "sub"
     ):
         return None
@@ -332,7 +394,7 @@ def _match(eqn: Any, producer: dict[Any, Any], uses: dict[Any, int]) -> CentredS
             s_shape = tuple(int(d) for d in e.outvars[0].aval.shape)
             if s_shape != tuple(shape[d] for d in range(len(shape)) if d not in axes):
                 return None
-            return CentredSquares(y=y, s=e.outvars[0], h=h, axes=axes, divide=div_eqn)
+            return CentredSquares(y=y, s=e.outvars[0], h=h, axes=axes, divide=div_eqn, d=d_var, square=sq)
         return None
 
 

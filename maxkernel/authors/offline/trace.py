@@ -89,6 +89,10 @@ def _eval(
         split = outer.apply(eqn, read, fact_of)
         if split is None:
             split = moments.apply(eqn, read)
+        if split is None:
+            split = _fold_scalar(
+                eqn, [read(v) if isinstance(v, jcore.Literal) or v in env else None for v in eqn.invars]
+            )
         if split is not None:
             env[eqn.outvars[0]] = split
             continue
@@ -113,6 +117,54 @@ def _eval(
             if not isinstance(v, jcore.DropVar):
                 env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+SCALAR_FOLDS: dict[str, Callable[..., Any]] = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "max": np.maximum,
+    "min": np.minimum,
+    "neg": np.negative,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "eq": np.equal,
+    "ne": np.not_equal,
+}
+
+
+def _fold_scalar(eqn: Any, ins: list[Any]) -> Any | None:
+    """A scalar known at trace time, computed now: `jnp.var`'s divisor `n - ddof` and its guard
+    `select(n - ddof > 0, var, nan)` leave no equation whose literal (the reduced count) a kernel would have
+    to name from the shapes. `ins`: the operands' values, None for a value not yet known here. A `select_n`
+    whose predicate is such a scalar is the case it picks. Float and boolean results only (integer division
+    and overflow keep their `lax` semantics in the program)."""
+    name = eqn.primitive.name
+    known = [x if isinstance(x, (np.ndarray, np.generic, bool, int, float)) else None for x in ins]
+    if name == "select_n" and known[0] is not None and np.ndim(known[0]) == 0 and len(eqn.outvars) == 1:
+        pick = ins[1 + int(known[0])]
+        return pick if tuple(np.shape(pick)) == tuple(eqn.outvars[0].aval.shape) else None
+    if len(eqn.outvars) != 1 or eqn.outvars[0].aval.shape != () or any(x is None for x in known):
+        return None
+    if not all(isinstance(v.aval.dtype, np.dtype) for v in [*eqn.invars, *eqn.outvars]):
+        return None  # an extended type (a PRNG key)
+    dtype = np.dtype(eqn.outvars[0].aval.dtype)
+    if not (np.issubdtype(dtype, np.floating) or dtype == np.bool_):
+        return None
+    if name == "div":
+        fold = np.divide
+    elif name == "convert_element_type":
+        fold = np.asarray
+    else:
+        fold = SCALAR_FOLDS.get(name)
+    if fold is None:
+        return None
+    with np.errstate(all="ignore"):
+        return np.asarray(
+            fold(*[np.asarray(x, np.dtype(v.aval.dtype)) for x, v in zip(known, eqn.invars, strict=True)])
+        ).astype(dtype)
 
 
 class _OuterBroadcasts:
@@ -296,6 +348,9 @@ def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -
         return _scan_as_vmap(eqn, ins, in_facts)
     if name == "stop_gradient":
         return [ins[0]]
+    if name in WINDOW_REDUCTIONS and _pool_splits(eqn):
+        REWRITTEN.add(name)
+        return [_pool_as_split(ins[0], eqn)]
     if name == "conv_general_dilated" and not _direct_conv_decision(eqn, ins):
         REWRITTEN.add(name)
         return [_conv_as_patches(ins[0], ins[1], eqn.params)]
@@ -1104,6 +1159,44 @@ def _one_pass_moments_decision(conv: Any, count: int, grouped: bool) -> bool:
     )
 
 
+WINDOW_REDUCTIONS = {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}
+
+
+def _pool_splits(eqn: Any) -> bool:
+    """A pooling whose windows tile the input (window == stride per dim, no padding or dilation)."""
+    p = eqn.params
+    return (
+        all(int(a) == 0 and int(b) == 0 for a, b in p["padding"])
+        and all(int(d) == 1 for d in (*p["base_dilation"], *p["window_dilation"]))
+        and all(int(k) == int(s) for k, s in zip(p["window_dimensions"], p["window_strides"], strict=True))
+    )
+
+
+def _pool_as_split(x: Any, eqn: Any) -> Any:
+    """`reduce_window` with windows that tile the input, as the reshape that splits each pooled dim into
+    (out, window) and a reduction over the window dims (what a pool written by hand is, and the form a
+    conv kernel fuses); a remainder that no window covers (VALID) is sliced off first."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    windows = [int(k) for k in eqn.params["window_dimensions"]]
+    outs = [int(n) // k for n, k in zip(x.shape, windows, strict=True)]
+    covered = [o * k for o, k in zip(outs, windows, strict=True)]
+    if list(x.shape) != covered:
+        x = lax.slice(x, [0] * x.ndim, covered)
+    split: list[int] = []
+    axes: list[int] = []
+    for o, k in zip(outs, windows, strict=True):
+        split.append(o)
+        if k > 1:
+            split.append(k)
+            axes.append(len(split) - 1)
+    y = jnp.reshape(x, split)
+    how = WINDOW_REDUCTIONS[eqn.primitive.name]
+    reduce = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}[how]
+    return reduce(y, axis=tuple(axes)).astype(eqn.outvars[0].aval.dtype)
+
+
 def _conv_as_patches(x: Any, w: Any, params: dict[str, Any]) -> Any:
     """A convolution as im2col + `dot_general`: one strided slice of the padded input per kernel tap,
     concatenated along channels (layout only), times the weights reshaped to (taps * C_in, C_out).
@@ -1214,13 +1307,78 @@ def _patchify(xt: Any, ksz: Sequence[int], out_sp: Sequence[int]) -> Any:
 
 def flatten(fn: Callable[..., Any], specs: Sequence[jax.ShapeDtypeStruct]) -> Any:
     """A `ClosedJaxpr` of `fn` with calls inlined, `lax.map` vectorised and dead equations dropped."""
-    closed = jax.make_jaxpr(fn)(*specs)
+    closed = _inline_calls(jax.make_jaxpr(fn)(*specs), specs)
 
     def run(*args: Any) -> list[Any]:
         return _eval(closed.jaxpr, closed.consts, args, ["input"] * len(args))
 
     flat = jax.make_jaxpr(run)(*specs)
     return _dce(flat)
+
+
+def _inline_calls(closed: Any, specs: Sequence[jax.ShapeDtypeStruct]) -> Any:
+    """The same program with its calls (`jit`, custom derivatives, `remat`) inlined and repeated equations
+    computed once, nothing else changed, so the rewrites that match patterns across several equations
+    (`OnePassMoments`, `_CastMotion`) and the partition see a pattern whole where the library splits it:
+    `jnp.var(y)` is its own `jit`, whose body sees `y` as an argument and not the convolution that produced
+    it, and recomputes the `jnp.mean(y)` the caller already has; two copies of one mean then seed two
+    kernels. Calls `_apply` rewrites by name (`searchsorted`) stay calls; equations on literals alone
+    (iotas, constants: `_eval` re-emits them per use) and equations with effects or inner programs are
+    never merged."""
+    seen: dict[tuple[Any, ...], list[Any]] = {}
+    keep: list[Any] = []  # the values keyed by id() stay alive, so no id is reused during the trace
+
+    def key_of(eqn: Any, ins: list[Any]) -> tuple[Any, ...] | None:
+        if eqn.effects or all(isinstance(v, jcore.Literal) for v in eqn.invars):
+            return None
+        params = []
+        for k, v in sorted(eqn.params.items()):
+            if hasattr(v, "eqns") or hasattr(v, "jaxpr") or isinstance(v, (list, dict)):
+                return None
+            try:
+                hash(v)
+            except TypeError:
+                return None
+            params.append((k, v))
+        operands = tuple(
+            ("lit", repr(v.val), str(v.aval)) if isinstance(v, jcore.Literal) else ("val", id(x))
+            for v, x in zip(eqn.invars, ins, strict=True)
+        )
+        return (eqn.primitive.name, operands, tuple(params))
+
+    def body(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            key = None
+            if name in CALL_PRIMITIVES and eqn.params.get("name") != "searchsorted":
+                sub = eqn.params.get(CALL_PRIMITIVES[name])
+                if sub is None:
+                    sub = next(v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr"))
+                outs = body(*_as_closed(sub), ins)
+            elif (key := key_of(eqn, ins)) is not None and key in seen:
+                outs = seen[key]
+            else:
+                bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) in older JAX versions
+                subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+                outs = list(outs) if eqn.primitive.multiple_results else [outs]
+                if key is not None:
+                    seen[key] = outs
+                    keep.append(ins)
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    return jax.make_jaxpr(lambda *a: body(closed.jaxpr, closed.consts, a))(*specs)
 
 
 def _dce(closed: Any) -> Any:
