@@ -206,8 +206,11 @@ def _elementwise_root(var: Any, producer: dict[Any, Any]) -> Any | None:
     return next(iter(roots)) if len(roots) == 1 else None
 
 
+PRODUCERS = frozenset({"conv_general_dilated", "dot_general"})
+
+
 def _conv_behind(var: Any, producer: dict[Any, Any]) -> tuple[Any | None, tuple[int, ...]]:
-    """The convolution whose output `var` is, seen through elementwise work on it that the conv kernel's
+    """The convolution (or matmul) whose output `var` is, seen through elementwise work on it that the kernel's
     epilogue computes on its accumulator (a bias, a scale, a cast, an activation) and through transposes (the
     NHWC -> NCHW one of PyTorch-layout code, a view of the same block to the kernel); with, per dim of `var`,
     the conv-output dim it is."""
@@ -216,7 +219,7 @@ def _conv_behind(var: Any, producer: dict[Any, Any]) -> tuple[Any | None, tuple[
         e = producer.get(var)
         if e is None:
             return None, perm
-        if e.primitive.name == "conv_general_dilated":
+        if e.primitive.name in PRODUCERS:
             return e, perm
         if e.primitive.name == "transpose" and not _is_lit(e.invars[0]):
             order = tuple(int(a) for a in e.params["permutation"])
@@ -399,7 +402,14 @@ def _match(eqn: Any, producer: dict[Any, Any], uses: dict[Any, int]) -> CentredS
 
 
 def conv_moments_axes_ok(conv_eqn: Any, axes: tuple[int, ...]) -> bool:
-    """The reduced axes are the conv output's spatial dims, with or without its batch dim."""
+    """The reduced axes are the conv output's spatial dims, with or without its batch dim; a matmul's: its
+    rows (the lhs's free dims, which its kernel walks as the sequential M axis), with or without its batch
+    dims (a batch norm over a linear layer's output)."""
+    if conv_eqn.primitive.name == "dot_general":
+        (lc, _), (lb, _) = conv_eqn.params["dimension_numbers"]
+        n_free = len(conv_eqn.invars[0].aval.shape) - len(lc) - len(lb)
+        rows = set(range(len(lb), len(lb) + n_free))
+        return bool(rows) and set(axes) in (rows, rows | set(range(len(lb))))
     spec = conv_eqn.params["dimension_numbers"].out_spec
     spatial = {int(d) for d in spec[2:]}
     return set(axes) in (spatial, spatial | {int(spec[0])})

@@ -20,6 +20,7 @@ Two matmul regions whose results are combined elementwise merge into one kernel 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,12 @@ from maxkernel.authors.offline.online import online_sums
 STREAM_ELEMS = 64 * 1024
 """Reduced extents above this (at the task's own shapes) are walked in blocks instead of held whole."""
 
+
+COLUMN_WHOLE_ELEMS = 8192
+"""A reduction along a matmul's rows (M) over more rows than this is accumulated in the matmul kernel's
+epilogue, M walked sequentially, even when the matmul's output is also read afterwards (a batch norm: the
+one-pass moments make both statistics column sums of the product, moments.py); a row-wise kernel holding
+whole columns would need (M, 128) f32 blocks and their temporaries in VMEM (~80 MiB at 16384 rows)."""
 
 TINY_GLUE_ELEMS = 1 << 16
 """Elementwise work feeding only layout ops (index arithmetic before a gather) stays outside kernels when
@@ -425,6 +432,8 @@ class Partition:
         epilogue would then split the norm into three kernels that read y twice, where one row-wise kernel
         over whole columns reads it once."""
         m_classes = self._m_classes(region, ax)
+        if math.prod(max(ax.extents_all(c)) for c in m_classes) > COLUMN_WHOLE_ELEMS:
+            return True  # columns too long to hold whole: the epilogue accumulates, whatever reads y later
         for j in region.eqns():
             for v in self.g.eqns[j].outvars:
                 if ax.footprint(v) & m_classes and (

@@ -1142,6 +1142,14 @@ def _one_pass_moments_decision(conv: Any, count: int, grouped: bool) -> bool:
     an instance norm of a 128 x 128 image). Decided at the task's shapes like the conv itself, and replayed."""
     from maxkernel.authors.offline.partition import STREAM_ELEMS
 
+    if conv.primitive.name == "dot_general":
+        # a batch norm over a linear layer's rows: the matmul kernel walks M sequentially and accumulates
+        # both column sums in its epilogue; a row-wise kernel would hold whole columns of M rows
+        from maxkernel.authors.offline.partition import COLUMN_WHOLE_ELEMS
+
+        return SIZE_DECISIONS.decide(
+            "one_pass_moments_dot", lambda: not grouped and count > COLUMN_WHOLE_ELEMS
+        )
     if not SIZE_DECISIONS.direct_conv:
         return False
     x, w = conv.invars
