@@ -105,6 +105,16 @@ def online_sum(g: Graph, s: int, own: set[int]) -> OnlineSum | None:
     if finite is not None:
         m, extra = finite
         layout.extend(extra)
+    else:  # `max(m, -inf)` (jax.nn.log_softmax's shift): an identity
+        r = g.producer.get(m)
+        if r is not None and r in own and g.eqns[r].primitive.name == "max":
+            a, c = g.eqns[r].invars
+            if _is_literal_value(g, c, own, -np.inf) and not is_literal(a):
+                layout.append(r)
+                m = a
+            elif _is_literal_value(g, a, own, -np.inf) and not is_literal(c):
+                layout.append(r)
+                m = c
     j = g.producer.get(m)
     if j is None or j not in own or g.eqns[j].primitive.name != "reduce_max":
         return None

@@ -360,7 +360,7 @@ class Partition:
         ):
             stream = True
         if not stream:
-            return True
+            return self._whole_reductions_fit(region, ax, i)
         red = ax.reduced_classes()
         reds = [j for j in [*region.eqns(), i] if self.g.kind[j] == "reduce"]
         sets = {
@@ -389,6 +389,19 @@ class Partition:
             if any(v in post for v in ins) and any(ax.footprint(v) & red for v in [*ins, *ej.outvars]):
                 return False
         return True
+
+    def _whole_reductions_fit(self, region: Region, ax: Axes, i: int) -> bool:
+        """A map region that is not streamed holds every reduced axis whole in its block: reductions along
+        different axes (a row sum over the vocabulary, then a mean over the tokens) share a region only
+        while all their axes together fit one block."""
+        reds = [j for j in [*region.eqns(), i] if self.g.kind[j] == "reduce"]
+        sets = {
+            frozenset(ax.cls(self.g.eqns[j].invars[0], a) for a in reduced_axes(self.g.eqns[j])) - {None}
+            for j in reds
+        }
+        if len(sets) <= 1:
+            return True
+        return math.prod(max(ax.extents_all(c)) for c in frozenset().union(*sets)) <= STREAM_ELEMS
 
     def _output_classes(self, region: Region, ax: Axes) -> set[Node]:
         cs: set[Node] = set()

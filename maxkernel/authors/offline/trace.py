@@ -29,6 +29,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from maxkernel.authors.offline import threefry
+from maxkernel.authors.offline.linear_sums import ShiftedSums
 from maxkernel.authors.offline.moments import OnePassMoments
 from maxkernel.tools.jaxpr import CALL_PRIMITIVES, walk_eqns
 
@@ -85,10 +86,13 @@ def _eval(
     casts = _CastMotion(jaxpr)
     outer = _OuterBroadcasts()
     moments = OnePassMoments(jaxpr, _one_pass_moments_decision)
+    shifted = ShiftedSums(jaxpr)
     for eqn in jaxpr.eqns:
         split = outer.apply(eqn, read, fact_of)
         if split is None:
             split = moments.apply(eqn, read)
+        if split is None:
+            split = shifted.apply(eqn, read)
         if split is None:
             split = _fold_scalar(
                 eqn, [read(v) if isinstance(v, jcore.Literal) or v in env else None for v in eqn.invars]
