@@ -191,6 +191,18 @@ caught, and so is one that drops or adds a kernel."""
 # --------------------------------------------------------------------------------------------------------
 
 
+def use_counts(jaxpr: Any) -> dict[Any, int]:
+    """How many times each variable of `jaxpr` is read (by its equations and as an output); literals left
+    out."""
+    from jax.extend import core as jcore
+
+    uses: dict[Any, int] = {}
+    for v in [*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars]:
+        if not isinstance(v, jcore.Literal):
+            uses[v] = uses.get(v, 0) + 1
+    return uses
+
+
 def as_jaxpr(j: Any) -> tuple[Any, Sequence[Any]]:
     """(jaxpr, consts) of a Jaxpr or ClosedJaxpr."""
     from jax.extend import core as jex_core

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
+from maxkernel.tools.jaxpr import use_counts
+
 
 def _is_lit(v: Any) -> bool:
     return isinstance(v, jcore.Literal)
@@ -159,14 +161,7 @@ class ShiftedSums:
     `sum(w * a) - c * sum(w)` (see the module docstring)."""
 
     def __init__(self, jaxpr: Any) -> None:
-        uses: dict[Any, int] = {}
-        for eqn in jaxpr.eqns:
-            for v in eqn.invars:
-                if not _is_lit(v):
-                    uses[v] = uses.get(v, 0) + 1
-        for v in jaxpr.outvars:
-            if not _is_lit(v):
-                uses[v] = uses.get(v, 0) + 1
+        uses = use_counts(jaxpr)
         producer = {v: e for e in jaxpr.eqns for v in e.outvars}
         self.rewrites: dict[Any, _Shifted] = {}
         for eqn in jaxpr.eqns:

@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
+from maxkernel.tools.jaxpr import use_counts
+
 SQUARES = frozenset({"square", "integer_pow", "mul"})
 MEAN_LAYOUT = frozenset({"broadcast_in_dim", "reshape", "expand_dims"})
 
@@ -69,14 +71,7 @@ class OnePassMoments:
     def __init__(self, jaxpr: Any, conv_ok: Callable[[Any, int, bool], bool]) -> None:
         """`conv_ok(conv_eqn, count, grouped)`: is this convolution kept whole for the conv family, and is a
         pass saved by accumulating `count` elements per statistic in its epilogue (a plain or grouped norm)?"""
-        uses: dict[Any, int] = {}
-        for eqn in jaxpr.eqns:
-            for v in eqn.invars:
-                if not _is_lit(v):
-                    uses[v] = uses.get(v, 0) + 1
-        for v in jaxpr.outvars:
-            if not _is_lit(v):
-                uses[v] = uses.get(v, 0) + 1
+        uses = use_counts(jaxpr)
         producer = {v: e for e in jaxpr.eqns for v in e.outvars}
         self.rewrites: dict[Any, Callable[[Callable[[Any], Any]], Any]] = {}
         for eqn in jaxpr.eqns:

@@ -106,15 +106,8 @@ def online_sum(g: Graph, s: int, own: set[int]) -> OnlineSum | None:
         m, extra = finite
         layout.extend(extra)
     else:  # `max(m, -inf)` (jax.nn.log_softmax's shift): an identity
-        r = g.producer.get(m)
-        if r is not None and r in own and g.eqns[r].primitive.name == "max":
-            a, c = g.eqns[r].invars
-            if _is_literal_value(g, c, own, -np.inf) and not is_literal(a):
-                layout.append(r)
-                m = a
-            elif _is_literal_value(g, a, own, -np.inf) and not is_literal(c):
-                layout.append(r)
-                m = c
+        m, extra = _past_neg_inf_max(g, m, own)
+        layout.extend(extra)
     j = g.producer.get(m)
     if j is None or j not in own or g.eqns[j].primitive.name != "reduce_max":
         return None
@@ -150,17 +143,20 @@ def _finite_shift(g: Graph, var: Any, own: set[int]) -> tuple[Any, list[int]] | 
     q = g.producer.get(pred)
     if q is None or q not in own or g.eqns[q].primitive.name != "is_finite" or g.eqns[q].invars[0] is not x:
         return None
-    eqns = [p, q]
+    x, extra = _past_neg_inf_max(g, x, own)
+    return x, [p, q, *extra]
+
+
+def _past_neg_inf_max(g: Graph, x: Any, own: set[int]) -> tuple[Any, list[int]]:
+    """`x = max(m, -inf)` (an identity): (m, [that equation]); (x, []) when `x` is anything else."""
     r = g.producer.get(x)
     if r is not None and r in own and g.eqns[r].primitive.name == "max":
         a, c = g.eqns[r].invars
         if _is_literal_value(g, c, own, -np.inf) and not is_literal(a):
-            eqns.append(r)
-            x = a
-        elif _is_literal_value(g, a, own, -np.inf) and not is_literal(c):
-            eqns.append(r)
-            x = c
-    return x, eqns
+            return a, [r]
+        if _is_literal_value(g, a, own, -np.inf) and not is_literal(c):
+            return c, [r]
+    return x, []
 
 
 def online_sums(g: Graph, eqns: list[int]) -> dict[int, OnlineSum]:
