@@ -543,6 +543,12 @@ class Builder(KernelBuilder):
             shape = ["1"] * len(space.dims)
             shape[pos] = d.blk
             self.kw(d.blk, d.blk)
+            # positions along a block dim live on its lanes / sublanes like a loaded operand's elements: its
+            # block is tuned to their tile even when no operand spans it (a one-hot compare against labels)
+            if pos == len(space.dims) - 1:
+                d.lane_use = True
+            elif pos == len(space.dims) - 2:
+                d.sublane_use = True
             flat = f"lax.broadcasted_iota(jnp.int32, ({', '.join(shape)},), {pos})"
             if d.role in ("tiled", "seq"):
                 flat = f"{self.program_id(d.axis)} * {d.blk} + {flat}"  # type: ignore[arg-type]

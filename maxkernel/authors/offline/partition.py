@@ -553,6 +553,12 @@ class Partition:
                     q = g.producer.get(w)
                     if q is None or (self.status[q] == "glue" and q not in self.dual):
                         sources[w] = None
+        # a kernel that already computes the operand for its own use (a one-hot mask a matmul's epilogue
+        # weights its logits with) reduces it there, in the same pass
+        operand = g.producer.get(g.eqns[i].invars[0])
+        for r in sorted(self.regions.values(), key=lambda r: -r.id):
+            if operand is not None and operand in r.pulled and self.try_add(r, i):
+                return True
         if not sources:
             return False
         biggest = max(sources, key=_elems)
