@@ -137,3 +137,55 @@ def test_less_precise_or_wrong_bf16_chains_stay_wrong() -> None:
         got[i] = ml_dtypes.bfloat16(float(exact[i]) + 2 * worst + 1.0)
     check = compare([got], want, SWIGLU_CFG, 0, 0, "random", [exact])
     assert not check.ok and check.mismatches >= 3 and "beyond the reference's worst rounding" in check.message
+
+
+# A bf16 matmul, swish, bias and group norm (groups of 64 over 4096 features), as JAXBench's fused chains
+# write it. XLA:CPU keeps the fused chain's bf16 intermediates in float32 (`xla_allow_excess_precision`),
+# so its output is within half an ulp of the float32 run; a kernel that rounds after every op as the
+# program says is several ulps off at elements the normalisation amplifies.
+def _group_norm_chain(x, w, b):
+    y = jax.nn.sigmoid(jnp.dot(x, w)) * jnp.dot(x, w) + b
+    g = y.reshape(y.shape[0], y.shape[1] // 64, 64)
+    out = (g - g.mean(-1, keepdims=True)) / jnp.sqrt(jnp.var(g, -1, keepdims=True) + 1e-5)
+    return out.reshape(y.shape)
+
+
+def _group_norm_case():
+    rng = np.random.default_rng(2)
+    args = [rng.uniform(size=(64, 1024)).astype(ml_dtypes.bfloat16),
+            (rng.normal(size=(1024, 4096)) * 0.02).astype(ml_dtypes.bfloat16),
+            (rng.normal(size=(4096,)) * 0.02).astype(ml_dtypes.bfloat16)]  # fmt: skip
+    fn = jax.jit(_group_norm_chain)
+    stepwise = jax.jit(_group_norm_chain, compiler_options={"xla_allow_excess_precision": False})
+    want = [np.asarray(fn(*args))]
+    runs = _precise_outputs(fn, args, want, 0, 0, stepwise)
+    with jax.disable_jit():  # every op on its own, rounding to its dtype: a kernel that rounds as written
+        got = np.asarray(_group_norm_chain(*args))
+    return want, runs, got
+
+
+def test_a_kernel_rounding_after_every_op_is_judged_against_the_stepwise_run_too() -> None:
+    want, runs, got = _group_norm_case()
+    assert sorted(runs) == ["c0s0o0", "c0s0o0r"]  # the stepwise run differs from the fused one here
+    exact, stepwise = runs["c0s0o0"], runs["c0s0o0r"]
+    assert stepwise.dtype == np.float32 and stepwise.shape == want[0].shape
+    fused_only = compare([got], want, SWIGLU_CFG, 0, 0, "random", [exact])
+    assert not fused_only.ok, "the case must bite: the fused reference alone refuses the honest kernel"
+    check = compare([got], want, SWIGLU_CFG, 0, 0, "random", [exact], [stepwise])
+    assert check.ok, check.message
+    # the stepwise run is not a licence: wrong elements, or precision cut throughout, stay wrong
+    wrong = got.copy()
+    for i in ((0, 0), (31, 2049), (63, 4095)):
+        wrong[i] = ml_dtypes.bfloat16(float(stepwise[i]) + 1.0)
+    check = compare([wrong], want, SWIGLU_CFG, 0, 0, "random", [exact], [stepwise])
+    assert not check.ok and "3 beyond the reference's worst rounding" in check.message, check.message
+    narrow = got.astype(ml_dtypes.float8_e4m3fn).astype(ml_dtypes.bfloat16)
+    assert not compare([narrow], want, SWIGLU_CFG, 0, 0, "random", [exact], [stepwise]).ok
+
+
+def test_the_stepwise_run_is_kept_only_where_it_differs() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(8, 128)).astype(ml_dtypes.bfloat16)
+    double = jax.jit(lambda a: a * 2)  # one op: nothing to keep wider, the two runs agree
+    strict = jax.jit(lambda a: a * 2, compiler_options={"xla_allow_excess_precision": False})
+    assert sorted(_precise_outputs(double, [x], [np.asarray(double(x))], 0, 0, strict)) == ["c0s0o0"]

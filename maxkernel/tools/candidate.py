@@ -106,6 +106,15 @@ def output_name(config: int, input_set: int, leaf: int) -> str:
     return f"c{config}s{input_set}o{leaf}"
 
 
+STEPWISE_SUFFIX = "r"
+
+
+def stepwise_name(config: int, input_set: int, leaf: int) -> str:
+    """The judge's second reference output for a low-precision float leaf: the reference compiled to round
+    after every op, as its program says (see `judge._precise_outputs`)."""
+    return output_name(config, input_set, leaf) + STEPWISE_SUFFIX
+
+
 def _first_lines(text: str, n: int = 12) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")

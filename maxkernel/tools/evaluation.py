@@ -456,13 +456,17 @@ def run_reference(
         ) from exc
 
 
-def reference_fn(ref: taskcode.Reference, cfg: InputConfig) -> Any:
+def reference_fn(ref: taskcode.Reference, cfg: InputConfig, stepwise: bool = False) -> Any:
     """The reference for one configuration: the task's code with the config's generator knobs applied,
-    jitted (as the task's own runner would, unless the module says `_skip_jit`)."""
+    jitted (as the task's own runner would, unless the module says `_skip_jit`). `stepwise`: compiled so
+    that every op rounds to its own dtype as the program says (XLA otherwise may keep a fused chain's
+    low-precision intermediates wider); None for a `_skip_jit` reference."""
     import jax
 
     r = taskcode.reference_for(ref.source, cfg.knobs) if cfg.knobs else ref
     fn = bind_static(r.computation, cfg.static)
+    if stepwise:
+        return None if r.skip_jit else jax.jit(fn, compiler_options={"xla_allow_excess_precision": False})
     return fn if r.skip_jit else jax.jit(fn)
 
 
@@ -474,15 +478,21 @@ def compare(
     si: int,
     origin: str,
     precise: list[np.ndarray | None] | None = None,
+    stepwise: list[np.ndarray | None] | None = None,
 ) -> SetCheck:
-    """Each output element within atol + rtol * |expected| of the reference's. With `precise` (the judge's
-    float32 run of the reference, for low-precision float outputs), an element that misses is still right
-    when it is within the tolerance of that run plus the reference's own distance from it: the reference
-    rounds too (a bf16 softmax's probabilities), and a kernel that rounds elsewhere is not wrong for it;
-    `_rounding_allowance` says how far that goes."""
+    """Each output element within atol + rtol * |expected| of the reference's. With `stepwise` (the judge's
+    run of the reference rounding after every op, for low-precision float outputs where it differs), an
+    element within the tolerance of that run is right too: both are faithful runs of the task's program.
+    With `precise` (the judge's float32 run of the reference), an element that misses is still right when
+    it is within the tolerance of that run plus the reference's own distance from it: the reference rounds
+    too (a bf16 softmax's probabilities), and a kernel that rounds elsewhere is not wrong for it;
+    `_rounding_allowance` says how far that goes (the reference's distance being the farther of its two
+    runs)."""
     check = SetCheck(config=ci, input_set=si, origin=origin, ok=True, max_abs_err=0.0, max_rel_err=0.0)  # type: ignore[arg-type]
     for leaf, (g, w) in enumerate(zip(got, want, strict=True)):
         p = precise[leaf] if precise is not None and leaf < len(precise) else None
+        r = stepwise[leaf] if stepwise is not None and leaf < len(stepwise) else None
+        r = r.astype(np.float64) if r is not None and r.shape == g.shape else None
         g64 = g.astype(np.float64) if g.dtype != bool else g.astype(np.float64)
         w64 = w.astype(np.float64) if w.dtype != bool else w.astype(np.float64)
         both_nan = np.isnan(g64) & np.isnan(w64)
@@ -491,9 +501,11 @@ def compare(
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.where(both_nan | same_inf, 0.0, np.abs(g64 - w64))
             bad = ~(diff <= cfg.atol + cfg.rtol * np.abs(np.where(np.isfinite(w64), w64, 0.0)))
+            if r is not None and bad.any():
+                bad &= ~(np.abs(g64 - r) <= cfg.atol + cfg.rtol * np.abs(np.where(np.isfinite(r), r, 0.0)))
             rounding_note = ""
             if p is not None and bad.any() and p.shape == g64.shape:
-                bad, rounding_note = _rounding_allowance(g64, w64, p.astype(np.float64), bad, cfg)
+                bad, rounding_note = _rounding_allowance(g64, w64, p.astype(np.float64), bad, cfg, r)
         mism = int(np.sum(bad))
         finite = np.isfinite(diff)
         max_abs = float(diff[finite].max()) if finite.any() else math.inf
@@ -530,7 +542,12 @@ ROUNDING_RMS_FACTOR = 4.0
 
 
 def _rounding_allowance(
-    g: np.ndarray, w: np.ndarray, p: np.ndarray, bad: np.ndarray, cfg: InputConfig
+    g: np.ndarray,
+    w: np.ndarray,
+    p: np.ndarray,
+    bad: np.ndarray,
+    cfg: InputConfig,
+    r: np.ndarray | None = None,
 ) -> tuple[np.ndarray, str]:
     """Which of the `bad` elements of a low-precision output stay wrong once the reference's own rounding is
     allowed for, against its float32 run `p`. An element is right when it is within the tolerance of `p`
@@ -541,9 +558,14 @@ def _rounding_allowance(
     is within the tolerance of `p` plus the reference's WORST distance from `p` in this output, and the
     kernel as a whole is about as close to `p` as the reference is (root mean square, at most
     `ROUNDING_RMS_FACTOR` times). A kernel that is wrong on a few elements beyond rounding, or less precise
-    throughout (a narrower accumulator), is still refused. Returns the mask and a note for the message."""
+    throughout (a narrower accumulator), is still refused. With `r` (the reference rounding after every
+    op), the reference's distance from `p` is the farther of its two runs'. Returns the mask and a note for
+    the message."""
     finite = np.isfinite(g) & np.isfinite(p) & np.isfinite(w)
     own = np.where(finite, np.abs(w - p), 0.0)
+    if r is not None:
+        finite &= np.isfinite(r)
+        own = np.where(finite, np.maximum(own, np.abs(r - p)), 0.0)
     dist = np.abs(g - p)
     tol = cfg.atol + cfg.rtol * np.abs(p)
     bad = bad & ~(finite & (dist <= tol + own))

@@ -40,9 +40,11 @@ from maxkernel.tools.candidate import (
     OUTPUTS_FILE,
     PROGRAMS_FILE,
     STAGE_AWAIT_INPUTS,
+    STEPWISE_SUFFIX,
     checked_program_file,
     output_name,
     pick_interpret_compile,
+    stepwise_name,
     tpu_program_file,
 )
 from maxkernel.tools.checks import check_pallas_does_work
@@ -893,7 +895,8 @@ def _correctness(
         precise = load_arrays(
             judge_dir / PRECISE_FILE,
             MAX_ARRAY_FILE_BYTES,
-            {k: ArraySpec(shape=list(all_specs[k].shape), dtype="float32") for k in listed if k in all_specs},
+            {k: ArraySpec(shape=list(all_specs[base].shape), dtype="float32") for k in listed
+             if isinstance(k, str) and (base := k.removesuffix(STEPWISE_SUFFIX)) in all_specs},
         ) if listed and (judge_dir / PRECISE_FILE).is_file() else {}  # fmt: skip
     except ReadBackError as exc:  # the judge's own files: the harness is broken, not the candidate
         _fail(result, "infrastructure", f"the judge's outputs could not be read: {exc}")
@@ -918,10 +921,11 @@ def _correctness(
             return SetCheck(config=ci, input_set=si, origin=origin, ok=False, message=message)  # type: ignore[arg-type]
         g = [judged[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
         w = [want[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
-        return compare(g, w, cfg, ci, si, origin, exact(ci, si, len(cfg.outputs)))
+        return compare(g, w, cfg, ci, si, origin, *exact(ci, si, len(cfg.outputs)))
 
-    def exact(ci: int, si: int, n_out: int) -> list[Any]:
-        return [precise.get(output_name(ci, si, k)) for k in range(n_out)]
+    def exact(ci: int, si: int, n_out: int) -> tuple[list[Any], list[Any]]:
+        return ([precise.get(output_name(ci, si, k)) for k in range(n_out)],
+                [precise.get(stepwise_name(ci, si, k)) for k in range(n_out)])  # fmt: skip
 
     for ci, cfg in enumerate(val):
         for si in range(n_sets):
@@ -935,7 +939,7 @@ def _correctness(
                 else:
                     g = [got[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
                     w = [want[output_name(ci, si, k)] for k in range(len(cfg.outputs))]
-                    cross = compare(g, w, cfg, ci, si, origin, exact(ci, si, len(cfg.outputs)))
+                    cross = compare(g, w, cfg, ci, si, origin, *exact(ci, si, len(cfg.outputs)))
                     if not cross.ok:
                         cross.message = f"in TPU interpret mode (the candidate's own run): {cross.message}"
                         check = cross

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from maxkernel.tools import taskcode
-from maxkernel.tools.candidate import input_name, output_name
+from maxkernel.tools.candidate import input_name, output_name, stepwise_name
 from maxkernel.tools.mosaic_audit import ProgramAudit
 from maxkernel.tools.readback import pack_arrays
 from maxkernel.tools.results import CompileOutcome, InputConfig, low_precision_float, np_dtype
@@ -48,7 +48,10 @@ JUDGED_FILE = "judged.npz"
 # The reference again with its low-precision float inputs widened to float32, for the outputs that are
 # low-precision floats (bf16, f16, f8): an estimate of the exact answer, so a kernel's element that misses
 # the reference by more than the tolerance is still right when it is as close to that estimate as the
-# reference itself is (plus the tolerance). Written with EXPECTED_FILE; names listed in `precise`.
+# reference itself is (plus the tolerance). Beside it, where it differs from the expected output, the
+# reference compiled to round after every op in its own dtypes (`stepwise_name`): XLA may keep a fused
+# chain's bf16 intermediates in float32 (`xla_allow_excess_precision`), a kernel that rounds each op as the
+# program says is as faithful a run of it. Written with EXPECTED_FILE; names listed in `precise`.
 PRECISE_FILE = "precise.npz"
 """The checked programs' outputs on the judge's inputs, computed here: the evidence of correctness."""
 STAGE_INPUTS_READY = "inputs_ready"
@@ -92,9 +95,10 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
         precise: dict[str, np.ndarray] = {}
         for ci, (cfg, sets) in enumerate(zip(val, input_sets, strict=True)):
             fn = reference_fn(ref, cfg)  # compiled once per configuration
+            stepwise = reference_fn(ref, cfg, stepwise=True)
             expected.append([run_reference(ref, cfg, inputs, fn) for inputs, _origin in sets])
             for si, (inputs, _origin) in enumerate(sets):
-                precise.update(_precise_outputs(fn, inputs, expected[-1][si], ci, si))
+                precise.update(_precise_outputs(fn, inputs, expected[-1][si], ci, si, stepwise))
         larger = None
         if payload.get("larger") and input_sets:
             larger = _larger_set(ref, payload["larger"], int(payload["larger_budget_bytes"]),
@@ -180,29 +184,39 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
 
 
 def _precise_outputs(
-    fn: Any, inputs: list[np.ndarray], outs: list[np.ndarray], ci: int, si: int
+    fn: Any, inputs: list[np.ndarray], outs: list[np.ndarray], ci: int, si: int, stepwise: Any = None
 ) -> dict[str, np.ndarray]:
-    """`PRECISE_FILE`'s arrays for one input set: the (jitted) reference on the same inputs with the
-    low-precision floats widened to float32, as float32, for each low-precision float output whose shape is
-    unchanged. Empty when no output is low-precision, or when the widened reference fails or changes the
-    outputs' structure (then only the tolerance applies)."""
+    """`PRECISE_FILE`'s arrays for one input set, for each low-precision float output: the (jitted)
+    reference on the same inputs with the low-precision floats widened to float32, as float32, where its
+    shape is unchanged; and the `stepwise` reference's output (rounding after every op), as float32, where
+    it differs from `outs`. Empty when no output is low-precision; a run that fails or changes the outputs'
+    structure is left out (then the tolerance and the other run decide)."""
     import jax
 
     wanted = [k for k, o in enumerate(outs) if low_precision_float(np.dtype(o.dtype).name)]
     if not wanted:
         return {}
-    widened = [a.astype(np.float32) if low_precision_float(np.dtype(a.dtype).name) else a for a in inputs]
-    try:
-        got = [np.asarray(x) for x in jax.tree_util.tree_leaves(fn(*[jax.numpy.asarray(a) for a in widened]))]
-    except Exception:  # noqa: BLE001 - a reference written for its dtype: the tolerance alone decides
-        return {}
-    if len(got) != len(outs):
-        return {}
-    return {
-        output_name(ci, si, k): got[k].astype(np.float32)
-        for k in wanted
-        if got[k].shape == outs[k].shape and np.issubdtype(got[k].dtype, np.floating)
-    }
+
+    def run(f: Any, args: list[np.ndarray]) -> list[np.ndarray] | None:
+        try:
+            got = [np.asarray(x) for x in jax.tree_util.tree_leaves(f(*[jax.numpy.asarray(a) for a in args]))]
+        except Exception:  # noqa: BLE001 - a reference written for its dtype: the tolerance alone decides
+            return None
+        return got if len(got) == len(outs) else None
+
+    res: dict[str, np.ndarray] = {}
+    widened = run(
+        fn, [a.astype(np.float32) if low_precision_float(np.dtype(a.dtype).name) else a for a in inputs]
+    )
+    if widened is not None:
+        res.update({output_name(ci, si, k): widened[k].astype(np.float32) for k in wanted
+                    if widened[k].shape == outs[k].shape and np.issubdtype(widened[k].dtype, np.floating)})  # fmt: skip
+    rounded = run(stepwise, inputs) if stepwise is not None else None
+    if rounded is not None:
+        res.update({stepwise_name(ci, si, k): rounded[k].astype(np.float32) for k in wanted
+                    if rounded[k].shape == outs[k].shape and rounded[k].dtype == outs[k].dtype
+                    and not np.array_equal(rounded[k], outs[k], equal_nan=True)})  # fmt: skip
+    return res
 
 
 def _cached_task_inputs(run_dir: Path, name: Any, val: list[InputConfig]) -> list[list[np.ndarray]] | None:
@@ -271,9 +285,13 @@ def _larger_set(
                       for s, st, d in zip(cfg.dynamic, stats, domains, strict=True)]  # fmt: skip
         fn = reference_fn(ref, cfg)
         outs = run_reference(ref, cfg, arrays, fn)
-        wide = sum(4 * math.prod(o.shape) for o in cfg.outputs if low_precision_float(o.dtype))
-        # the float32 run only where it fits the budget too (without it the tolerance alone decides)
-        precise = _precise_outputs(fn, arrays, outs, index, 0) if need + wide <= budget else {}
+        wide = sum(8 * math.prod(o.shape) for o in cfg.outputs if low_precision_float(o.dtype))
+        # the float32 and step-wise runs only where they fit the budget too (else the tolerance alone decides)
+        precise = (
+            _precise_outputs(fn, arrays, outs, index, 0, reference_fn(ref, cfg, stepwise=True))
+            if need + wide <= budget
+            else {}
+        )
     except Exception as exc:  # noqa: BLE001 - the reference was written for its own shapes; skip, say why
         return {"ran": False, "reason": f"the reference does not run at {cfg.describe()}: "
                 f"{type(exc).__name__}: {_first_lines(str(exc), 3)}"}  # fmt: skip
