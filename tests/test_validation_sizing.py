@@ -135,6 +135,18 @@ def test_a_page_table_is_made_for_the_smaller_pool(loaded) -> None:
     assert larger is not None and larger.dynamic[1].shape[0] > pages
 
 
+def test_a_length_literal_halves_with_the_pages_it_measures(loaded) -> None:
+    """`max_len` sets no shape, so alone it is no knob; `pages_per_seq` alone would leave lengths past the
+    smaller pages (refused). Halved together, the pool shrinks and the lengths still fit."""
+    task = loaded("paged_lengths", 0.02)
+    assert task.validation_mode == "knobs"
+    (s, _h, _d), (pages, t, _d2), (_s2, per_seq), _ = _shapes(task.validation_configs[0])
+    assert pages < 8 * 32 and pages == s * per_seq
+    assert "CONFIG['max_len'] 512->" in task.validation_note
+    lengths = taskcode.own_validation_inputs(taskcode.task_source(task.model_dump()), task.model_dump())[0][3]
+    assert 0 < lengths.max() <= per_seq * t
+
+
 def test_only_the_batch_shrinks_when_the_output_channels_are_a_lane(loaded) -> None:
     task = loaded("conv_batch_channels", 0.05)
     x, w, b = _shapes(task.validation_configs[0])

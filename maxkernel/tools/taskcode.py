@@ -245,11 +245,21 @@ def candidate_entry(module: types.ModuleType) -> Callable[..., Any] | None:
 
     A hand-written `workload` may declare fewer arguments than the baseline's: JAXBench's runner calls it
     with its own module's `create_inputs`, which can leave out what the kernel does not need (a static
-    group size, trailing cumulative lengths). It gets the leading arguments it declares."""
+    group size, trailing cumulative lengths). It gets the leading arguments it declares.
+
+    Such a kernel also reads sizes from its own module's `CONFIG` (`x.reshape(CONFIG["batch"], ...)`), a copy
+    the validation sizing does not rewrite: with a `CONFIG` dict and a `create_inputs` of its own, those
+    sizes follow the inputs' shapes while it runs at other shapes (`config_follows_shapes`), as the task's
+    reference does. At the workload's own shapes nothing changes."""
     for name in CANDIDATE_ENTRY_POINTS:
         fn = getattr(module, name, None)
         if callable(fn):
-            return _leading_arguments(fn) if name == "workload" else fn
+            if name != "workload":
+                return fn
+            create = getattr(module, "create_inputs", None)
+            if isinstance(getattr(module, "CONFIG", None), dict) and callable(create):
+                fn = config_follows_shapes(module, fn, create)
+            return _leading_arguments(fn)
     return None
 
 

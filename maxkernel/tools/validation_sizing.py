@@ -535,6 +535,17 @@ def plan_knobs(
                 )
                 continue
             why = _refused(trial, own, keep)
+            riders = _riders(trial, trial_values, value_of, set(moves)) if why == INDEX_REFUSAL else {}
+            if riders:
+                # The value that no longer fits is a literal of its own (lengths of CONFIG['max_seq_len']
+                # next to CONFIG['pages_per_seq']): it halves with the size it measures.
+                steps += 1
+                try:
+                    ridden = evaluate({**trial_values, **riders})
+                except Exception:  # noqa: BLE001 - the pair breaks the generator: the size stays refused
+                    ridden = None
+                if ridden is not None and not _refused(ridden, own, keep):
+                    trial_values, trial, why = {**trial_values, **riders}, ridden, ""
             if why:
                 stuck.add(key)
                 if why != "tile":  # a tile multiple is the normal end of a knob, not worth a note
@@ -558,6 +569,19 @@ def error_gist(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
 
 
+def _riders(
+    trial: Probe, values: dict[str, int], value_of: dict[str, int], movers: set[str]
+) -> dict[str, int]:
+    """Knobs that move no shape and whose value is the largest value of an integer input at this trial
+    (a length, a position): halved with a size they index, {knob: halved value}."""
+    maxima = {m for m in trial.int_max if m is not None and m >= SMALL_COUNT}
+    return {
+        key: value // 2
+        for key in value_of
+        if key not in movers and (value := values.get(key, value_of[key])) in maxima and value % 2 == 0
+    }
+
+
 def _can_halve(axes: list[AxisKey], now: dict[AxisKey, int], own: Probe, keep: Keep) -> bool:
     """Whether each of a knob's axes can still halve above its floor."""
     own_axes = _axes_map(own)
@@ -566,6 +590,9 @@ def _can_halve(axes: list[AxisKey], now: dict[AxisKey, int], own: Probe, keep: K
         if floor is None or now[axis] // 2 < floor:
             return False
     return True
+
+
+INDEX_REFUSAL = "an integer input's values no longer fit the dimensions they index"
 
 
 def _refused(trial: Probe, own: Probe, keep: Keep) -> str:
@@ -580,7 +607,7 @@ def _refused(trial: Probe, own: Probe, keep: Keep) -> str:
     ):
         return "tile"
     if not _indices_in_range(trial, own):
-        return "an integer input's values no longer fit the dimensions they index"
+        return INDEX_REFUSAL
     return ""
 
 
