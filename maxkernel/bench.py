@@ -723,13 +723,17 @@ def _ours_or_xla(r: TaskRow, value: float | None) -> float:
     return value if (r.correct and value is not None and value > 0) else XLA_FALLBACK_SPEEDUP
 
 
-def _human_or_xla(r: TaskRow, value: float | None, generation: str | None = None) -> float:
-    """The hand-written kernel's speedup where it was accepted (on `generation`: accepted for all targets,
-    or judged again with that generation alone, see `run_human`), else XLA's own 1.0."""
-    accepted = r.human_status == "accepted" or (
+def _human_accepted(r: TaskRow, generation: str | None = None) -> bool:
+    """Accepted for all targets, or (on `generation`) judged again with that generation alone (`run_human`)."""
+    return r.human_status == "accepted" or (
         generation is not None and r.human_generations.get(generation) == "accepted"
     )
-    return value if (accepted and value is not None and value > 0) else XLA_FALLBACK_SPEEDUP
+
+
+def _human_or_xla(r: TaskRow, value: float | None, generation: str | None = None) -> float:
+    """The hand-written kernel's speedup where it was accepted (see `_human_accepted`), else XLA's own 1.0."""
+    ok = _human_accepted(r, generation) and value is not None and value > 0
+    return value if ok else XLA_FALLBACK_SPEEDUP
 
 
 def side_by_side(rows: list[TaskRow]) -> dict[str, Any]:
@@ -751,11 +755,7 @@ def side_by_side(rows: list[TaskRow]) -> dict[str, Any]:
                 "human": geomean(
                     [_human_or_xla(r, r.human_estimated_speedup_by_generation.get(g), g) for r in both]
                 ),
-                "human_accepted": sum(
-                    1
-                    for r in both
-                    if r.human_status == "accepted" or r.human_generations.get(g) == "accepted"
-                ),
+                "human_accepted": sum(1 for r in both if _human_accepted(r, g)),
                 "ours_ahead": sum(
                     1
                     for r in both
@@ -767,7 +767,7 @@ def side_by_side(rows: list[TaskRow]) -> dict[str, Any]:
         },
         "workloads": len(both),
         "ours_correct": sum(1 for r in both if r.correct),
-        "human_accepted": sum(1 for r in both if r.human_status == "accepted"),
+        "human_accepted": sum(1 for r in both if _human_accepted(r)),
         "geomean_estimated_ours": geomean([_ours_or_xla(r, r.estimated_speedup) for r in both]),
         "geomean_estimated_human": geomean([_human_or_xla(r, r.human_estimated_speedup) for r in both]),
         "geomean_measured_ours": geomean([_ours_or_xla(r, r.measured_speedup) for r in measured]),
