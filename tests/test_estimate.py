@@ -579,16 +579,15 @@ def _mix_in_kernel(x, block_rows):
 
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
 def test_elementwise_work_is_priced_alike_in_a_kernel_and_in_xla(gen: str) -> None:
-    """The compiler's model prices elementwise ops at the MXU peak, the block model at the VPU rate (64x
-    slower on v5e, 256x on v6e): the same uint32 mix written as a kernel came out several times slower than
-    in XLA. The reference now pays for its own elementwise ops at the kernel's VPU rate, so the two agree."""
+    """The compiler's model prices elementwise ops at the MXU peak, the block model at the VPU rate (32x
+    slower on v5e, 128x on v6e): the same uint32 mix written as a kernel came out slower than in XLA. The reference now pays for its own elementwise ops at the kernel's VPU rate, so the two agree."""
     spec = jax.ShapeDtypeStruct((2048, 1024), jnp.uint32)
     xla = estimate_xla(_mix, [spec], gen)
     kernel = estimate_pallas(jax.make_jaxpr(functools.partial(_mix_in_kernel, block_rows=256))(spec), gen)
     assert kernel.bound == "compute"
     assert xla.est_compute_floor_seconds is not None
     assert xla.est_compute_floor_extra_seconds > 0
-    assert xla.est_compiler_seconds < 0.5 * kernel.estimated_seconds  # what the compiler alone says
+    assert xla.est_compiler_seconds < 0.7 * kernel.estimated_seconds  # what the compiler alone says
     assert xla.estimated_seconds == pytest.approx(xla.est_compute_floor_seconds)
     assert xla.estimated_seconds == pytest.approx(kernel.estimated_seconds, rel=0.1)
     assert any("elementwise work at the MXU peak" in n for n in xla.notes)

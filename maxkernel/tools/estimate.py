@@ -57,9 +57,17 @@ from maxkernel.tools.tpu_specs import (
 # Documented model constants. Change them only together with benchmarks/calibrate_block_model.py.
 # --------------------------------------------------------------------------------------------------------
 
-VALU_VREG_OPS_PER_CYCLE: int = 2
-"""Assumption: the VPU retires two full (8 sublanes x 128 lanes) vreg operations per cycle. Elementwise work
-rarely bounds a kernel that also reads HBM, so this constant matters little; it is not published."""
+VALU_VREG_OPS_PER_CYCLE: int = 4
+"""Vector-ALU (8 sublanes x 128 lanes) vreg operations per EUP vreg operation - per cycle where the EUP
+takes one vreg a cycle. Read off the TPU compiler's own instruction schedule, not its cost model
+(benchmarks/calibrate_vpu_slots.py; libtpu 0.0.42.1): a Pallas kernel whose body is 16 f32 multiply-adds per
+element over 512 vregs is scheduled into ~4,170 bundles on v5e, v5p, v6e and 7x (~3.9 VALU vreg ops per
+bundle: four vector-ALU slots), and 16 exps into ~8,350 (one EUP op per bundle); on v4 into ~8,260 and
+~17,800 (two slots, one EUP op every other bundle - its compiler transcendental rate is that half rate).
+Figures: benchmarks/calibration_vpu_slots.md.
+So four per EUP vreg on every generation. It was 2 (an unmeasured assumption), which priced every softmax,
+norm and exp-heavy kernel body at twice the VPU time: held against published v4 flash-attention forward
+times, that term alone came to ~2.5x the measured time of the whole kernel (issue 26)."""
 
 VREG_ELEMENTS: int = 8 * 128
 """Elements in one 32-bit vreg (8 sublanes x 128 lanes, the TPU VPU shape in the Cloud TPU v6e docs)."""
@@ -118,8 +126,9 @@ ASSUMPTIONS: dict[str, str] = {
     f"{F32_MXU_PASSES['highest']} at HIGHEST (read from Mosaic's LLO); the XLA reference's f32 dots are charged "
     f"{XLA_F32_PASSES['DEFAULT']}/{XLA_F32_PASSES['HIGH']}/{XLA_F32_PASSES['HIGHEST']} passes at DEFAULT/HIGH/"
     "HIGHEST (JAX docs), the extra ones on top of the compiler's precision-blind estimate",
-    "vpu_rate": f"{VALU_VREG_OPS_PER_CYCLE} vreg ops/cycle x {VREG_ELEMENTS} elements, clock implied by the "
-    "compiler's transcendental rate at one vreg per cycle - assumption; each value counted in whole (8, 128) "
+    "vpu_rate": f"{VALU_VREG_OPS_PER_CYCLE} vreg ops per EUP vreg x {VREG_ELEMENTS} elements at the compiler's "
+    "transcendental rate (four vector-ALU slots per bundle on v5e/v5p/v6e/7x, two on v4 at its half-rate EUP: "
+    "read from the compiler's bundle schedule, benchmarks/calibrate_vpu_slots.py); each value counted in whole (8, 128) "
     "vreg tiles (its last two dims padded), so lane-sparse columns cost what the VPU spends on them",
     "eup_rate": "transcendentals at the compiler cost model's rate (tpu_specs.compiler_transcendentals_per_s); "
     "erfc, erf_inv and logistic also pay the VPU ops the compiler spends around their EUP op "
@@ -772,7 +781,7 @@ def _reference_compute_floor(jaxpr: jex_core.Jaxpr, spec: TpuSpec) -> tuple[floa
     The compiler's `optimal_seconds` is a roofline of its flops at the MXU peak, its bytes and its
     transcendentals: elementwise work is priced as if the MXU did it (a loop-free chain of 3 x 1024 uint32
     maps over 1024 x 1024 elements came out at exactly flops / 197 TFLOP/s on v5e and at its byte time on
-    v6e). The block model charges the same work in a kernel at its VPU rate, 64x (v5e) to 256x (v6e) slower,
+    v6e). The block model charges the same work in a kernel at its VPU rate, 32x (v5e) to 128x (v6e) slower,
     so a kernel doing the reference's own elementwise work (threefry dropout bits, an erfc polynomial)
     looked slower than the reference by up to that factor. Here the reference pays what a kernel would
     (`_reference_work`), its units overlapped perfectly (max, as a kernel's are). The count comes from the
@@ -845,8 +854,8 @@ class _Work:
 
 
 def _vpu_rate(spec: TpuSpec) -> float:
-    clock_hz = spec.compiler_transcendentals_per_s / VREG_ELEMENTS  # one EUP vreg per cycle
-    return VALU_VREG_OPS_PER_CYCLE * VREG_ELEMENTS * clock_hz
+    eup_vregs_per_s = spec.compiler_transcendentals_per_s / VREG_ELEMENTS
+    return VALU_VREG_OPS_PER_CYCLE * VREG_ELEMENTS * eup_vregs_per_s
 
 
 def _size(aval: Any) -> int:
