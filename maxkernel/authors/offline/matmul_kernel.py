@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from maxkernel.authors.offline.dataflow import is_literal, reduced_axes
@@ -19,6 +20,13 @@ from maxkernel.authors.offline.kernels import (
 from maxkernel.authors.offline.spec import BufferSpec
 from maxkernel.authors.offline.stream_reduce import StreamedReductions
 from maxkernel.tools.estimate import F32_MXU_PASSES
+
+EPILOGUE_CHUNK_BYTES = 2 * 1024 * 1024
+"""f32 bytes of one row chunk of a whole-row epilogue (`MatmulBuilder.epilogue_chunk`)."""
+
+EPILOGUE_MIN_ROWS = 32
+"""Fewest rows in such a chunk: a whole sublane tile of every dtype (8 rows of 32-bit, 16 of 16-bit, 32 of
+8-bit), so each chunk's loads and stores stay aligned."""
 
 
 class MatmulBuilder(StreamedReductions):
@@ -222,7 +230,52 @@ class MatmulBuilder(StreamedReductions):
             return main.lines + self.streamed_body(epi, self.epi, self.walked, names, "red")
         for v, nm in zip(self.outputs, names, strict=True):
             self.store(v, f"{nm}_ref", self.epi, epi)
-        return main.lines + epi.lines
+        return main.lines + self.row_chunked(epi.lines, accs, names)
+
+    def epilogue_chunk(self) -> int | None:
+        """Rows the epilogue of a tile that holds whole output rows (`matmul_rowreduce`) works on at a time.
+
+        Its values are [bm, N] (or [bm, 1], [1, N]): row by row independent, and Mosaic keeps each live one
+        in VMEM. Over a whole 256 x 8192 tile that was ~2 f32 tiles of temporaries (16 MiB) beside the
+        accumulator and the output block, which held the row block at 256 rows, and a 4096 x 8192 x 8192
+        linear + softmax re-read its 128 MiB weight once per row block (2.1 GiB, HBM-bound on v6e at 0.61x
+        of XLA, block model). In chunks of rows whose f32 values take ~2 MiB, the temporaries shrink to a
+        chunk's and the row block can grow. None: no chunking (no row axis, a short tile)."""
+        if self.family != "matmul_rowreduce" or not self.m.classes:
+            return None
+        n = max(self.group_extent(self.n), 1)
+        lanes = -(-n // 128) * 128
+        rows = 512
+        while rows > EPILOGUE_MIN_ROWS and rows * lanes * 4 > EPILOGUE_CHUNK_BYTES:
+            rows //= 2
+        return rows
+
+    def row_chunked(self, lines: list[str], accs: list[str], names: list[str]) -> list[str]:
+        """The epilogue's lines run through `_row_chunks` over the refs whose block spans the output rows
+        (the accumulators, the row outputs, the row inputs), each bound to a chunk of rows. Left whole where
+        a line depends on the row position (an iota, a program id: the chunk's offset would be missing)."""
+        chunk = self.epilogue_chunk()
+        text = "\n".join(lines)
+        if chunk is None or "iota" in text or "_index" in text or "program_id" in text:
+            return lines
+        refs = list(accs)
+        refs += [f"{nm}_ref" for v, nm in zip(self.outputs, names, strict=True) if self.spans(v, self.m)]
+        for v in self.input_set:
+            view = self.input_view.get(v)
+            if (
+                view is not None
+                and [d.key for d in view[-2:]] == [self.m.key, self.n.key]
+                and self.spans(v, self.m)
+            ):
+                refs.append(f"{self.local(v)}_ref")
+        refs = [r for r in dict.fromkeys(refs) if re.search(rf"\b{r}\b", text)]
+        if not refs:
+            return lines
+        self.chunked_rows = chunk
+        out = [f"        def _epilogue_rows({', '.join(refs)}):"]
+        out += ["    " + line for line in lines]
+        out.append(f"        _row_chunks(_epilogue_rows, {chunk}, {', '.join(refs)})")
+        return out
 
     def k_masked(self, k: SpaceDim) -> bool:
         """Does this K get the in-kernel tail mask (`mask_k_tail`) instead of a zero-padded copy in HBM?
@@ -341,10 +394,15 @@ class MatmulBuilder(StreamedReductions):
         return f"{n} * {per}" if n else "0"
 
     def temporaries(self) -> list[BufferSpec]:
+        dims = self.tile_refs(self.epi)
+        chunk = getattr(self, "chunked_rows", None)
+        if chunk:
+            dims[0] = dims[0].model_copy(update={"chunk": chunk})
         out = [
             BufferSpec(
-                what=f"epilogue f32 temporaries (~{3 if self.stream else 2} tiles)",
-                dims=self.tile_refs(self.epi),
+                what=f"epilogue f32 temporaries (~{3 if self.stream else 2} tiles"
+                + (f" of {chunk}-row chunks)" if chunk else ")"),
+                dims=dims,
                 itemsize=4,
                 copies=3 if self.stream else 2,
                 kind="temporary",

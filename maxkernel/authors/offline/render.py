@@ -66,6 +66,23 @@ def _block_rule_source() -> str:
 HELPERS = _HELPERS_TEMPLATE.replace("{BLOCK_RULE}", _block_rule_source().strip("\n"))
 """Helpers every generated module carries (padding, cropping, the block-size rule, byte counts)."""
 
+ROW_CHUNKS_HELPER = '''def _row_chunks(body, rows, *refs):
+    """Run `body` on the refs `rows` leading rows at a time (the whole block where `rows` does not divide
+    it), so its temporaries are a chunk's, not the block's. A counted `while_loop` at every shape, one trip
+    or several: a `fori_loop` of one trip lowers without its counter, and the program must be one at all
+    shapes."""
+    total = refs[0].shape[0]
+    chunk = rows if total > rows and total % rows == 0 else total
+
+    def step(i):
+        r0 = pl.multiple_of(i * chunk, chunk)
+        body(*(r.at[pl.ds(r0, chunk)] for r in refs))
+        return i + 1
+
+    lax.while_loop(lambda i: i < total // chunk, step, 0)
+'''
+"""Carried by a module whose kernels walk a block in row chunks (`spec.chunk_rows` is its rule)."""
+
 
 def _mib(n: float) -> str:
     return f"{n / MiB:.1f} MiB" if n >= 0.1 * MiB else f"{n / 1024:.0f} KiB"
@@ -155,6 +172,8 @@ def render(program: ProgramSpec, config: TileConfig, tpu: list[str]) -> str:
         )
     parts.append("\n".join(consts))
     parts.append(HELPERS.strip("\n"))
+    if any("_row_chunks(" in k.code for k in program.kernels):
+        parts.append(ROW_CHUNKS_HELPER.strip("\n"))
     for k in program.kernels:
         parts.append(k.code.strip("\n"))
     parts.append(program.computation_code.strip("\n"))

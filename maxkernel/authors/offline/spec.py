@@ -20,14 +20,28 @@ class DimRef(BaseModel):
     param: str | None = None
     extent: int = 1
     align: int = Field(1, description="the param's alignment: the generated `_block` picks blocks with it")
+    chunk: int | None = Field(
+        None,
+        description="rows a body walks this block in (`_row_chunks`): a block it divides and exceeds counts as "
+        "one chunk of it (a temporary of the chunk, not of the block)",
+    )
 
     def size(self, values: dict[str, int]) -> int:
         if self.kind == "unit":
             return 1
         if self.kind == "full":
-            return self.extent
-        assert self.param is not None
-        return block_for(self.extent, values[self.param], self.align)
+            n = self.extent
+        else:
+            assert self.param is not None
+            n = block_for(self.extent, values[self.param], self.align)
+        return chunk_rows(n, self.chunk) if self.chunk else n
+
+
+def chunk_rows(rows: int, chunk: int) -> int:
+    """Rows one step of `_row_chunks` covers: `chunk` where it divides a larger block, else the whole block.
+
+    Generated modules carry the same rule in their `_row_chunks` helper (render.HELPERS)."""
+    return chunk if rows > chunk and rows % chunk == 0 else rows
 
 
 def block_for(extent: int, target: int, align: int) -> int:
