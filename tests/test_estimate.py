@@ -209,6 +209,30 @@ def test_scan_multiplies_and_outside_ops_are_charged() -> None:
     assert "estimate" in est.to_markdown().lower()
 
 
+def test_transposes_that_cancel_between_kernels_cost_nothing() -> None:
+    """A channels-first kernel fed the NHWC transpose of an NCHW input transposes it back: XLA folds the
+    pair, so no HBM copy is charged; a pair that composes to a real permutation is charged once."""
+
+    def round_trip(x, y):
+        nhwc = jnp.transpose(x, (0, 2, 3, 1))
+        back = jnp.transpose(nhwc, (0, 3, 1, 2)).reshape(256, 256)
+        return tiled_matmul(back, y)
+
+    def one_real(x, y):
+        nhwc = jnp.transpose(x, (0, 2, 3, 1))
+        other = jnp.transpose(nhwc, (0, 2, 1, 3)).reshape(256, 256)  # composed: (0, 2, 3, 1) -> one copy
+        return tiled_matmul(other, y)
+
+    x = (1, 4, 128, 128)
+    plain = _estimate(lambda a, b: tiled_matmul(a.reshape(256, 256), b), x, (256, 256))
+    folded = _estimate(round_trip, x, (256, 256))
+    assert folded.est_xla_bytes == plain.est_xla_bytes
+    assert folded.estimated_seconds == pytest.approx(plain.estimated_seconds)
+    assert any("folded" in n for n in folded.notes)
+    once = _estimate(one_real, x, (256, 256))
+    assert once.est_xla_bytes == pytest.approx(plain.est_xla_bytes + 2 * 4 * 128 * 128 * 2)
+
+
 def test_estimate_xla_matmul_flops() -> None:
     m, k, n = 256, 512, 128
     est = estimate_xla(lambda a, b: a @ b, [((m, k), BF16), ((k, n), BF16)], "v6e")
@@ -589,7 +613,7 @@ def test_elementwise_work_is_priced_alike_in_a_kernel_and_in_xla(gen: str) -> No
     assert xla.est_compute_floor_extra_seconds > 0
     assert xla.est_compiler_seconds < 0.7 * kernel.estimated_seconds  # what the compiler alone says
     assert xla.estimated_seconds == pytest.approx(xla.est_compute_floor_seconds)
-    assert xla.estimated_seconds == pytest.approx(kernel.estimated_seconds, rel=0.1)
+    assert xla.estimated_seconds == pytest.approx(kernel.estimated_seconds, rel=0.2)  # + steps, DMA
     assert any("elementwise work at the MXU peak" in n for n in xla.notes)
 
 

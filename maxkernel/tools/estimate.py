@@ -1483,8 +1483,16 @@ class _ProgramWalk:
     propagated through cheap XLA ops so pallas_calls see their scalar-prefetch contents."""
 
     def walk(self, jaxpr: jex_core.Jaxpr, mult: float) -> None:
-        for eqn in jaxpr.eqns:
+        folded = _folded_transposes(jaxpr)
+        if folded:
+            self.notes.add(
+                "transposes outside kernels that feed only other transposes, or undo the one before, are "
+                "folded as XLA's algebraic simplifier folds them (no HBM copy)"
+            )
+        for pos, eqn in enumerate(jaxpr.eqns):
             name = eqn.primitive.name
+            if pos in folded:
+                continue
             if name == "pallas_call":
                 n_prefetch = int(getattr(eqn.params["grid_mapping"], "num_index_operands", 0) or 0)
                 pre = [self._value(v) for v in eqn.invars[:n_prefetch]]
@@ -1566,6 +1574,41 @@ class _ProgramWalk:
         self.xla_ops += 1
         self.xla_bytes += nbytes * mult
         self.xla_seconds += t * mult
+
+
+def _folded_transposes(jaxpr: jex_core.Jaxpr) -> set[int]:
+    """Positions of the transposes XLA folds away between kernels: one whose result only feeds other
+    transposes (XLA composes the pair into one), and one that undoes the transpose before it (the composed
+    permutation is the identity: no copy at all).
+
+    Channels-first conv kernels read the NCHW input that the task's own code transposes to NHWC: the
+    generated wrapper transposes it back, and XLA cancels the pair. Charged as two HBM copies, a 128 x 8 x
+    256 x 256 bf16 input cost 537 MB and 0.73 ms of glue on v5e beside a 1.6 ms kernel."""
+    producer: dict[Any, int] = {}
+    consumers: dict[Any, list[int]] = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for v in e.invars:
+            if not isinstance(v, jex_core.Literal):
+                consumers.setdefault(v, []).append(i)
+        for v in e.outvars:
+            producer[v] = i
+    results = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    folded: set[int] = set()
+    for i, e in enumerate(jaxpr.eqns):
+        if e.primitive.name != "transpose":
+            continue
+        src = e.invars[0]
+        p = producer.get(src) if not isinstance(src, jex_core.Literal) else None
+        if p is not None and jaxpr.eqns[p].primitive.name == "transpose":
+            first = tuple(int(a) for a in jaxpr.eqns[p].params["permutation"])
+            composed = tuple(first[int(a)] for a in e.params["permutation"])
+            if composed == tuple(range(len(composed))):
+                folded.add(i)
+        out = e.outvars[0]
+        uses = consumers.get(out, [])
+        if uses and out not in results and all(jaxpr.eqns[u].primitive.name == "transpose" for u in uses):
+            folded.add(i)
+    return folded
 
 
 def estimate_pallas(
