@@ -223,6 +223,16 @@ def test_a_judge_dying_in_its_compile_stage_is_the_candidates_compile_failure() 
         r.error.stage == "infrastructure" and "XLA cost estimate at the task's own shapes" in r.error.message
     )
     assert not STAGE_INFO[r.error.stage].cached
+    # After it the judge runs the candidate's checked programs: too slow or too large there is the
+    # candidate's correctness failure (repairable), not the task's (a paged-attention kernel of 2-token
+    # pages was reported as "the judge did not finish the reference in time").
+    for run in (
+        SandboxOutcome(ok=False, stage="judge_run", timed_out=True, error="timed out after 649 s"),
+        SandboxOutcome(ok=False, stage="judge_run", error=f"killed: {oom}", stderr_tail=oom),
+    ):
+        r = _judge_failure(EvalResult(task_id="t", source_hash="h"), run, 12_000)
+        assert r.error.stage == "correctness" and "candidate's checked program" in r.error.message
+        assert "reference" not in r.error.message
     # Before that the judge runs the task's code: the task's failure.
     ref_slow = SandboxOutcome(ok=False, stage="reference", timed_out=True, error="timed out after 120 s")
     r = _judge_failure(EvalResult(task_id="t", source_hash="h"), ref_slow, 12_000)

@@ -55,6 +55,7 @@ from maxkernel.tools.judge import (
     JUDGED_FILE,
     PRECISE_FILE,
     STAGE_INPUTS_READY,
+    STAGE_JUDGE_RUN,
 )
 from maxkernel.tools.program_tree import same_program, skeleton
 from maxkernel.tools.readback import (
@@ -610,6 +611,13 @@ def _judge_failure(result: EvalResult, outcome: SandboxOutcome, memory_mb: int |
         # out of time, on a loaded machine: nothing about the candidate, so never stored as its verdict
         return _fail(result, "infrastructure", "the judge did not finish the reference's XLA cost estimate at "
                      f"the task's own shapes, or the TPU compiler's warm-up, in time: {outcome.error}")  # fmt: skip
+    if outcome.stage == STAGE_JUDGE_RUN and (outcome.timed_out or oom):
+        # running the candidate's checked program: its interpreted run was too slow or too large at the
+        # validation shapes, which the candidate (fewer, larger grid steps) or the user can change
+        what = "did not finish in time" if outcome.timed_out else f"ran out of memory{limit}"
+        return _fail(result, "correctness", "the judge's run of the candidate's checked program (interpret mode, "
+                     f"at the validation shapes) {what}: {_first_lines(outcome.error or '', 3)}; a kernel with "
+                     "fewer grid steps interprets faster, and `--timeout` or a smaller `--scale` give it room")  # fmt: skip
     if outcome.timed_out:
         return _fail(result, "task", f"the judge did not finish the reference in time: {outcome.error}")
     if oom:

@@ -55,6 +55,9 @@ JUDGED_FILE = "judged.npz"
 PRECISE_FILE = "precise.npz"
 """The checked programs' outputs on the judge's inputs, computed here: the evidence of correctness."""
 STAGE_INPUTS_READY = "inputs_ready"
+STAGE_JUDGE_RUN = "judge_run"
+"""The judge runs the candidate's checked programs (interpret mode, validation shapes): what fails here is
+the candidate's program, not the task's."""
 MAX_PROGRAMS_BYTES = 256 << 20
 
 
@@ -166,7 +169,7 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     base["consistency"] = _shapes_consistency(checked, audits, len(val))
 
     # The evidence of correctness: the checked programs, run here on the inputs drawn here.
-    ctx.stage("judge_run")
+    ctx.stage(STAGE_JUDGE_RUN)
     t0 = time.perf_counter()
     judged, judged_errors = _run_checked(checked, input_sets, larger_inputs)
     base["judged_errors"] = judged_errors
