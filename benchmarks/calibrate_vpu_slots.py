@@ -79,8 +79,9 @@ def _bundles(dump: Path) -> int | None:
     """Bundle count of the Pallas kernel's program (the largest final schedule in the dump)."""
     best = None
     for path in dump.glob("*schedule-analysis_final_bundles.txt"):
-        m = re.search(r"total scheduled bundles:\s*(\d+)", path.read_text(errors="replace"))
-        if m and "tpu_custom_call" in path.read_text(errors="replace"):
+        text = path.read_text(errors="replace")
+        m = re.search(r"total scheduled bundles:\s*(\d+)", text)
+        if m and "tpu_custom_call" in text:
             n = int(m.group(1))
             best = n if best is None else max(best, n)
     return best

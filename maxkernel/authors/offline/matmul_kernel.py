@@ -33,6 +33,8 @@ class MatmulBuilder(StreamedReductions):
     """(Batched) matmul with a K loop into f32 VMEM accumulators and a fused epilogue."""
 
     family = "matmul"
+    chunked_rows: int | None = None
+    """Rows per chunk of the epilogue once `row_chunked` has wrapped it (None: the whole tile at once)."""
 
     def make_space(self) -> None:
         g, ax = self.g, self.ax
@@ -395,7 +397,7 @@ class MatmulBuilder(StreamedReductions):
 
     def temporaries(self) -> list[BufferSpec]:
         dims = self.tile_refs(self.epi)
-        chunk = getattr(self, "chunked_rows", None)
+        chunk = self.chunked_rows
         if chunk:
             dims[0] = dims[0].model_copy(update={"chunk": chunk})
         out = [

@@ -11,9 +11,10 @@ import builtins
 import inspect
 import symtable
 import textwrap
+from typing import Any
 
 from maxkernel.authors.base import TileConfig
-from maxkernel.authors.offline.spec import KernelSpec, ProgramSpec, block_for
+from maxkernel.authors.offline.spec import KernelSpec, ProgramSpec, block_for, chunk_rows
 from maxkernel.authors.offline.tuning import (
     MiB,
     grid_steps,
@@ -53,26 +54,37 @@ def _nbytes(*arrays):
 '''
 
 
-def _block_rule_source() -> str:
-    """`spec.block_for` as the generated module's `_block`: the tuner's figures and the kernel's own block
-    choice come from one function, so they cannot drift apart."""
-    src = textwrap.dedent(inspect.getsource(block_for))
-    head = "def block_for(extent: int, target: int, align: int) -> int:"
+def _rule_source(fn: Any, head: str, generated: str) -> str:
+    """A `spec` rule as the generated module's own function (`head` renamed to `generated`): the tuner's
+    figures and the kernel's own choice come from one function, so they cannot drift apart."""
+    src = textwrap.dedent(inspect.getsource(fn))
     if head not in src:
-        raise AssertionError("spec.block_for's signature changed; update render._block_rule_source")
-    return src.replace(head, "def _block(extent, target, align):")
+        raise AssertionError(f"spec.{fn.__name__}'s signature changed; update render")
+    return src.replace(head, generated)
+
+
+def _block_rule_source() -> str:
+    """`spec.block_for` as the generated module's `_block`."""
+    return _rule_source(
+        block_for,
+        "def block_for(extent: int, target: int, align: int) -> int:",
+        "def _block(extent, target, align):",
+    )
 
 
 HELPERS = _HELPERS_TEMPLATE.replace("{BLOCK_RULE}", _block_rule_source().strip("\n"))
 """Helpers every generated module carries (padding, cropping, the block-size rule, byte counts)."""
 
-ROW_CHUNKS_HELPER = '''def _row_chunks(body, rows, *refs):
-    """Run `body` on the refs `rows` leading rows at a time (the whole block where `rows` does not divide
-    it), so its temporaries are a chunk's, not the block's. A counted `while_loop` at every shape, one trip
-    or several: a `fori_loop` of one trip lowers without its counter, and the program must be one at all
-    shapes."""
+ROW_CHUNKS_HELPER = (
+    _rule_source(chunk_rows, "def chunk_rows(rows: int, chunk: int) -> int:", "def _chunk_rows(rows, chunk):")
+    + '''
+
+def _row_chunks(body, rows, *refs):
+    """Run `body` on the refs `rows` leading rows at a time (`_chunk_rows`), so its temporaries are a
+    chunk's, not the block's. A counted `while_loop` at every shape, one trip or several: a `fori_loop` of
+    one trip lowers without its counter, and the program must be one at all shapes."""
     total = refs[0].shape[0]
-    chunk = rows if total > rows and total % rows == 0 else total
+    chunk = _chunk_rows(total, rows)
 
     def step(i):
         r0 = pl.multiple_of(i * chunk, chunk)
@@ -81,7 +93,8 @@ ROW_CHUNKS_HELPER = '''def _row_chunks(body, rows, *refs):
 
     lax.while_loop(lambda i: i < total // chunk, step, 0)
 '''
-"""Carried by a module whose kernels walk a block in row chunks (`spec.chunk_rows` is its rule)."""
+)
+"""Carried by a module whose kernels walk a block in row chunks (`spec.chunk_rows` is its rule, as `_chunk_rows`)."""
 
 
 def _mib(n: float) -> str:

@@ -40,7 +40,7 @@ class DimRef(BaseModel):
 def chunk_rows(rows: int, chunk: int) -> int:
     """Rows one step of `_row_chunks` covers: `chunk` where it divides a larger block, else the whole block.
 
-    Generated modules carry the same rule in their `_row_chunks` helper (render.HELPERS)."""
+    Generated modules carry this very function as `_chunk_rows` (render.ROW_CHUNKS_HELPER)."""
     return chunk if rows > chunk and rows % chunk == 0 else rows
 
 
