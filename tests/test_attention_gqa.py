@@ -94,6 +94,8 @@ def test_block_model_sees_one_kv_fetch_per_group(work: Path) -> None:
     bkv = mod.BLOCK_KV  # type: ignore[attr-defined]
     k_once_per_group = b * hkv * n_pairs * bkv * d * 2
     inputs = sorted(op.est_bytes for op in call.operands if op.role == "input")
-    # K and V: one fetch per live pair and K/V head (x group before the query heads shared a block)
-    k_like = [x for x in inputs if x == pytest.approx(k_once_per_group, rel=0.05)]
+    # K and V: at most one fetch per live pair and K/V head (x group before the query heads shared a block;
+    # fewer where consecutive pairs keep the key block, which the replayed schedule sees)
+    group = hq // hkv
+    k_like = [x for x in inputs if k_once_per_group / group < x <= k_once_per_group * 1.001]
     assert len(k_like) >= 2, (inputs, k_once_per_group)  # (q may be the same size: group x bq rows)

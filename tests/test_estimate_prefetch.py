@@ -227,3 +227,35 @@ def test_index_values_round_trip_for_scalars_and_vectors() -> None:
     )
     back = InputConfig.model_validate_json(cfg.model_dump_json())
     assert back.index_values == {0: 7, 1: [1, 0, 5]}
+
+
+def test_prefetch_tables_built_while_tracing_are_read_as_constants() -> None:
+    """A schedule table the wrapper computes while tracing (the live block pairs of a masked attention) is a
+    constant of the program: the block model replays the index maps with it and charges one fetch per
+    change of block index, not one per step (the labelled upper bound it keeps for data it cannot see)."""
+    n_rows = 64
+    rows = np.repeat(np.arange(n_rows // BLOCK[0], dtype=np.int32), 3)  # each row block visited 3 times
+
+    def visit(x):
+        table = jnp.asarray(rows)  # concrete while tracing: closed over as a constant
+
+        def kernel(t_ref, x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2.0
+
+        return pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(len(rows),),
+                in_specs=[pl.BlockSpec(BLOCK, lambda i, t: (t[i], 0))],
+                out_specs=pl.BlockSpec(BLOCK, lambda i, t: (t[i], 0)),
+            ),
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        )(table, x)
+
+    closed = jax.make_jaxpr(visit)(jax.ShapeDtypeStruct((n_rows, 128), jnp.float32))
+    assert closed.consts, "the table should be a constant of the traced program"
+    call = estimate_pallas(closed, "v5e").pallas_calls[0]
+    assert [o.est_transfers for o in call.operands] == [n_rows // BLOCK[0]] * 2
+    assert all(o.index_map_exact for o in call.operands)
+    assert not any("upper bound" in n for n in call.notes)

@@ -1623,8 +1623,13 @@ def estimate_pallas(
     exactly instead of priced as an upper bound.
     """
     spec = get_spec(gen)
-    jaxpr, _ = as_jaxpr(closed_jaxpr)
+    jaxpr, consts = as_jaxpr(closed_jaxpr)
     walk = _ProgramWalk(spec)
+    # constants the program closes over (a schedule table built while tracing) are known as they are
+    for v, c in zip(jaxpr.constvars, consts, strict=False):
+        arr = np.asarray(c) if hasattr(c, "shape") or np.isscalar(c) else None
+        if arr is not None and arr.dtype.kind in "biu" and arr.size <= MAX_KNOWN_ELEMENTS:
+            walk.known[v] = arr
     for pos, val in (input_values or {}).items():
         if 0 <= int(pos) < len(jaxpr.invars) and val is not None:
             v = jaxpr.invars[int(pos)]
