@@ -75,7 +75,9 @@ class AttentionBuilder(PagedAttention, Builder):
         lhs = e1.invars[qside]
         lfree = [ax.cls(lhs, d) for d in range(len(lhs.aval.shape)) if d not in contract and d not in batch]
         lfree = [c for c in lfree if c is not None]
-        q_cls = lfree[-1:] if lfree else []
+        # the query rows: the longest free axis of the query side (the last among equals); a grouped-query
+        # reference's head group is a short free axis too, in front of the rows or behind them
+        q_cls = [max(reversed(lfree), key=lambda c: max(ax.extents_all(c)))] if lfree else []
         uses_positions = any(g.eqns[i].primitive.name == "iota" for i in self.region.eqns())
         if not info.softmax and not uses_positions:
             q_cls = self.mlp_rows(lfree) or q_cls
@@ -173,6 +175,9 @@ class AttentionBuilder(PagedAttention, Builder):
             if all(not s or s == found for s in spans):
                 best = run
         return best if len(best) > 1 else []
+
+    def row_group(self) -> int:
+        return self.group_extent(self.grp) if self.grp is not None else 1
 
     def rows_lead(self) -> list[SpaceDim]:
         """The row dims before the query rows in every tile (the K/V group), empty without one."""

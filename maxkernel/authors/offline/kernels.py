@@ -1078,10 +1078,15 @@ class Builder(KernelBuilder):
             flops=self.flops(),
             mxu_passes=self.mxu_passes(),
             transcendentals=self.transcendentals,
+            row_group=self.row_group(),
             notes=self.notes,
             structure=self.structure(),
         )
         return spec
+
+    def row_group(self) -> int:
+        """Rows folded into every row tile beside the tiled ones (see `KernelSpec.row_group`)."""
+        return 1
 
     def call_expression(self, lay: Layout) -> str:
         """How computation() calls the wrapper."""

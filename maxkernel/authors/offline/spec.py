@@ -132,6 +132,11 @@ class KernelSpec(BaseModel):
     flops: float = 0.0
     mxu_passes: int = Field(1, description="bf16 MXU passes per matmul flop (6 for f32 dots at HIGHEST)")
     transcendentals: float = 0.0
+    row_group: int = Field(
+        1,
+        description="query heads folded into each block against one K/V block (grouped-query attention): "
+        "every row tile is this many times taller, so the default VMEM target is this many times larger",
+    )
     notes: list[str] = Field(default_factory=list, description="why the kernel looks the way it does")
     structure: str = Field("", description="the kernel's structure in a sentence or two, for the plan")
 

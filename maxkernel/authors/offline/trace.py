@@ -29,6 +29,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from maxkernel.authors.offline import threefry
+from maxkernel.authors.offline.head_groups import HeadGroups
 from maxkernel.authors.offline.linear_sums import ShiftedSums
 from maxkernel.authors.offline.moments import OnePassMoments
 from maxkernel.tools.jaxpr import CALL_PRIMITIVES, walk_eqns
@@ -87,7 +88,13 @@ def _eval(
     outer = _OuterBroadcasts()
     moments = OnePassMoments(jaxpr, _one_pass_moments_decision)
     shifted = ShiftedSums(jaxpr)
+    heads = HeadGroups(jaxpr, read)
     for eqn in jaxpr.eqns:
+        if heads.active:
+            grouped = heads.apply(eqn)
+            if grouped is not None:
+                env[eqn.outvars[0]] = grouped[0]
+                continue
         split = outer.apply(eqn, read, fact_of)
         if split is None:
             split = moments.apply(eqn, read)

@@ -171,7 +171,8 @@ def default_values(kernel: KernelSpec, budget: int, mxu: int = 128) -> dict[str,
         _size_rows(kernel, vals, suffix="BLOCK_LEAD", hbm=True)
         _size_rows(kernel, vals, hbm=True, grow_only=True)
     start = dict(vals)
-    for target in (DEFAULT_TARGET, budget):
+    # a tile of grouped query heads is `row_group` tiles of one head's rows: the target grows with it
+    for target in (min(DEFAULT_TARGET * kernel.row_group, budget), budget):
         # each target shrinks from the start: a kernel that cannot fit the small target (a whole output row
         # per tile) gets the largest blocks that fit the budget, not the smallest ones
         vals = dict(start)
