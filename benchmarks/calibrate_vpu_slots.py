@@ -33,6 +33,9 @@ KINDS = {
     "fma": ("y * 1.25 + 0.5 (f32)", 2, 0),
     "max": ("max(y, 0.25) - 0.125 (f32)", 2, 0),
     "exp": ("exp(y) * 0.5 (f32)", 1, 1),
+    # the same over a bf16 block: what bf16 elementwise work costs per element against f32 (bf16_vpu_cost)
+    "fma_bf16": ("y * 1.25 + 0.5 (bf16)", 2, 0),
+    "exp_bf16": ("exp(y) * 0.5 (bf16)", 1, 1),
 }
 ROWS, COLS, STEPS = 512, 1024, 4
 VREGS = ROWS * COLS // 1024
@@ -49,6 +52,9 @@ def _probe(gen: str, kind: str, ops: int, dump: Path) -> None:
 
     from maxkernel.tools.estimate import topology_device
 
+    dtype = jnp.bfloat16 if kind.endswith("_bf16") else jnp.float32
+    kind = kind.removesuffix("_bf16")
+
     def body(x_ref, o_ref):
         y = x_ref[...]
         for _ in range(ops):
@@ -64,14 +70,14 @@ def _probe(gen: str, kind: str, ops: int, dump: Path) -> None:
         spec = pl.BlockSpec((ROWS, COLS), lambda i: (i, 0))
         return pl.pallas_call(
             body,
-            out_shape=jax.ShapeDtypeStruct((ROWS * STEPS, COLS), jnp.float32),
+            out_shape=jax.ShapeDtypeStruct((ROWS * STEPS, COLS), dtype),
             grid=(STEPS,),
             in_specs=[spec],
             out_specs=spec,
         )(x)
 
     device = topology_device(gen)
-    x = jax.ShapeDtypeStruct((ROWS * STEPS, COLS), jnp.float32, sharding=SingleDeviceSharding(device))
+    x = jax.ShapeDtypeStruct((ROWS * STEPS, COLS), dtype, sharding=SingleDeviceSharding(device))
     jax.jit(f).lower(x).compile()
 
 
@@ -126,8 +132,9 @@ def main() -> None:
     print("# Vector-unit issue rate in the TPU compiler's schedule (bundles of a Pallas kernel, AOT)")
     print()
     print(
-        f"Each probe: one grid step over a {ROWS} x {COLS} f32 block ({VREGS} vregs), {args.ops} repetitions "
-        "per element; bundles from libtpu's final schedule analysis (one bundle issues per cycle)."
+        f"Each probe: one grid step over a {ROWS} x {COLS} block ({VREGS} f32 vregs' worth of elements), "
+        f"{args.ops} repetitions per element; bundles from libtpu's final schedule analysis (one bundle issues "
+        "per cycle). Ops per bundle are in f32 vregs' worth of elements, for bf16 probes too."
     )
     print()
     print("| TPU | probe | bundles | VALU vreg ops / bundle | EUP vreg ops / bundle |")
@@ -140,6 +147,18 @@ def main() -> None:
             f"| {r['tpu']} | {KINDS[r['probe']][0]} | {r['bundles']} | {r['valu_per_bundle']:.2f} | "
             f"{r['eup_per_bundle']:.2f} |"
         )
+    bundles = {(r["tpu"], r["probe"]): r.get("bundles") for r in rows}
+    print()
+    print("bf16 against f32, same elements (`TpuSpec.bf16_valu_cost`, `TpuSpec.bf16_eup_cost`):")
+    print()
+    print("| TPU | bf16 / f32 bundles, y * 1.25 + 0.5 | bf16 / f32 bundles, exp(y) * 0.5 |")
+    print("|---|---|---|")
+    for gen in dict.fromkeys(r["tpu"] for r in rows):
+        ratios = []
+        for kind in ("fma", "exp"):
+            a, b = bundles.get((gen, f"{kind}_bf16")), bundles.get((gen, kind))
+            ratios.append(f"{a / b:.2f}" if a and b else "-")
+        print(f"| {gen} | {ratios[0]} | {ratios[1]} |")
 
 
 if __name__ == "__main__":

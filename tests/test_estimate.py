@@ -708,3 +708,38 @@ def test_a_scatter_add_floor_counts_its_updates_not_the_array() -> None:
     )
     ops = est.est_compute_floor_seconds * _vpu_rate(get_spec("v5e"))
     assert 64 * 128 <= ops <= 2 * 64 * 128
+
+
+def _chain(kind: str, x):
+    """One block of 512 x 1024 through eight multiply-adds (or eight exps), in x's dtype."""
+
+    def body(x_ref, o_ref):
+        y = x_ref[...]
+        for _ in range(8):
+            y = y * 1.25 + 0.5 if kind == "fma" else jnp.exp(y)
+        o_ref[...] = y
+
+    spec = pl.BlockSpec((512, 1024), lambda i: (i, 0))
+    return pl.pallas_call(
+        body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,), in_specs=[spec], out_specs=spec
+    )(x)
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v6e", "v4"])
+def test_bf16_elementwise_is_priced_per_generation(gen: str) -> None:
+    """The VPU cost of bf16 arithmetic follows the compiler's schedule (benchmarks/calibrate_vpu_slots.py):
+    ~2.5x f32 where the VPU unpacks bf16 (v4, v5e), 0.7x where it computes on packed vregs (v6e); exps
+    keep the EUP, which the unpack and repack slow down where there is no bf16 VPU."""
+    spec = get_spec(gen)
+    calls = {}
+    for kind in ("fma", "exp"):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            closed = jax.make_jaxpr(functools.partial(_chain, kind))(
+                jax.ShapeDtypeStruct((1024, 1024), dtype)
+            )
+            (calls[kind, dtype],) = estimate_pallas(closed, gen).pallas_calls
+    f32, bf16 = calls["fma", jnp.float32], calls["fma", jnp.bfloat16]
+    assert bf16.est_vpu_seconds == pytest.approx(f32.est_vpu_seconds * spec.bf16_valu_cost)
+    f32, bf16 = calls["exp", jnp.float32], calls["exp", jnp.bfloat16]
+    assert bf16.est_eup_seconds == pytest.approx(f32.est_eup_seconds * spec.bf16_eup_cost)
+    assert (spec.bf16_valu_cost > 2) == (gen in ("v4", "v5e"))

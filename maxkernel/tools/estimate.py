@@ -129,7 +129,10 @@ ASSUMPTIONS: dict[str, str] = {
     "vpu_rate": f"{VALU_VREG_OPS_PER_CYCLE} vreg ops per EUP vreg x {VREG_ELEMENTS} elements at the compiler's "
     "transcendental rate (four vector-ALU slots per bundle on v5e/v5p/v6e/7x, two on v4 at its half-rate EUP: "
     "read from the compiler's bundle schedule, benchmarks/calibrate_vpu_slots.py); each value counted in whole (8, 128) "
-    "vreg tiles (its last two dims padded), so lane-sparse columns cost what the VPU spends on them",
+    "vreg tiles (its last two dims padded), so lane-sparse columns cost what the VPU spends on them; ops on "
+    "bf16/f16 values at TpuSpec.bf16_valu_cost times the f32 time (~2.5 on v4/v5e/v5p, which unpack to f32; "
+    "0.70 on v6e/7x, packed; same schedule reading), and their transcendentals at TpuSpec.bf16_eup_cost "
+    "times the f32 EUP time (~1.6 on v4/v5e/v5p, 0.99 on v6e/7x)",
     "eup_rate": "transcendentals at the compiler cost model's rate (tpu_specs.compiler_transcendentals_per_s); "
     "erfc, erf_inv and logistic also pay the VPU ops the compiler spends around their EUP op "
     "(TRANSCENDENTAL_VPU_OPS)",
@@ -769,9 +772,12 @@ def _reference_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, mult: float = 1.0) -> 
             w.transcendentals += elements * mult
             w.vpu_ops += TRANSCENDENTAL_VPU_OPS.get(name, 0) * elements * mult
         elif name in REDUCTIONS:
-            w.vpu_ops += sum(_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ())) * mult
+            ops = sum(_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ())) * mult
+            w.vpu_ops += ops * min(1.0, _valu_dtype_cost(eqn, spec))
         else:
-            w.vpu_ops += sum(_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ())) * mult
+            ops = sum(_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ())) * mult
+            # packed bf16 is cheaper where the VPU has it; never dearer (this is a floor under XLA's time)
+            w.vpu_ops += ops * min(1.0, _valu_dtype_cost(eqn, spec))
     return w
 
 
@@ -1003,19 +1009,43 @@ def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, facts: _StepFacts | None = 
             continue
         elif name in TRANSCENDENTAL:
             elements = sum(_vreg_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ()))
-            w.transcendentals += elements
-            w.vpu_ops += TRANSCENDENTAL_VPU_OPS.get(name, 0) * elements
+            w.transcendentals += elements * (spec.bf16_eup_cost if _half_float(eqn) else 1.0)
+            w.vpu_ops += TRANSCENDENTAL_VPU_OPS.get(name, 0) * elements * _valu_dtype_cost(eqn, spec)
         elif name in REDUCTIONS:
-            w.vpu_ops += sum(_vreg_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ()))
+            ops = sum(_vreg_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ()))
+            w.vpu_ops += ops * _valu_dtype_cost(eqn, spec)
         else:
             # Elementwise / layout / compare / select / convert / iota / broadcast / addupdate: charge the
             # elements written. Scalars run on the scalar unit and are not charged.
-            w.vpu_ops += sum(
+            ops = sum(
                 _vreg_size(v.aval) for v in eqn.outvars if getattr(getattr(v, "aval", None), "shape", ())
             )
             if name == "addupdate":
-                w.vpu_ops += sum(_vreg_size(v.aval) for v in eqn.invars[1:2] if getattr(v.aval, "shape", ()))
+                ops += sum(_vreg_size(v.aval) for v in eqn.invars[1:2] if getattr(v.aval, "shape", ()))
+            w.vpu_ops += ops * _valu_dtype_cost(eqn, spec)
     return w
+
+
+HALF_FLOATS = frozenset({"bfloat16", "float16"})
+
+
+def _valu_dtype_cost(eqn: jex_core.JaxprEqn, spec: TpuSpec) -> float:
+    """Vector-ALU time per element of an in-kernel op against the f32 rate: `TpuSpec.bf16_valu_cost` when it
+    computes on 16-bit floats (a result or an operand of one), 1 otherwise. A cast is priced as one op in
+    either direction: the unpack or pack it does is the op itself. A transcendental's EUP time scales by
+    `TpuSpec.bf16_eup_cost` instead (the EUP computes in f32; the unpack and repack around it is the cost)."""
+    if eqn.primitive.name == "convert_element_type":
+        return 1.0
+    return spec.bf16_valu_cost if _half_float(eqn) else 1.0
+
+
+def _half_float(eqn: jex_core.JaxprEqn) -> bool:
+    """Does the op compute on 16-bit floats (one of its array operands or results is one)?"""
+    for v in (*eqn.invars, *eqn.outvars):
+        aval = getattr(v, "aval", None)
+        if getattr(aval, "shape", ()) and str(getattr(aval, "dtype", "")) in HALF_FLOATS:
+            return True
+    return False
 
 
 # Index maps: a tiny numpy interpreter for the integer primitives index maps use, with JAX as fallback.

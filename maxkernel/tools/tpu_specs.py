@@ -99,6 +99,15 @@ class TpuSpec(BaseModel):
     compiler_transcendentals_per_s: float = Field(
         description="Per-device transcendental rate the cost model assumes."
     )
+    bf16_valu_cost: float = Field(
+        description="Vector-ALU time of an elementwise op on bf16 values, per element, against f32 (the "
+        "compiler's bundle schedule: benchmarks/calibrate_vpu_slots.py). Above 1 where the VPU has no bf16 "
+        "arithmetic and unpacks, computes in f32 and repacks; below 1 where it works on packed bf16 vregs."
+    )
+    bf16_eup_cost: float = Field(
+        description="Time of a transcendental of a bf16 value against an f32 one (same schedule reading): "
+        "the EUP computes in f32, so where bf16 is unpacked and repacked around it the op takes longer."
+    )
     source: str = Field(description="Where each figure comes from.")
 
     @property
@@ -145,6 +154,8 @@ _ROWS: tuple[TpuSpec, ...] = (
         compiler_peak_tflops=137.0,
         compiler_hbm_gbps=491.2,
         compiler_transcendentals_per_s=0.538e12,
+        bf16_valu_cost=2.57,
+        bf16_eup_cost=1.67,
         source=(
             f"{_CLOUD_DOCS} 'TPU v4' page (275 TFLOP/s bf16 or int8 per chip; HBM2 32 GiB, 1200 GBps; "
             f"2 TensorCores x 4 MXUs). {_VMEM_SOURCE}. {_COMPILER_SOURCE}."
@@ -168,6 +179,8 @@ _ROWS: tuple[TpuSpec, ...] = (
         compiler_peak_tflops=197.0,
         compiler_hbm_gbps=737.7,
         compiler_transcendentals_per_s=1.536e12,
+        bf16_valu_cost=2.50,
+        bf16_eup_cost=1.58,
         source=(
             f"{_CLOUD_DOCS} 'TPU v5e' page (197 TFLOP/s bf16, 393 TOP/s int8; 16 GB HBM2, 819 GBps; "
             f"1 TensorCore x 4 MXUs). {_VMEM_SOURCE}. {_COMPILER_SOURCE}."
@@ -191,6 +204,8 @@ _ROWS: tuple[TpuSpec, ...] = (
         compiler_peak_tflops=394.0,
         compiler_hbm_gbps=2350.4,
         compiler_transcendentals_per_s=3.072e12,
+        bf16_valu_cost=2.49,
+        bf16_eup_cost=1.56,
         source=(
             f"{_CLOUD_DOCS} 'TPU v5p' page (459 TFLOP/s bf16; HBM2e 95 GB, 2765 GBps; 4 MXUs per "
             f"TensorCore; no int8 figure published there) and 'TPU7x (Ironwood)' comparison table "
@@ -215,6 +230,8 @@ _ROWS: tuple[TpuSpec, ...] = (
         compiler_peak_tflops=918.0,
         compiler_hbm_gbps=1638.0,
         compiler_transcendentals_per_s=1.792e12,
+        bf16_valu_cost=0.70,
+        bf16_eup_cost=0.99,
         source=(
             f"{_CLOUD_DOCS} 'TPU v6e' page (918 TFLOP/s bf16, 1836 TOP/s int8; 32 GB HBM, 1638 GBps; "
             f"1 TensorCore with two 256x256 MXUs). {_VMEM_SOURCE}. {_COMPILER_SOURCE}."
@@ -238,6 +255,8 @@ _ROWS: tuple[TpuSpec, ...] = (
         compiler_peak_tflops=996.0,
         compiler_hbm_gbps=3686.0,
         compiler_transcendentals_per_s=1.946e12,
+        bf16_valu_cost=0.70,
+        bf16_eup_cost=0.99,
         source=(
             f"{_CLOUD_DOCS} 'TPU7x (Ironwood)' page (2307 TFLOP/s bf16, 4614 TFLOP/s fp8, no int8 figure; "
             f"192 GiB HBM, 7380 GB/s; 2 TensorCores per chip, each a separate device). MXU shape and count "
