@@ -1,8 +1,8 @@
 """Validation shapes chosen by a budget: the task's own generator run with its size literals changed.
 
 The workloads under tests/data/sizing/ are written for these tests (JAXBench's and MaxKernel's formats,
-no code from either): a paged decode whose page table must index the smaller pool, a conv whose batch
-and output channels are both 128, a group norm whose workload hard-codes its width, a generator that
+no code from either): a paged decode whose page table must index the smaller pool, a paged pool whose
+page size must stay whole, a conv whose batch and output channels are both 128, a group norm whose workload hard-codes its width, a generator that
 returns a Python int, a reference that fails at run time above a size, a `get_inputs` that needs `jnp`
 to compute a static value. Rates are fixed (`DEFAULT_RATES`) so the chosen shapes do not depend on the
 machine; the budgets are tiny so these small tasks must shrink.
@@ -124,6 +124,9 @@ def test_a_page_table_is_made_for_the_smaller_pool(loaded) -> None:
     own = _shapes(task.configs[0])
     assert pages < own[1][0] and s == s2 == s3 and d == d2 == 128
     assert pages == s * per_seq  # the task's own arithmetic, at the smaller size
+    # the page's tokens (a small structural knob) are kept while the counts can shrink: the kernel fetches
+    # whole pages, and a validated page of 2 tokens would make a different program from the one that ships
+    assert t == own[1][1] == 16
     assert "CONFIG[" in task.validation_note and "predicted" in task.validation_note
     assert task.predicted_set_seconds <= 0.05
     inputs = taskcode.own_validation_inputs(taskcode.task_source(task.model_dump()), task.model_dump())[0]
@@ -133,6 +136,18 @@ def test_a_page_table_is_made_for_the_smaller_pool(loaded) -> None:
     # the larger check is a size the generator made too: on the search's path, or the task's own
     larger = task.larger_config
     assert larger is not None and larger.dynamic[1].shape[0] > pages
+
+
+def test_the_page_size_is_kept_while_the_counts_can_shrink(loaded) -> None:
+    """A page's token count is a leading axis of a [pages, tokens, heads, dim] pool, small beside the counts:
+    it is shrunk last (`SMALL_KNOB`), so the validated program fetches the same whole pages as the one that
+    ships (at 2 tokens a page the offline author could not read the pool page by page)."""
+    task = loaded("paged_heads", 0.05)
+    (_s, _h, _d), (pages, t, hkv, _d2), _, (_s2, per_seq) = _shapes(task.validation_configs[0])
+    own = _shapes(task.configs[0])
+    assert t == own[1][1] == 16 and hkv == own[1][2]
+    assert pages < own[1][0] and per_seq < own[3][1]
+    assert "CONFIG['page_size']" not in task.validation_note.split("(predicted")[0]
 
 
 def test_a_length_literal_halves_with_the_pages_it_measures(loaded) -> None:

@@ -434,6 +434,9 @@ def _same_layout(a: Probe, b: Probe) -> bool:
     )
 
 
+SMALL_KNOB = 16
+"""Knob values at or below this are structure (page size, K/V heads, group size), shrunk last."""
+
 SMALL_COUNT = 128
 """Integer inputs whose values stay under this are counts and flags (active sequences, a mask), not indices
 into a dimension: next to dims of a few dozen (heads, slots) their relations are coincidences."""
@@ -491,9 +494,15 @@ def plan_knobs(
             if changed:
                 moves[knob.key] = changed
     # A knob of a head's or a tile's size (<= 128 on some array's lane axis: a head dim, or heads in a fused
-    # heads x head-dim axis) only moves when the sizes alone cannot fit.
+    # heads x head-dim axis), or a small structural count (<= SMALL_KNOB: a page's tokens, K/V heads, a
+    # group) only moves when the sizes alone cannot fit: halving it saves little, and it changes the
+    # program's structure at the validation shapes (a page of 2 tokens is no longer the 16-token page the
+    # kernel fetches whole, so the validated program would not be the one that ships).
     tier = {
-        key: 2 if value_of[key] <= 128 and any(_role(own.configs, a) == "lane" for a in axes) else 1
+        key: 2
+        if value_of[key] <= SMALL_KNOB
+        or (value_of[key] <= 128 and any(_role(own.configs, a) == "lane" for a in axes))
+        else 1
         for key, axes in moves.items()
     }
     values: dict[str, int] = {}
