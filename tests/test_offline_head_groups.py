@@ -119,3 +119,26 @@ def test_repeated_kv_attention_folds_the_group_and_is_accepted(tmp_path: Path) -
     assert result.accepted, (result.error, source)
     assert result.correct and len(result.correctness.sets) == 3
     assert all(result.tpu_compile[g].ok for g in TPU)
+
+
+@pytest.mark.parametrize("name", ["seq_major", "head_major"])
+def test_a_group_of_one_at_the_validation_shapes_traces_the_same_program(name: str) -> None:
+    """Validation may shrink the query heads to the K/V heads (a repeat of 1, which hides the repeat in the
+    sizes): the rewrite is decided at the task's shapes and replayed, so both traces have one structure."""
+    from maxkernel.authors.offline.trace import Config, trace_reference
+
+    fn, qs, ks = CASES[name]
+    heads = 2 if name == "seq_major" else 1
+    small_q = list(qs)
+    small_q[heads] = ks[heads]  # as many query heads as K/V heads: a group of one
+    configs = [
+        Config(dynamic=[(s, "float32") for s in (qs, ks, ks)], static=[]),
+        Config(dynamic=[(tuple(s), "float32") for s in (small_q, ks, ks)], static=[]),
+    ]
+    traces = trace_reference(fn, configs, ["q", "k", "v"])
+    assert len(traces.others) == 1
+    small = traces.others[0]
+    rng = np.random.default_rng(5)
+    args = [rng.standard_normal(s).astype(np.float32) for s in (small_q, ks, ks)]
+    got = np.asarray(jax.core.eval_jaxpr(small.jaxpr, small.consts, *args)[0])
+    np.testing.assert_allclose(got, np.asarray(fn(*args)), rtol=1e-5, atol=1e-5)

@@ -53,11 +53,21 @@ def _nonunit(shape: tuple[int, ...]) -> list[int]:
 
 
 def _unit_only(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int] | None:
-    """For a reshape that only inserts or removes unit dims: each non-unit dim of `src` -> its dim in `dst`."""
+    """For a reshape that only inserts or removes unit dims: each dim of `src` that has a place in `dst` ->
+    that place. Non-unit dims pair in order; unit dims pair within the same gap between non-unit dims,
+    from the right, so the pairing does not depend on whether a broadcast dim happens to be 1 at these
+    sizes (a K/V repeat of 1: the same dims pair as at a repeat of 8)."""
     a, b = _nonunit(src), _nonunit(dst)
     if [src[d] for d in a] != [dst[d] for d in b]:
         return None
-    return dict(zip(a, b, strict=True))
+    out = dict(zip(a, b, strict=True))
+    bounds_a, bounds_b = [-1, *a, len(src)], [-1, *b, len(dst)]
+    for k in range(len(bounds_a) - 1):
+        gap_a = list(range(bounds_a[k] + 1, bounds_a[k + 1]))
+        gap_b = list(range(bounds_b[k] + 1, bounds_b[k + 1]))
+        for x, y in zip(reversed(gap_a), reversed(gap_b), strict=False):
+            out[x] = y
+    return out
 
 
 def _merges(src: tuple[int, ...], dst: tuple[int, ...]) -> list[int]:
@@ -105,13 +115,34 @@ class _Refused(Exception):
 class HeadGroups:
     """The rewrite above, for one flat jaxpr being re-traced by `trace._eval` (see the module docstring)."""
 
-    def __init__(self, jaxpr: Any, read: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        jaxpr: Any,
+        read: Callable[[Any], Any],
+        decide: Callable[[Callable[[], list[tuple[int, int, int]]]], list[tuple[int, int, int]]]
+        | None = None,
+    ) -> None:
         self.read = read
         self.producer: dict[Any, Any] = {}
         for eqn in jaxpr.eqns:
             for v in eqn.outvars:
                 self.producer[v] = eqn
-        self.repeats = self._find_repeats(jaxpr)
+        position = {eqn.outvars[0]: i for i, eqn in enumerate(jaxpr.eqns) if len(eqn.outvars) == 1}
+
+        def choose() -> list[tuple[int, int, int]]:
+            return [(position[v], g, a) for v, (_, g, a) in self._find_repeats(jaxpr).items()]
+
+        # decided at the task's own shapes and replayed at the others (`decide`), so every configuration
+        # rewrites the same equations (at a validation shape the group may be 1, where a repeat is no longer
+        # visible in the sizes)
+        picked = decide(choose) if decide is not None else choose()
+        self.repeats = {}
+        for pos, gdim, axis in picked:
+            eqn = jaxpr.eqns[pos] if pos < len(jaxpr.eqns) else None
+            if eqn is None or eqn.primitive.name != "reshape":
+                self.repeats = {}
+                break
+            self.repeats[eqn.outvars[0]] = (eqn.invars[0], gdim, axis)
         self.split: dict[Any, Split] = {}
         self.views: dict[tuple[Any, int], tuple[Any, bool]] = {}
 
@@ -168,11 +199,16 @@ class HeadGroups:
         if eqn.primitive.name == "broadcast_in_dim":
             dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
             src = self.read(x)
-            if gdim in dims and _shape(x)[dims.index(gdim)] != 1:
-                src = self._unit(x, dims.index(gdim))
-            return lax.broadcast_in_dim(src, tuple(shape), dims)
+            inner = self.producer.get(x)
+            if gdim in dims and inner is not None and inner.primitive.name in ("broadcast_in_dim", "reshape"):
+                src = self._unit(x, dims.index(gdim))  # carried from a broadcast dim of the operand
+            return lax.broadcast_in_dim_p.bind(
+                src, shape=tuple(shape), broadcast_dimensions=dims, sharding=None
+            )
         back = {b: a for a, b in (_unit_only(_shape(x), _shape(var)) or {}).items()}
-        return lax.reshape(self._unit(x, back[gdim]), tuple(shape))
+        return lax.reshape_p.bind(
+            self._unit(x, back[gdim]), new_sizes=tuple(shape), dimensions=None, sharding=None
+        )
 
     # --- the rewrite ----------------------------------------------------------------------------------
     def apply(self, eqn: Any) -> list[Any] | None:
@@ -183,7 +219,11 @@ class HeadGroups:
         if out in self.repeats:
             x, gdim, axis = self.repeats[out]
             xs = _shape(x)
-            self.split[out] = Split(self._unit(x, gdim), axis, xs[axis], xs[gdim], unit=True)
+            try:
+                source = self._unit(x, gdim)
+            except KeyError:  # the broadcast chain does not pair up at these sizes: left as it is
+                return None
+            self.split[out] = Split(source, axis, xs[axis], xs[gdim], unit=True)
             return None  # the merged value is the reference's own reshape
         if not any(not isinstance(v, jcore.Literal) and v in self.split for v in eqn.invars):
             return None

@@ -88,7 +88,7 @@ def _eval(
     outer = _OuterBroadcasts()
     moments = OnePassMoments(jaxpr, _one_pass_moments_decision)
     shifted = ShiftedSums(jaxpr)
-    heads = HeadGroups(jaxpr, read)
+    heads = HeadGroups(jaxpr, read, lambda choose: SIZE_DECISIONS.decide("head_groups", choose))
     for eqn in jaxpr.eqns:
         if heads.active:
             grouped = heads.apply(eqn)
