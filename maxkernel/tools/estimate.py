@@ -1009,8 +1009,11 @@ def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, facts: _StepFacts | None = 
             continue
         elif name in TRANSCENDENTAL:
             elements = sum(_vreg_size(v.aval) for v in eqn.outvars if getattr(v.aval, "shape", ()))
-            w.transcendentals += elements * (spec.bf16_eup_cost if _half_float(eqn) else 1.0)
-            w.vpu_ops += TRANSCENDENTAL_VPU_OPS.get(name, 0) * elements * _valu_dtype_cost(eqn, spec)
+            half = _half_float(eqn)
+            w.transcendentals += elements * (spec.bf16_eup_cost if half else 1.0)
+            w.vpu_ops += (
+                TRANSCENDENTAL_VPU_OPS.get(name, 0) * elements * (spec.bf16_valu_cost if half else 1.0)
+            )
         elif name in REDUCTIONS:
             ops = sum(_vreg_size(v.aval) for v in eqn.invars if getattr(v.aval, "shape", ()))
             w.vpu_ops += ops * _valu_dtype_cost(eqn, spec)

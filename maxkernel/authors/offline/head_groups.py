@@ -26,7 +26,7 @@ program's structure alone, so every input configuration traces the same operatio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +86,16 @@ def _ex(d: int, axis: int) -> int:
     return d if d <= axis else d + 1
 
 
-def _rebroadcast(eqn: Any, x: Any, shape: tuple[int, ...], dims: list[int]) -> Any:
+def _split_map(dims: list[int], axis: int) -> tuple[int, ...]:
+    """A permutation or broadcast mapping into dims of a value whose `axis` is split: `axis` becomes the
+    pair (axis, axis + 1), every other dim shifts past it."""
+    out: list[int] = []
+    for d in dims:
+        out += [axis, axis + 1] if d == axis else [_ex(d, axis)]
+    return tuple(out)
+
+
+def _rebroadcast(eqn: Any, x: Any, shape: tuple[int, ...], dims: Sequence[int]) -> Any:
     """`eqn` (a broadcast_in_dim) bound again with a new result shape and mapping, its other params kept."""
     params = dict(eqn.params, shape=tuple(shape), broadcast_dimensions=tuple(dims))
     return eqn.primitive.bind(x, **params)
@@ -247,8 +256,7 @@ class HeadGroups:
         if name == "transpose":
             return self._transpose(eqn)
         if name == "stop_gradient":
-            s = self.split[eqn.invars[0]]
-            return s
+            return self.split[eqn.invars[0]]
         if name == "broadcast_in_dim":
             return self._broadcast(eqn)
         if name in REDUCTIONS:
@@ -262,20 +270,15 @@ class HeadGroups:
     def _transpose(self, eqn: Any) -> Split:
         s = self.split[eqn.invars[0]]
         perm = [int(p) for p in eqn.params["permutation"]]
-        new: list[int] = []
-        for p in perm:
-            new += [s.axis, s.axis + 1] if p == s.axis else [_ex(p, s.axis)]
-        return Split(lax.transpose(s.value, tuple(new)), perm.index(s.axis), s.groups, s.size, s.unit)
+        new = _split_map(perm, s.axis)
+        return Split(lax.transpose(s.value, new), perm.index(s.axis), s.groups, s.size, s.unit)
 
     def _broadcast(self, eqn: Any) -> Split:
         s = self.split[eqn.invars[0]]
         dims = [int(d) for d in eqn.params["broadcast_dimensions"]]
         o = dims[s.axis]
-        new: list[int] = []
-        for i, d in enumerate(dims):
-            new += [o, o + 1] if i == s.axis else [_ex(d, o)]
         shape = Split(None, o, s.groups, s.size, s.unit).shape(_shape(eqn.outvars[0]))
-        return Split(_rebroadcast(eqn, s.value, shape, new), o, s.groups, s.size, s.unit)
+        return Split(_rebroadcast(eqn, s.value, shape, _split_map(dims, o)), o, s.groups, s.size, s.unit)
 
     def _reduce(self, eqn: Any) -> Split:
         s = self.split[eqn.invars[0]]
@@ -339,20 +342,14 @@ class HeadGroups:
         if name == "transpose":
             perm = [int(p) for p in eqn.params["permutation"]]
             src, unit = self.view(eqn.invars[0], perm[axis], groups, size)
-            new: list[int] = []
-            for p in perm:
-                new += [perm[axis], perm[axis] + 1] if p == perm[axis] else [_ex(p, perm[axis])]
-            got = (lax.transpose(src, tuple(new)), unit)
+            got = (lax.transpose(src, _split_map(perm, perm[axis])), unit)
         elif name == "broadcast_in_dim":
             x = eqn.invars[0]
             dims = [int(d) for d in eqn.params["broadcast_dimensions"]]
             if axis in dims and _shape(x)[dims.index(axis)] != 1 and not isinstance(x, jcore.Literal):
                 src, unit = self.view(x, dims.index(axis), groups, size)
-                new = []
-                for d in dims:
-                    new += [axis, axis + 1] if d == axis else [_ex(d, axis)]
                 shape = Split(None, axis, groups, size, unit).shape(_shape(var))
-                got = (_rebroadcast(eqn, src, shape, new), unit)
+                got = (_rebroadcast(eqn, src, shape, _split_map(dims, axis)), unit)
             else:  # the heads are broadcast: the same for every head
                 got = (_rebroadcast(eqn, self.read(x), shape, [_ex(d, axis) for d in dims]), False)
         elif name == "convert_element_type":
@@ -399,7 +396,7 @@ class HeadGroups:
             m = (lambda d: d) if units[side] else (lambda d, a=a: _ex(d, a))
             new_c.append(tuple(m(d) for d in contract[side]))
             b = [m(d) for d in batch[side]]
-            if not units[side] and all(not u for u in units):
+            if not any(units):
                 b.insert(pos + 1, a + 1)
             new_b.append(tuple(b))
             rank = len(_shape((lhs, rhs)[side])) + (0 if units[side] else 1)
