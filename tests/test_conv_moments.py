@@ -232,3 +232,43 @@ def test_sum_of_squares_matches_the_centred_form_of_a_conv() -> None:
     small = traced.others[0]
     got = jax.core.eval_jaxpr(small.jaxpr, small.consts, *args)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(conv_batchnorm_relu(*args)), atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_group_norm_is_evaluated_per_channel() -> None:
+    """The bf16 program of a PyTorch-layout group norm (`jnp.mean` / `jnp.var` sum a float32 cast of the split
+    value; the normalisation is bf16 arithmetic with the mean rounded to bf16) takes the same per-channel
+    form as float32: the statistics from the conv pass, two tiny group sums, one normalising kernel on the
+    unsplit conv output (no kernel re-reads the conv output in the (N, G, C // G, H, W) split), and it
+    rounds as the reference does."""
+    fn, shapes = conv_nchw_groupnorm_tanh, CASES[4][1]
+    configs = [
+        Config(
+            dynamic=[(x, "bfloat16"), (w, "bfloat16"), ((w[-1],), "bfloat16"), ((w[-1],), "bfloat16")],
+            static=[4],
+        )
+        for x, w in shapes
+    ]
+    program = lower_program(
+        trace_reference(fn, configs, ["x", "w", "g", "b", "groups"], direct_conv=True),
+        "t",
+        options=FUSION_LEVELS[0],
+    )
+    assert [k.family for k in program.kernels] == ["conv", "rowwise", "rowwise", "elementwise"]
+    src = render(program, default_config(program, TPU), TPU)
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    rng = np.random.default_rng(5)
+    for xs, ws in shapes[1:]:
+        args = (
+            jnp.asarray(rng.standard_normal(xs) + 0.5, jnp.bfloat16),
+            jnp.asarray(0.3 * rng.standard_normal(ws), jnp.bfloat16),
+            jnp.asarray(1.0 + 0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
+            jnp.asarray(0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
+        )
+        with pltpu.force_tpu_interpret_mode():
+            got = ns["computation"](*args, 4)
+        want = fn(*args, 4)
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2
+        )

@@ -93,7 +93,10 @@ class OnePassMoments:
                 and conv_ok(conv, _count(pattern.y, pattern.axes), True)
             ):
                 self.rewrites[pattern.s] = grouped.first_sum
-                for d in _count_divisions(jaxpr, producer, [pattern.s, eqn.outvars[0]], pattern.divide):
+                for s in grouped.sums:
+                    self.rewrites[s] = grouped.first_sum
+                sums = [pattern.s, eqn.outvars[0], *grouped.sums]
+                for d in _count_divisions(jaxpr, producer, sums, pattern.divide):
                     self.rewrites[d.outvars[0]] = functools.partial(grouped.per_count, d)
                 self.rewrites[eqn.outvars[0]] = grouped.m2
                 if grouped.merge is not None:
@@ -231,24 +234,35 @@ def _conv_behind(var: Any, producer: dict[Any, Any]) -> tuple[Any | None, tuple[
 class _Grouped:
     """A group norm written the usual way: the value `src` with its channel dim split in two,
     `y = reshape(src, (N, *S, G, C // G))` channels-last or `(N, G, C // G, *S)` channels-first (PyTorch
-    layout), its statistics over `S` and the group's members, and the normalised
-    `(y - mean) * scale` reshaped back to (N, *S, C). Evaluated per channel instead: the spatial sums of `src`
-    and `src^2` per (N, C) (what the conv kernel accumulates), summed over each group's channels (a tiny
-    reduction), and the normalisation on `src` itself with the group statistics repeated per channel, so
-    the (..., G, C // G) layout (a relayout copy on a TPU, whose minor dims it breaks up) never exists."""
+    layout), its statistics over `S` and the group's members, and the normalised value (an elementwise chain
+    from the split value with group statistics beside it, `(y - mean) / sqrt(var + eps)`) reshaped back to
+    (N, *S, C). Evaluated per channel instead: the spatial sums of `src` and `src^2` per (N, C) (what the
+    conv kernel accumulates), summed over each group's channels (a tiny reduction), and the normalisation on
+    `src` itself with the group statistics repeated per channel, so the (..., G, C // G) layout (a relayout
+    copy on a TPU, whose minor dims it breaks up) never exists.
 
-    pattern: CentredSquares  # over the split value: y, its first sum s, the mean h, the axes
+    A bf16 program (`jnp.mean` / `jnp.var` of a bf16 value) sums a float32 cast of the split value, and its
+    normalisation is bf16 arithmetic on the split value and the mean rounded to bf16: the sums are taken of
+    the same cast of `src`, and the chain replays each op on the same operand values (a group's statistic
+    repeated per channel is the same number), so it rounds exactly as the reference does."""
+
+    pattern: CentredSquares  # over the split value (or its widening cast): y, its first sum s, the mean h
     src: Any
+    split: Any  # reshape(src): y itself, or the value y widens
     axes: tuple[int, ...]  # reduced axes of src (the split value's, less the group-member axis)
     groups: int
     chan: int  # src's channel dim (split into the group dim `chan` and the member dim `chan + 1` of y)
-    merge: Any | None  # reshape(v) back to src's shape, v = (y - h) * scale or (y - h) / scale
-    scale: Any | None
-    divide: bool
+    merge: Any | None  # reshape(v) back to src's shape, v the normalised value
+    chain: tuple[tuple[Any, int], ...]  # the elementwise ops from the split value to v: (eqn, chain operand)
+    sums: tuple[Any, ...]  # other sums of the split value over the same axes (the mean beside `jnp.var`'s)
 
     @staticmethod
     def of(p: CentredSquares, producer: dict[Any, Any], uses: dict[Any, int]) -> _Grouped | None:
+        split_var = p.y
         split = producer.get(p.y)
+        if split is not None and _widening(split) and not _is_lit(split.invars[0]):
+            split_var = split.invars[0]
+            split = producer.get(split_var)
         if split is None or split.primitive.name != "reshape" or _is_lit(split.invars[0]):
             return None
         src = split.invars[0]
@@ -264,39 +278,40 @@ class _Grouped:
         src_axes = tuple(a if a < ch else a - 1 for a in p.axes if a != ch + 1)
         if any(d not in src_axes for d in range(ch + 1, len(src_shape))):
             return None  # the channel dim is the last one kept: per-channel sums are (..., C)
-        if np.dtype(src.aval.dtype) != np.float32:
+        if not _floating(src.aval.dtype) or np.dtype(src.aval.dtype).itemsize > 4:
             return None
-        merge, scale, divide = None, None, False
-        for e in producer.values():  # the normalised value: (y - h) * scale, reshaped back to src's shape
+        # the split value's views: itself and its widening casts (each library reduction casts it again)
+        views = {split_var, p.y} | {
+            e.outvars[0] for e in producer.values() if e.invars and e.invars[0] is split_var and _widening(e)
+        }
+        sums = tuple(
+            e.outvars[0]
+            for e in producer.values()
+            if e.primitive.name == "reduce_sum"
+            and e.invars[0] in views
+            and e.outvars[0] is not p.s
+            and tuple(sorted(int(a) for a in e.params["axes"])) == p.axes
+        )
+        group_shape = tuple(int(d) for d in p.h.aval.shape)
+        merge, chain = None, ()
+        for e in producer.values():  # the normalised value, reshaped back to src's shape
             if e.primitive.name != "reshape" or tuple(int(d) for d in e.outvars[0].aval.shape) != src_shape:
                 continue
-            v = e.invars[0]
-            op = producer.get(v)
-            if _is_lit(v) or op is None or uses.get(v) != 1 or op.primitive.name not in ("mul", "div"):
+            if _is_lit(e.invars[0]) or e.invars[0] in views:
                 continue
-            for k, d in enumerate(op.invars):
-                sub = producer.get(d)
-                other = op.invars[1 - k]
-                if (
-                    sub is not None
-                    and sub.primitive.name == "sub"
-                    and sub.invars[0] is p.y
-                    and sub.invars[1] is p.h
-                    and uses.get(d) == 1 + (d is p.d) * (1 + (p.square.primitive.name == "mul"))
-                    and not _is_lit(other)
-                    and tuple(int(q) for q in other.aval.shape) == tuple(int(q) for q in p.h.aval.shape)
-                    and (op.primitive.name == "mul" or k == 0)
-                ):
-                    merge, scale, divide = e, other, op.primitive.name == "div"
+            found = _group_chain(e.invars[0], views, y_shape, group_shape, producer, uses, p)
+            if found:
+                merge, chain = e, found
         return _Grouped(
             pattern=p,
             src=src,
+            split=split_var,
             axes=src_axes,
             groups=y_shape[ch],
             chan=ch,
             merge=merge,
-            scale=scale,
-            divide=divide,
+            chain=chain,
+            sums=sums,
         )
 
     def _per_group(self, per_channel: Any) -> Any:
@@ -309,8 +324,13 @@ class _Grouped:
             (per_channel.ndim,),
         )
 
+    def _wide_src(self, read: Callable[[Any], Any]) -> Any:
+        """`src` in the statistics' dtype (float32: a bf16 program's reductions sum a cast of it)."""
+        x = read(self.src)
+        return x.astype(self.pattern.y.aval.dtype)
+
     def first_sum(self, read: Callable[[Any], Any]) -> Any:
-        return self._per_group(_reduce_sum(read(self.src), self.axes))
+        return self._per_group(_reduce_sum(self._wide_src(read), self.axes))
 
     def per_count(self, div: Any, read: Callable[[Any], Any]) -> Any:
         """A group sum (of values or squares) divided by the group's channel count, then by the reduced
@@ -322,7 +342,7 @@ class _Grouped:
     def m2(self, read: Callable[[Any], Any]) -> Any:
         import jax.numpy as jnp
 
-        ssq = self._per_group(_reduce_sum(jnp.square(read(self.src)), self.axes))
+        ssq = self._per_group(_reduce_sum(jnp.square(self._wide_src(read)), self.axes))
         s, h = read(self.pattern.s), read(self.pattern.h)
         return jnp.maximum(ssq - jnp.reshape(h, s.shape) * s, 0.0)
 
@@ -332,13 +352,81 @@ class _Grouped:
         import jax.numpy as jnp
 
         k, c = self.chan, self.src.aval.shape[self.chan]
+        if t.shape[k] == 1:  # one value for every group
+            return jnp.reshape(t, (*t.shape[:k], 1, *t.shape[k + 2 :]))
         full = (*t.shape[: k + 1], c // self.groups, *t.shape[k + 2 :])
         return jnp.reshape(jnp.broadcast_to(t, full), (*t.shape[:k], c, *t.shape[k + 2 :]))
 
     def normalised(self, read: Callable[[Any], Any]) -> Any:
-        x = read(self.src) - self._per_channel(read(self.pattern.h))
-        scale = self._per_channel(read(self.scale))
-        return x / scale if self.divide else x * scale
+        """The chain replayed on `src`, each group operand repeated per channel."""
+        first_eqn, first_k = self.chain[-1]
+        start = first_eqn.invars[first_k]
+        x = read(self.src)
+        if start is not self.split:
+            x = x.astype(start.aval.dtype)
+        for e, k in reversed(self.chain):
+            ins = []
+            for j, v in enumerate(e.invars):
+                if j == k:
+                    ins.append(x)
+                elif _is_lit(v) or not v.aval.shape:
+                    ins.append(read(v))
+                else:
+                    ins.append(self._per_channel(read(v)))
+            x = e.primitive.bind(*ins, **e.params)
+        return x
+
+
+CHAIN_OPS = frozenset({"add", "sub", "mul", "div", "max", "min", "convert_element_type"})
+
+
+def _floating(dtype: Any) -> bool:
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _widening(e: Any) -> bool:
+    """A float cast to a float at least as wide (bf16 -> f32): exact."""
+    if e.primitive.name != "convert_element_type":
+        return False
+    src, dst = e.invars[0].aval.dtype, e.outvars[0].aval.dtype
+    return _floating(src) and _floating(dst) and np.dtype(dst).itemsize >= np.dtype(src).itemsize
+
+
+def _group_chain(
+    v: Any,
+    views: set[Any],
+    y_shape: tuple[int, ...],
+    group_shape: tuple[int, ...],
+    producer: dict[Any, Any],
+    uses: dict[Any, int],
+    p: CentredSquares,
+) -> tuple[tuple[Any, int], ...]:
+    """The elementwise ops (CHAIN_OPS) from a view of the split value to `v`, each with one full-shape
+    operand (the chain) and the others literals, scalars or group-shaped values (a statistic per group):
+    (eqn, chain operand) from `v` back; empty if `v` is not such a chain. Each value on it is used by the
+    next op alone (the centred difference may also feed the square that the one-pass form rewrites)."""
+    chain: list[tuple[Any, int]] = []
+    ones = (1,) * len(y_shape)
+    while v not in views:
+        e = producer.get(v)
+        allowed = 1 + (v is p.d) * (1 + (p.square is not None and p.square.primitive.name == "mul"))
+        if e is None or e.primitive.name not in CHAIN_OPS or uses.get(v) != allowed or len(e.outvars) != 1:
+            return ()
+        if e.primitive.name == "convert_element_type" and not _floating(e.outvars[0].aval.dtype):
+            return ()
+        full = [j for j, u in enumerate(e.invars) if not _is_lit(u) and tuple(u.aval.shape) == y_shape]
+        if len(full) != 1:
+            return ()
+        for j, u in enumerate(e.invars):
+            if j == full[0] or _is_lit(u) or not u.aval.shape:
+                continue
+            if tuple(int(d) for d in u.aval.shape) not in (group_shape, ones):
+                return ()
+        chain.append((e, full[0]))
+        v = e.invars[full[0]]
+    return tuple(chain)
 
 
 def _match(eqn: Any, producer: dict[Any, Any], uses: dict[Any, int]) -> CentredSquares | None:
