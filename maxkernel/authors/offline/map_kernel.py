@@ -208,11 +208,43 @@ class MapBuilder(StreamedReductions):
                 None,
             )
             if pair is None:
+                pair = self._independent_pair(ax, classes, reduced, footprints)
+            if pair is None:
                 return ax
             try:
                 ax.union(*pair)
             except Conflict:
                 return self.ax
+
+    @staticmethod
+    def _independent_pair(
+        ax: Axes, classes: list[Node], reduced: set[Node], footprints: list[set[Node]]
+    ) -> tuple[Node, Node] | None:
+        """Two axes of independent computations in one kernel that line up: a rotary embedding applied to
+        the queries (batch, heads) and to a key broadcast over its own (batch, heads), sharing only the
+        positions and frequencies. Each output left off the other's axes would be written again at every
+        step of them, not consecutively (wrong when the grid is split over cores), and each side's axes
+        multiply the grid. Two classes are one axis when their extents agree in every traced configuration,
+        no value spans both (the argument of `_share_dead_axes`: nothing combines them positionally) and
+        each is the other's only such match; an ambiguous match is left alone."""
+
+        def matches(c: Node) -> list[Node]:
+            return [
+                o
+                for o in classes
+                if o is not c
+                and o not in reduced
+                and ax.extents_all(o) == ax.extents_all(c)
+                and not any(c in fp and o in fp for fp in footprints)
+            ]
+
+        for a in classes:
+            if a in reduced or max(ax.extents_all(a)) <= 1:
+                continue
+            found = matches(a)
+            if len(found) == 1 and matches(found[0]) == [a]:
+                return a, found[0]
+        return None
 
     def _long_sublanes(self, tile: list[list[Node]], io: list[Any]) -> list[list[Node]]:
         """Move a long tile group into the sublane position (second to last) when the group there is
