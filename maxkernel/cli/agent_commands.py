@@ -42,7 +42,7 @@ from maxkernel.cli.root import (
 )
 from maxkernel.cli.run_progress import EXIT_PAUSED, finish, run_thread
 from maxkernel.cli.terminal_review import REVIEW_FLAGS, interactive_review, show_review, stdin_is_terminal
-from maxkernel.context import Context, default_model
+from maxkernel.context import AuthorKind, Context, author_kind, default_model
 from maxkernel.nodes.review import pending_review
 from maxkernel.tools.store import ResultsStore
 from maxkernel.tools.store_sql import DatabaseUnavailable, is_postgres, postgres_pool
@@ -340,7 +340,7 @@ def _check_bad_task(graph: Any, config: dict[str, Any], st: Any = None, thread_i
 
 def _context(settings: dict[str, Any]) -> Context:
     model = settings["model"]
-    if model != "offline":
+    if author_kind(model) is AuthorKind.MODEL:
         from maxkernel.authors.base import AuthorError
         from maxkernel.authors.llm import init_model
 

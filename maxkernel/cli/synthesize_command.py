@@ -51,14 +51,14 @@ def synthesize_cmd(
     own: no autotuning, no profile, `--repairs` repair attempts. It streams the graph's state and writes
     kernel.py and a "no verdict yet" result.json each time a new kernel goes to the harness.
     """
-    from maxkernel.context import Context
+    from maxkernel.context import OFFLINE_MODEL, Context
     from maxkernel.graph.agent import compile_graph
     from maxkernel.state import AgentInput, AgentState
 
     gens = parse_tpus(tpu)
     dest = out_dir
     ctx = Context(
-        model="offline",
+        model=OFFLINE_MODEL,
         tpu=gens,
         store_path=open_store(store).location,
         work_dir=str(work_dir),
