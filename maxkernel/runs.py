@@ -14,6 +14,7 @@ from typing import Any
 
 from maxkernel.tools.store import ResultsStore
 from maxkernel.tools.store_sql import is_postgres
+from maxkernel.tools.tasks import safe_task_id
 
 
 class RunBusy(Exception):
@@ -38,8 +39,6 @@ def take_lease(store: ResultsStore, thread_id: str) -> None:
 def lease_path(store: Path | str, thread_id: str) -> Path | None:
     """Where a SQLite store's lease for a thread lives (`ResultsStore.hold_lease`); None for PostgreSQL,
     whose leases are advisory locks in the server."""
-    from maxkernel.tools.tasks import safe_task_id
-
     if is_postgres(str(store)):
         return None
     return Path(store).resolve().parent / "leases" / f"{safe_task_id(thread_id)}.lock"
