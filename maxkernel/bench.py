@@ -32,6 +32,7 @@ import sqlite_utils
 import yaml
 from pydantic import BaseModel, Field
 
+from maxkernel.context import OFFLINE_MODEL, AuthorKind, author_kind
 from maxkernel.convert import kernelbench
 from maxkernel.tools import jaxbench
 from maxkernel.tools.readback import bounded_yaml
@@ -44,7 +45,7 @@ TERMINAL = ("succeeded", "failed", "stopped", "error")
 class BenchSettings(BaseModel):
     suite: str
     out_dir: str
-    model: str = "offline"
+    model: str = OFFLINE_MODEL
     tasks: str | None = Field(None, description="glob over task ids")
     scale: str = "cpu"
     jobs: int = 1
@@ -326,7 +327,7 @@ class Bench:
         """The offline author never reads the profile step's CPU trace (a model does, to reflect): for it
         the trace would only fill each task's report, at ~8% of a bench's time (683 of 8160 task-seconds
         over 60 suite tasks, session 9), so the bench skips it."""
-        return ["--no-profile"] if self.s.model == "offline" else []
+        return ["--no-profile"] if author_kind(self.s.model) is AuthorKind.OFFLINE else []
 
     def _ray(self) -> list[str]:
         return ["--ray", self.s.ray_address] if self.s.ray_address else []

@@ -8,16 +8,38 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, normalise_generations
+
+OFFLINE_MODEL = "offline"
+"""The `model` setting (and `--model`) that picks the offline author: the one place the word is compared."""
+
+
+class AuthorKind(StrEnum):
+    """Who writes the kernels of a run, decided once from `model` / `chat_model` (`Context.author_kind`)."""
+
+    OFFLINE = OFFLINE_MODEL
+    """The offline author: kernels synthesised from the reference's jaxpr, no model."""
+    CHAT_MODEL = "chat_model"
+    """A ready LangChain chat model object (the Python API, tests)."""
+    MODEL = "model"
+    """A model named by an init_chat_model string such as 'google_genai:gemini-2.5-pro'."""
+
+
+def author_kind(model: str, chat_model: Any = None) -> AuthorKind:
+    """The author a `model` string (and an optional chat model object, which wins) stands for."""
+    if chat_model is not None:
+        return AuthorKind.CHAT_MODEL
+    return AuthorKind.OFFLINE if model == OFFLINE_MODEL else AuthorKind.MODEL
 
 
 def default_model() -> str:
     """Gemini when a Google key is set, else the offline author: the first command works anywhere."""
     if os.environ.get("GOOGLE_API_KEY") or os.environ.get("GEMINI_API_KEY"):
         return "google_genai:gemini-2.5-pro"
-    return "offline"
+    return OFFLINE_MODEL
 
 
 @dataclass(kw_only=True)
@@ -121,14 +143,19 @@ class Context:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     @property
+    def author_kind(self) -> AuthorKind:
+        """Who writes this run's kernels: what nodes and commands branch on, never the `model` string."""
+        return author_kind(self.model, self.chat_model)
+
+    @property
     def is_offline(self) -> bool:
         """The offline author writes the kernels (and only then do they get its sandbox allowances)."""
-        return self.chat_model is None and self.model == "offline"
+        return self.author_kind is AuthorKind.OFFLINE
 
     def __post_init__(self) -> None:
         # Canonical names ("trillium" -> "v6e"); an unknown one raises ValueError naming the valid ones.
         self.tpu = normalise_generations(self.tpu)
-        if self.chat_model is not None and self.model == "offline":
+        if self.chat_model is not None and self.model == OFFLINE_MODEL:
             # A chat model object is a model author whatever `model` defaulted to: name it after the model,
             # so that results never say "offline" and nothing grants it the offline author's allowances.
             self.model = chat_model_name(self.chat_model)
@@ -138,6 +165,6 @@ def chat_model_name(chat_model: Any) -> str:
     """A readable name for a LangChain chat model object: its model id when it says, else its class."""
     for attr in ("model_name", "model", "model_id"):
         value = getattr(chat_model, attr, None)
-        if isinstance(value, str) and value and value != "offline":
+        if isinstance(value, str) and value and value != OFFLINE_MODEL:
             return f"chat_model:{value}"
     return f"chat_model:{type(chat_model).__name__}"

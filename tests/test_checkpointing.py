@@ -124,7 +124,8 @@ def test_state_types_cover_what_was_listed_by_hand_before() -> None:
 
 
 def test_default_checkpoint_home() -> None:
-    from maxkernel import cli_agent
+    from maxkernel.cli import agent_commands, convert_command
 
     assert DEFAULT_CHECKPOINTS == "checkpoints/maxkernel.sqlite"
-    assert cli_agent.DEFAULT_CHECKPOINTS is DEFAULT_CHECKPOINTS
+    assert agent_commands.DEFAULT_CHECKPOINTS is DEFAULT_CHECKPOINTS
+    assert convert_command.DEFAULT_CHECKPOINTS is DEFAULT_CHECKPOINTS

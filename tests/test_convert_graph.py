@@ -138,7 +138,7 @@ def test_a_file_of_no_known_kind_is_a_bad_task(tmp_path: Path, bad: str) -> None
 
 
 def test_a_conversion_review_is_answered_at_the_terminal_and_by_flags() -> None:
-    from maxkernel.cli_review import REVIEW_FLAGS, interactive_review
+    from maxkernel.cli.terminal_review import REVIEW_FLAGS, interactive_review
     from maxkernel.nodes.review import answer
 
     replies = iter(["f", "accumulate in float32"])

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from maxkernel.tools.harness import TIMEOUT_CEILING_S, TIMEOUT_FLOOR_S, EvalOptions, default_timeout
@@ -112,7 +111,7 @@ def test_binary_kernel_is_a_clean_exit_1(data_dir: Path, tmp_path: Path) -> None
 
 
 def test_second_resume_of_a_thread_refuses(tmp_path: Path) -> None:
-    from maxkernel.cli_agent import _take_lease
+    from maxkernel.runs import RunBusy, take_lease
     from maxkernel.tools.store import ResultsStore
 
     store = ResultsStore(tmp_path / "results.db")
@@ -125,18 +124,17 @@ def test_second_resume_of_a_thread_refuses(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == b"held"
-        with pytest.raises(typer.Exit) as exc:
-            _take_lease(store, "mk-test")
-        assert exc.value.exit_code == 2
+        with pytest.raises(RunBusy, match="pid holder"):
+            take_lease(store, "mk-test")
     finally:
         holder.kill()
         holder.wait()
     deadline = time.monotonic() + 10
     while True:  # once the holder is gone, the lease is free again
         try:
-            _take_lease(store, "mk-test")
+            take_lease(store, "mk-test")
             break
-        except typer.Exit:
+        except RunBusy:
             assert time.monotonic() < deadline
             time.sleep(0.1)
 

@@ -100,7 +100,6 @@ def test_one_layer_retries_a_storm_exactly_as_asked(
 def test_cli_rate_limited_run_exits_4_and_resumes_once_the_model_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import maxkernel.cli_agent  # noqa: F401 - registers the commands
     from maxkernel.cli import app
 
     # 1 call + 3 retries, and nothing retries the step on top of them: 4 answers of 429

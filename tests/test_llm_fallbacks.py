@@ -125,7 +125,7 @@ def test_a_code_review_card_shows_a_kernel_with_fences_in_its_docstring_whole(tm
 def test_resume_prints_the_threads_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rich.console import Console
 
-    import maxkernel.cli_agent as cli_agent
+    import maxkernel.cli.run_progress as run_progress
 
     model = EventChatModel(events=[PLAN_MD, gemini_error(404, "models/x is not found")])
     ctx = Context(model="fake:events", chat_model=model, tpu=["v5e"], store_path=str(tmp_path / "r.db"),
@@ -139,9 +139,9 @@ def test_resume_prints_the_threads_round(tmp_path: Path, monkeypatch: pytest.Mon
     assert graph.get_state(config).values["iteration"] == 1
 
     printed = Console(record=True, width=200)
-    monkeypatch.setattr(cli_agent, "console", printed)
+    monkeypatch.setattr(run_progress, "console", printed)
     model.events = [CODE]
-    cli_agent._drive(graph, None, config, ctx)  # what `maxkernel resume` streams
+    run_progress.drive(graph, None, config, ctx)  # what `maxkernel resume` streams
     text = printed.export_text()
     assert "[round 1] implement" in text and "[round 0]" not in text
 
@@ -194,7 +194,7 @@ def test_a_daily_quota_ends_the_run_rate_limited_and_says_when_to_resume(
     import typer
     from rich.console import Console
 
-    import maxkernel.cli_agent as cli_agent
+    import maxkernel.cli.run_progress as run_progress
     from maxkernel.tools.store import ResultsStore
     from provider_errors import gemini_daily_quota
 
@@ -204,13 +204,13 @@ def test_a_daily_quota_ends_the_run_rate_limited_and_says_when_to_resume(
     graph = build_graph().compile(checkpointer=sqlite_checkpointer(tmp_path / "ck.sqlite"))
     store = ResultsStore(tmp_path / "r.db")
     printed = Console(record=True, width=200)
-    monkeypatch.setattr(cli_agent, "console", printed)
-    monkeypatch.setattr(cli_agent, "out", printed)
+    monkeypatch.setattr(run_progress, "console", printed)
+    monkeypatch.setattr(run_progress, "out", printed)
     config = {"configurable": {"thread_id": "quota"}}
     with pytest.raises(typer.Exit) as exit_:
-        cli_agent._run(graph, {"task_path": str(TASK)}, config, ctx, store, "quota")
+        run_progress.run_thread(graph, {"task_path": str(TASK)}, config, ctx, store, "quota")
     text = printed.export_text()
-    assert exit_.value.exit_code == cli_agent.EXIT_MODEL_FAILURE and model.calls == 1
+    assert exit_.value.exit_code == run_progress.EXIT_MODEL_FAILURE and model.calls == 1
     assert "rate_limited" in text and "after 1 attempt(s)" in text
     assert "expects to answer again after" in text and "in 3600 s" in text and "--backoff-max" in text
     assert "maxkernel resume quota" in text and store.get_run("quota")["status"] == "rate_limited"

@@ -375,16 +375,16 @@ def test_plan_node_records_the_models_strategy_as_the_rounds(actx: AuthorContext
 def test_the_cli_shows_tool_requests_and_answers() -> None:
     from langchain_core.messages import RemoveMessage, ToolMessage
 
-    from maxkernel.cli_agent import _describe
+    from maxkernel.cli.run_progress import describe
 
     ask = AIMessage(content="", tool_calls=[CHECK, LOOKUP])
-    line = _describe("implement", {"tool_messages": [ask]}, {})
+    line = describe("implement", {"tool_messages": [ask]}, {})
     assert "asks for check_draft(source=<1 lines>), lookup_pallas_api(name='pl.BlockSpec')" in line
     answer = ToolMessage("failed at load: SyntaxError\n  detail", tool_call_id="c2", name="check_draft")
-    assert _describe("model_tools", {"tool_messages": [answer]}, {}).endswith(
+    assert describe("model_tools", {"tool_messages": [answer]}, {}).endswith(
         "check_draft → failed at load: SyntaxError"
     )
-    assert _describe("implement", {"tool_messages": [RemoveMessage(id="__remove_all__")]}, {}).endswith(
+    assert describe("implement", {"tool_messages": [RemoveMessage(id="__remove_all__")]}, {}).endswith(
         "implement"
     )
 

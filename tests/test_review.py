@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import maxkernel.cli_agent as cli_agent
-from maxkernel.cli_review import interactive_review, show_review
+import maxkernel.cli.agent_commands as agent_commands
+from maxkernel.cli import app
+from maxkernel.cli.terminal_review import interactive_review, show_review
 from maxkernel.nodes.review import CodeReview, FailureReview, PlanReview, validated
+from maxkernel.runs import shown_status
 
 TASK = Path(__file__).parent / "data" / "tasks" / "small_matmul"
 TRICKY = "o_ref[...] = x_ref[i] + y_ref[pl.ds(0, 8)]  # [/] [bold]not markup[/bold]\n"
@@ -90,14 +92,13 @@ def test_an_offered_action_only() -> None:
 
 def test_runs_shows_never_started(tmp_path: Path) -> None:
     row = {"thread_id": "t1", "status": "running"}
-    assert cli_agent._shown_status(row, {"checkpoint_db": str(tmp_path / "none.sqlite")}) == "never started"
-    assert cli_agent._shown_status({**row, "status": "rate_limited"}, {}) == "rate_limited"
+    assert shown_status(row, {"checkpoint_db": str(tmp_path / "none.sqlite")}) == "never started"
+    assert shown_status({**row, "status": "rate_limited"}, {}) == "rate_limited"
 
 
 def test_resume_without_a_flag_shows_the_review_and_answers_interactively_on_a_terminal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from maxkernel.cli import app
 
     store = ["--store", str(tmp_path / "store.db")]
     runner = CliRunner()
@@ -114,7 +115,7 @@ def test_resume_without_a_flag_shows_the_review_and_answers_interactively_on_a_t
     assert "answer with: maxkernel resume rv-1 --approve" in shown.output
 
     # A terminal: approve the plan, then leave the code review paused.
-    monkeypatch.setattr(cli_agent, "stdin_is_terminal", lambda: True)
+    monkeypatch.setattr(agent_commands, "stdin_is_terminal", lambda: True)
     monkeypatch.setattr("builtins.input", answers("a", "l"))
     second = runner.invoke(app, ["resume", "rv-1", *store])
     assert second.exit_code == 3, second.output
@@ -124,7 +125,6 @@ def test_resume_without_a_flag_shows_the_review_and_answers_interactively_on_a_t
 
 
 def test_a_run_whose_model_cannot_be_created_is_failed_to_start(tmp_path: Path) -> None:
-    from maxkernel.cli import app
 
     store = ["--store", str(tmp_path / "store.db")]
     runner = CliRunner()
@@ -162,11 +162,11 @@ def test_runs_shows_a_killed_run_as_interrupted_and_resumable(tmp_path: Path) ->
     store = tmp_path / "store.db"
     settings = json.dumps({"checkpoint_db": _checkpointed(tmp_path, "k1")})
     owner = (
-        "import sys, time\nfrom pathlib import Path\nfrom maxkernel import cli_agent\n"
+        "import sys, time\nfrom pathlib import Path\nfrom maxkernel import runs\n"
         "from maxkernel.tools.store import ResultsStore\n"
-        f"st = ResultsStore({str(store)!r})\ncli_agent._take_lease(st, 'k1')\n"
+        f"st = ResultsStore({str(store)!r})\nruns.take_lease(st, 'k1')\n"
         f"st.upsert_run('k1', status='running', settings={settings!r}, "
-        "**cli_agent._owner())\n"
+        "**runs.owner())\n"
         "print('ready', flush=True)\ntime.sleep(120)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True)
@@ -174,23 +174,21 @@ def test_runs_shows_a_killed_run_as_interrupted_and_resumable(tmp_path: Path) ->
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         row = ResultsStore(store).get_run("k1")
         assert row is not None and row["owner_pid"] == proc.pid
-        assert cli_agent._shown_status(row, json.loads(settings), store) == "running"
+        assert shown_status(row, json.loads(settings), store) == "running"
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert (
-        cli_agent._shown_status(row, json.loads(settings), store) == "interrupted (process gone), resumable"
-    )
-    shown = CliRunner().invoke(cli_agent.app, ["runs", "--store", str(store), "--json"])
+    assert shown_status(row, json.loads(settings), store) == "interrupted (process gone), resumable"
+    shown = CliRunner().invoke(app, ["runs", "--store", str(store), "--json"])
     line = json.loads(shown.output.strip().splitlines()[-1])
     assert line["status"] == "running" and line["shown_status"].startswith("interrupted (process gone)")
 
     # No lease file: the pid decides; another host: this machine cannot tell, so it says where it runs.
     other = {**row, "thread_id": "k2"}
     never = {"checkpoint_db": _checkpointed(tmp_path, "k2")}
-    assert cli_agent._shown_status(other, never, store).startswith("interrupted (process gone)")
-    assert cli_agent._shown_status({**other, "owner_pid": os.getpid()}, never, store) == "running"
-    remote = cli_agent._shown_status({**other, "owner_host": "tpu-host-7"}, never, store)
+    assert shown_status(other, never, store).startswith("interrupted (process gone)")
+    assert shown_status({**other, "owner_pid": os.getpid()}, never, store) == "running"
+    remote = shown_status({**other, "owner_host": "tpu-host-7"}, never, store)
     assert remote.startswith("running on tpu-host-7, last step ")
 
 

@@ -15,7 +15,7 @@ from langgraph.config import get_config
 
 from maxkernel.authors.base import Attempt as AuthorAttempt
 from maxkernel.authors.base import Author, AuthorContext, Plan, RunBudget
-from maxkernel.context import Context
+from maxkernel.context import AuthorKind, Context
 from maxkernel.state import AgentState, Attempt
 from maxkernel.tools.cluster import runner_for
 from maxkernel.tools.harness import EvalOptions, evaluate
@@ -39,7 +39,10 @@ def author_for(ctx: Context, label: str | None = None) -> Author:
     settings = ctx.call_settings()
     key = (ctx.model, id(ctx.chat_model), ctx.store_path, settings, label)
     if key not in _AUTHORS:
-        if ctx.chat_model is not None:
+        kind = ctx.author_kind
+        if kind is AuthorKind.OFFLINE:
+            _AUTHORS[key] = offline_author(ctx)
+        elif kind is AuthorKind.CHAT_MODEL:
             from maxkernel.authors.llm import LLMAuthor
 
             _AUTHORS[key] = LLMAuthor(
@@ -48,16 +51,10 @@ def author_for(ctx: Context, label: str | None = None) -> Author:
                 store=store_at(ctx.store_path),
                 call_settings=settings,
             )
-        elif ctx.model == "offline":
-            _AUTHORS[key] = offline_author(ctx)
         else:
             from maxkernel.authors.llm import LLMAuthor
 
-            _AUTHORS[key] = LLMAuthor(
-                ctx.model,
-                store=store_at(ctx.store_path),
-                call_settings=settings,
-            )
+            _AUTHORS[key] = LLMAuthor(ctx.model, store=store_at(ctx.store_path), call_settings=settings)
     return _AUTHORS[key]
 
 

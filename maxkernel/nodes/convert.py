@@ -57,7 +57,7 @@ def convert_source(state: AgentState, runtime: Runtime[Context]) -> dict[str, An
 
 
 def _model_reference(state: AgentState, ctx: Context, path: Path, kind: str, feedback: str) -> dict[str, Any]:
-    if ctx.model == "offline" and ctx.chat_model is None:
+    if ctx.is_offline:
         return _refused(None, f"{path.name} is a {kind} kernel: writing its JAX reference needs a model "
                         "(--model PROVIDER:MODEL); the offline author reads JAX only")  # fmt: skip
     author = author_for(ctx)

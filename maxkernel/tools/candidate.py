@@ -40,7 +40,7 @@ import numpy as np
 from maxkernel.tools import taskcode
 from maxkernel.tools.evaluation import bind_static
 from maxkernel.tools.readback import pack_arrays
-from maxkernel.tools.results import ArraySpec, InputConfig, np_dtype
+from maxkernel.tools.results import ArraySpec, InputConfig, first_lines, np_dtype
 from maxkernel.tools.worker import WorkerContext
 
 PROGRAMS_FILE = "programs.json"
@@ -115,11 +115,6 @@ def stepwise_name(config: int, input_set: int, leaf: int) -> str:
     return output_name(config, input_set, leaf) + STEPWISE_SUFFIX
 
 
-def _first_lines(text: str, n: int = 12) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
-
-
 def _specs(cfg: InputConfig, sharding: Any = None) -> list[Any]:
     import jax
 
@@ -167,7 +162,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
     except SyntaxError as exc:
         return {"ok": False, "stage": "load", "message": f"syntax error line {exc.lineno}: {exc.msg}"}
     except Exception as exc:  # noqa: BLE001 - whatever the candidate raises is its failure
-        return {"ok": False, "stage": "load", "message": f"{type(exc).__name__}: {_first_lines(str(exc))}"}
+        return {"ok": False, "stage": "load", "message": f"{type(exc).__name__}: {first_lines(str(exc))}"}
     candidate = taskcode.candidate_entry(module)
     if candidate is None:
         names = " or ".join(f"`{n}`" for n in taskcode.CANDIDATE_ENTRY_POINTS)
@@ -204,7 +199,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
             programs["production"].append({"tree": to_tree(closed), "out": _out_specs(closed)})
     except Exception as exc:  # noqa: BLE001
         _reset_interpret()
-        return {"ok": False, "stage": "trace", "message": f"{type(exc).__name__}: {_first_lines(str(exc))}"}
+        return {"ok": False, "stage": "trace", "message": f"{type(exc).__name__}: {first_lines(str(exc))}"}
     executables = [
         _BackgroundCompile(lw, opts) for lw, opts in zip(executables, compile_options, strict=False)
     ]
@@ -217,7 +212,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
             # Not a failure yet: the larger shape is grown axis by axis, and a reference whose sizes are
             # coupled (tokens = (image / patch)^2) may not run there either; the judge skips the check
             # then. Where the reference does run, this is the candidate's failure (the agent decides).
-            larger_trace_error = f"tracing: {type(exc).__name__}: {_first_lines(str(exc))}"
+            larger_trace_error = f"tracing: {type(exc).__name__}: {first_lines(str(exc))}"
     programs["larger_trace_error"] = larger_trace_error
     seconds["trace"] = time.perf_counter() - t0
 
@@ -231,7 +226,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
             (run_dir / name).write_bytes(export(closed, _specs(cfg), device_kind, cores))
             return None
         except Exception as exc:  # noqa: BLE001
-            return f"{type(exc).__name__}: {_first_lines(str(exc), 40)}"
+            return f"{type(exc).__name__}: {first_lines(str(exc), 40)}"
 
     checked_errors: list[str | None] = [
         write_export(artifacts.export_checked, closed, cfg, checked_program_file(ci))
@@ -278,7 +273,7 @@ def candidate_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]
                 run_error = {
                     "config": ci,
                     "input_set": si,
-                    "message": f"running input set {si}: {type(exc).__name__}: {_first_lines(str(exc))}",
+                    "message": f"running input set {si}: {type(exc).__name__}: {first_lines(str(exc))}",
                 }
                 break
             for k, leaf in enumerate(leaves):

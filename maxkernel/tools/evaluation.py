@@ -24,6 +24,7 @@ from maxkernel.tools.results import (
     EstimateSummary,
     InputConfig,
     SetCheck,
+    first_lines,
     low_precision_float,
     np_dtype,
 )
@@ -188,7 +189,7 @@ def _plan(
         own_probe = probe_of({})
     except Exception as exc:  # noqa: BLE001 - the reference itself does not trace at its own shapes
         raise taskcode.TaskCodeError(
-            f"the reference computation failed to trace: {type(exc).__name__}: {_first_lines(str(exc), 4)}"
+            f"the reference computation failed to trace: {type(exc).__name__}: {first_lines(str(exc), 4)}"
         ) from exc
     if budget.fits(own_probe.cost, rates):
         note = f"the task's own shapes ({own_probe.cost.describe(rates)}; within the budget)"
@@ -290,7 +291,7 @@ def _time_reference(ref: taskcode.Reference, configs: list[InputConfig]) -> floa
             jax.block_until_ready((fn if r.skip_jit else jax.jit(fn))(*args))
         except Exception as exc:
             raise taskcode.TaskCodeError(
-                f"the reference failed on shapes {cfg.describe()}: {type(exc).__name__}: {_first_lines(str(exc), 4)}"
+                f"the reference failed on shapes {cfg.describe()}: {type(exc).__name__}: {first_lines(str(exc), 4)}"
             ) from exc
     return round(time.perf_counter() - t0, 4)
 
@@ -355,11 +356,6 @@ def bind_static(fn: Any, static: list[Any]) -> Any:
         return fn(*dynamic, *static)
 
     return bound
-
-
-def _first_lines(text: str, n: int = 12) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
 
 
 def _reset_interpret() -> None:
@@ -452,7 +448,7 @@ def run_reference(
         return [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
     except Exception as exc:
         raise taskcode.TaskCodeError(
-            f"the reference failed on shapes {cfg.describe()}: {type(exc).__name__}: {_first_lines(str(exc), 4)}"
+            f"the reference failed on shapes {cfg.describe()}: {type(exc).__name__}: {first_lines(str(exc), 4)}"
         ) from exc
 
 

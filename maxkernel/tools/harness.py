@@ -80,6 +80,7 @@ from maxkernel.tools.results import (
     MeasuredTiming,
     SetCheck,
     StageError,
+    first_lines,
 )
 from maxkernel.tools.sandbox import (
     SandboxedChild,
@@ -605,7 +606,7 @@ def _judge_failure(result: EvalResult, outcome: SandboxOutcome, memory_mb: int |
                          f"({outcome.error})")  # fmt: skip
         what = f"ran out of memory{limit}" if oom else "died"
         return _fail(result, "compile", f"the TPU compiler {what} compiling the candidate's program (in the "
-                     f"judge's compile stage): {_first_lines(outcome.error or '', 3)}")  # fmt: skip
+                     f"judge's compile stage): {first_lines(outcome.error or '', 3)}")  # fmt: skip
     if outcome.timed_out and outcome.stage == STAGE_INPUTS_READY:
         # the harness's own work on trusted code (the reference's compiler estimate, the compiler warm-up) ran
         # out of time, on a loaded machine: nothing about the candidate, so never stored as its verdict
@@ -616,13 +617,13 @@ def _judge_failure(result: EvalResult, outcome: SandboxOutcome, memory_mb: int |
         # validation shapes, which the candidate (fewer, larger grid steps) or the user can change
         what = "did not finish in time" if outcome.timed_out else f"ran out of memory{limit}"
         return _fail(result, "correctness", "the judge's run of the candidate's checked program (interpret mode, "
-                     f"at the validation shapes) {what}: {_first_lines(outcome.error or '', 3)}; a kernel with "
+                     f"at the validation shapes) {what}: {first_lines(outcome.error or '', 3)}; a kernel with "
                      "fewer grid steps interprets faster, and `--timeout` or a smaller `--scale` give it room")  # fmt: skip
     if outcome.timed_out:
         return _fail(result, "task", f"the judge did not finish the reference in time: {outcome.error}")
     if oom:
         return _fail(result, "task", f"the judge ran out of memory{limit} running the reference (stage "
-                     f"{outcome.stage}): {_first_lines(outcome.error or '', 3)}")  # fmt: skip
+                     f"{outcome.stage}): {first_lines(outcome.error or '', 3)}")  # fmt: skip
     return _fail(result, "task", f"the judge (reference) failed: {outcome.error or value}")
 
 
@@ -757,7 +758,7 @@ def _verdict(
     if failed:
         first = result.tpu_compile[failed[0]].error or ""
         return _fail(
-            result, "compile", f"Mosaic compile failed for {', '.join(failed)}: {_first_lines(first, 6)}"
+            result, "compile", f"Mosaic compile failed for {', '.join(failed)}: {first_lines(first, 6)}"
         )
     assert result.correctness is not None
     if not result.correctness.ok:
@@ -1071,8 +1072,3 @@ def _generation_summary(gen: str, cand_est: Any, reference_s: Any) -> EstimateSu
     if reference_s is None:
         notes.append("reference cost model failed")
     return with_reference(summary, reference_s, notes)
-
-
-def _first_lines(text: str, n: int = 12) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")

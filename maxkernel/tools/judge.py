@@ -39,7 +39,7 @@ from maxkernel.tools import taskcode
 from maxkernel.tools.candidate import input_name, output_name, stepwise_name
 from maxkernel.tools.mosaic_audit import ProgramAudit
 from maxkernel.tools.readback import pack_arrays
-from maxkernel.tools.results import CompileOutcome, InputConfig, low_precision_float, np_dtype
+from maxkernel.tools.results import CompileOutcome, InputConfig, first_lines, low_precision_float, np_dtype
 from maxkernel.tools.worker import WorkerContext
 
 INPUTS_FILE = "inputs.npz"
@@ -64,11 +64,6 @@ MAX_PROGRAMS_BYTES = 256 << 20
 def secret_seed(secret: bytes, salt: bytes = b"maxkernel input draws") -> int:
     """A 128-bit seed from the per-run secret; without the secret it cannot be predicted."""
     return int.from_bytes(hashlib.sha256(salt + secret).digest()[:16], "big")
-
-
-def _first_lines(text: str, n: int = 12) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
 
 
 def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
@@ -297,7 +292,7 @@ def _larger_set(
         )
     except Exception as exc:  # noqa: BLE001 - the reference was written for its own shapes; skip, say why
         return {"ran": False, "reason": f"the reference does not run at {cfg.describe()}: "
-                f"{type(exc).__name__}: {_first_lines(str(exc), 3)}"}  # fmt: skip
+                f"{type(exc).__name__}: {first_lines(str(exc), 3)}"}  # fmt: skip
     return {
         "ran": True,
         "config": cfg.model_dump(mode="json"),
@@ -497,14 +492,14 @@ def _run_checked(
         except Exception as exc:  # noqa: BLE001 - what the candidate handed over does not compile here
             _raise_if_toolchain(exc)
             errors[str(ci)] = {"set": None, "message": "the checked program does not compile for the CPU: "
-                               f"{type(exc).__name__}: {_first_lines(str(exc), 4)}"}  # fmt: skip
+                               f"{type(exc).__name__}: {first_lines(str(exc), 4)}"}  # fmt: skip
             continue
         for si, arrays in enumerate(sets):
             try:
                 leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(compiled(*arrays))]
             except Exception as exc:  # noqa: BLE001 - the kernel failed on this input set
                 errors[str(ci)] = {"set": si, "message": f"running input set {si}: {type(exc).__name__}: "
-                                   + _first_lines(str(exc), 4)}  # fmt: skip
+                                   + first_lines(str(exc), 4)}  # fmt: skip
                 break
             for k, leaf in enumerate(leaves):
                 judged[output_name(ci, si, k)] = leaf

@@ -101,6 +101,13 @@ class StageError(BaseModel):
     message: str
 
 
+def first_lines(text: str, n: int = 12) -> str:
+    """The first `n` non-blank lines of an error, "..." when there were more: how much of a traceback or a
+    compiler message a result's message carries."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
+
+
 class ArraySpec(BaseModel):
     """Shape and dtype of one array; never the data."""
 

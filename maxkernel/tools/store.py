@@ -115,7 +115,7 @@ TABLES: dict[str, dict[str, type]] = {
         "out_dir": str,
         "created_at": str,
         "updated_at": str,
-        # who runs it now (`cli_agent._owner`): a dead owner's 'running' run reads as interrupted
+        # who runs it now (`maxkernel.runs.owner`): a dead owner's 'running' run reads as interrupted
         "owner_pid": int,
         "owner_host": str,
         "heartbeat_at": float,

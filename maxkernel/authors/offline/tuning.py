@@ -17,10 +17,11 @@ estimate fits the budget.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 from maxkernel.authors.base import TileConfig
 from maxkernel.authors.offline.spec import KernelSpec, ParamSpec, ProgramSpec, block_for
-from maxkernel.tools.tpu_specs import PER_STEP_OVERHEAD_S, get_spec
+from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS, PER_STEP_OVERHEAD_S, get_spec
 
 MiB = 1 << 20
 DEFAULT_TARGET = 16 * MiB
@@ -148,10 +149,13 @@ def candidates(p: ParamSpec) -> list[int]:
     return out or [p.align]
 
 
-def default_values(kernel: KernelSpec, budget: int, mxu: int = 128) -> dict[str, int]:
+def default_values(
+    kernel: KernelSpec, budget: int, mxu: int = 128, gens: Sequence[str] = DEFAULT_GENERATIONS
+) -> dict[str, int]:
     """Start from sizes that suit the MXU and the pipeline, then halve the largest block until the
     estimate fits the default target (16 MiB), or at least the budget. `mxu` is the widest MXU side among
-    the targets (256 on v6e): matmul K and N blocks narrower than it leave part of the array idle."""
+    the targets (256 on v6e): matmul K and N blocks narrower than it leave part of the array idle. `gens`
+    are the run's target generations, whose block-model terms choose a matmul's blocks."""
     vals: dict[str, int] = {}
     for p in kernel.params:
         base = p.name.split("_", 1)[1] if p.name.startswith("K") and "_BLOCK_" in p.name else p.name
@@ -207,14 +211,14 @@ def default_values(kernel: KernelSpec, budget: int, mxu: int = 128) -> dict[str,
             if kernel.family == "conv"
             else ROW_TILE_TARGET
         )
-        modelled = _modelled_values(kernel, min(budget, target), mxu)
+        modelled = _modelled_values(kernel, min(budget, target), mxu, gens)
         if target == ROW_TILE_TARGET and budget > target and modelled is not None:
-            wider = _modelled_values(kernel, budget, mxu)
-            if wider is not None and _worth_wider(kernel, modelled, wider):
+            wider = _modelled_values(kernel, budget, mxu, gens)
+            if wider is not None and _worth_wider(kernel, modelled, wider, gens):
                 modelled = wider
         if modelled is not None and (
             _fills_mxu(kernel, modelled, mxu) > _fills_mxu(kernel, vals, mxu)
-            or _modelled_cost(kernel, modelled) < _modelled_cost(kernel, vals)
+            or _modelled_cost(kernel, modelled, gens) < _modelled_cost(kernel, vals, gens)
         ):
             vals = modelled
     for p in kernel.params:
@@ -250,10 +254,6 @@ def _fills_mxu(kernel: KernelSpec, values: dict[str, int], mxu: int) -> bool:
     )
 
 
-MODEL_GENERATIONS = ("v5e", "v6e")
-"""Generations whose block-model terms the default blocks are chosen for (their costs are summed)."""
-
-
 WIDER_GAIN = 0.9
 """A matmul default goes past `ROW_TILE_TARGET` (up to the whole budget) only when the block model's terms
 say that saves at least 10% on some target generation and costs more on none. Larger blocks are not free:
@@ -264,21 +264,24 @@ re-read both operands 8 times and are HBM-bound, 1024 x 2048 x 2048 ones are com
 0.82x -> 0.96x of XLA)."""
 
 
-def _worth_wider(kernel: KernelSpec, narrow: dict[str, int], wide: dict[str, int]) -> bool:
-    per_gen = [
-        (_modelled_cost(kernel, wide, (gen,)), _modelled_cost(kernel, narrow, (gen,)))
-        for gen in MODEL_GENERATIONS
-    ]
+def _worth_wider(
+    kernel: KernelSpec,
+    narrow: dict[str, int],
+    wide: dict[str, int],
+    gens: Sequence[str] = DEFAULT_GENERATIONS,
+) -> bool:
+    per_gen = [(_modelled_cost(kernel, wide, (gen,)), _modelled_cost(kernel, narrow, (gen,))) for gen in gens]
     return all(w <= n for w, n in per_gen) and any(w <= WIDER_GAIN * n for w, n in per_gen)
 
 
 def _modelled_cost(
-    kernel: KernelSpec, values: dict[str, int], gens: tuple[str, ...] = MODEL_GENERATIONS
+    kernel: KernelSpec, values: dict[str, int], gens: Sequence[str] = DEFAULT_GENERATIONS
 ) -> float:
     """The block-model terms block sizes change, as the block model combines them: the larger of HBM time
     (re-fetched blocks) and MXU time (fixed flops x the precision's passes), plus grid-step overhead. A
     compute-bound kernel gains nothing from less traffic, only from fewer steps; a memory-bound one weighs
-    both (v5e's ridge is ~270 flops/byte, v6e's ~560, so both are summed)."""
+    both. Generations differ in where that ridge lies (v5e ~270 flops/byte, v6e ~560), so the cost is
+    summed over the run's target generations `gens`."""
     traffic = hbm_traffic(kernel, values)
     steps = grid_steps(kernel, values)
     flops = kernel.flops * _padding_factor(kernel, values)
@@ -303,7 +306,9 @@ def _padding_factor(kernel: KernelSpec, values: dict[str, int]) -> float:
     return factor
 
 
-def _modelled_values(kernel: KernelSpec, target: int, mxu: int = 128) -> dict[str, int] | None:
+def _modelled_values(
+    kernel: KernelSpec, target: int, mxu: int = 128, gens: Sequence[str] = DEFAULT_GENERATIONS
+) -> dict[str, int] | None:
     """Matmul kernels: the aligned config within `target` with the least modelled cost (ties: less VMEM),
     preferring configs whose K/N blocks fill the MXU (`_fills_mxu`). Halving the largest block shrinks M as
     readily as K, and for a kernel that keeps whole output rows (N full) a small M re-reads the whole
@@ -315,7 +320,7 @@ def _modelled_values(kernel: KernelSpec, target: int, mxu: int = 128) -> dict[st
         vmem = vmem_estimate(kernel, vals)
         if vmem > target:
             continue
-        key = (not _fills_mxu(kernel, vals, mxu), _modelled_cost(kernel, vals), vmem)
+        key = (not _fills_mxu(kernel, vals, mxu), _modelled_cost(kernel, vals, gens), vmem)
         if best is None or key < best[0]:
             best = (key, vals)
     return None if best is None else best[1]
@@ -392,7 +397,7 @@ def default_config(program: ProgramSpec, tpu: list[str]) -> TileConfig:
     mxu = max(get_spec(t).mxu_shape[0] for t in tpu)
     values: dict[str, int] = {}
     for k in program.kernels:
-        for name, v in default_values(k, budget, mxu).items():
+        for name, v in default_values(k, budget, mxu, tpu).items():
             values[key_of(name)] = v
     return TileConfig.of(values)
 

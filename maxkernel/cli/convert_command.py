@@ -11,12 +11,12 @@ import typer
 from rich.markup import escape
 
 from maxkernel.checkpointing import DEFAULT_CHECKPOINTS
-from maxkernel.cli import DEFAULT_STORE, DEFAULT_TPU_TEXT, TPU_HELP, app, console, fail_usage, out
+from maxkernel.cli.agent_commands import optimize_cmd
+from maxkernel.cli.root import DEFAULT_STORE, DEFAULT_TPU_TEXT, TPU_HELP, console, fail_usage, out
 from maxkernel.convert import convert_torch_file, source_kind
 from maxkernel.convert.torch_task import CONVERT_TIMEOUT_S
 
 
-@app.command("convert")
 def convert_cmd(
     file: Annotated[
         Path,
@@ -61,8 +61,6 @@ def convert_cmd(
         raise fail_usage(f"file not found: {file}")
     kind = source_kind(file)
     if to == "pallas":
-        from maxkernel.cli_agent import optimize_cmd
-
         optimize_cmd(
             task=file, model=model, mode=mode or "hitl", iterations=iterations, tpu=tpu, out_dir=out_dir,
             checkpoint_db=checkpoint_db, store=store, work_dir=work_dir,

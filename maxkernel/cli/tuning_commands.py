@@ -13,13 +13,12 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from maxkernel.cli import DEFAULT_STORE, StoreOpt, app, fail_usage, open_store, out
+from maxkernel.cli.root import DEFAULT_STORE, StoreOpt, fail_usage, open_store, out
 from maxkernel.tools.tuning_table import TuningTable
 
 tuning_app = typer.Typer(
     help="Tuned configs recorded by the autotuner: export, import, show.", no_args_is_help=True
 )
-app.add_typer(tuning_app, name="tuning")
 
 
 @tuning_app.command("export")

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from maxkernel.cli import console, out
+from maxkernel.cli.root import console, out
 from maxkernel.nodes.review import REVIEWS
 
 # `maxkernel resume` option → how its help line shows it
