@@ -743,3 +743,38 @@ def test_bf16_elementwise_is_priced_per_generation(gen: str) -> None:
     f32, bf16 = calls["exp", jnp.float32], calls["exp", jnp.bfloat16]
     assert bf16.est_eup_seconds == pytest.approx(f32.est_eup_seconds * spec.bf16_eup_cost)
     assert (spec.bf16_valu_cost > 2) == (gen in ("v4", "v5e"))
+
+
+def test_glue_between_kernels_is_priced_as_xla_loop_fusions() -> None:
+    """Slices, maps and a concatenation between two kernels are one XLA loop fusion: it reads the slices it
+    takes of the first kernel's output and writes the concatenation once (op by op it would be charged
+    every intermediate's write and read again). A value the fusion makes that a kernel also reads is
+    written too; reshapes alone move nothing."""
+    rows, cols = 1024, 256
+    full = rows * cols * 2  # bf16 bytes of one [rows, cols] value
+
+    def swap_halves(x):
+        y = _times_two(x, (128, cols))
+        a, b = y[:, : cols // 2], y[:, cols // 2 :]
+        z = jnp.concatenate([b * 3.0, a], axis=1)
+        return _times_two(z, (128, cols))
+
+    est = _estimate(swap_halves, (rows, cols))
+    assert est.est_xla_bytes == pytest.approx(2 * full)  # read y once (as two slices), write z once
+    assert est.xla_op_count == 1
+    assert any("loop fusion" in n for n in est.notes)
+
+    def also_read(x):
+        y = _times_two(x, (128, cols))
+        b = y[:, cols // 2 :] * 3.0  # read by the second kernel and by the concatenation
+        z = jnp.concatenate([b, y[:, : cols // 2]], axis=1)
+        return _times_two(z, (128, cols)), _times_two(b, (128, cols // 2))
+
+    est = _estimate(also_read, (rows, cols))
+    assert est.est_xla_bytes == pytest.approx(2 * full + full // 2)
+
+    def reshapes_only(x):
+        y = _times_two(x, (128, cols))
+        return _times_two(y.reshape(rows // 2, 2, cols).reshape(rows, cols), (128, cols))
+
+    assert _estimate(reshapes_only, (rows, cols)).est_xla_bytes == 0

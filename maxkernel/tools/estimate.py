@@ -43,6 +43,7 @@ from maxkernel.tools.jaxpr import (
     KERNEL_CALL_PRIMITIVES,
     REDUCTIONS,
     TRANSCENDENTAL,
+    XLA_LOOP_FUSIBLE,
     as_jaxpr,
     sub_jaxprs,
 )
@@ -1522,9 +1523,26 @@ class _ProgramWalk:
                 "transposes outside kernels that feed only other transposes, or undo the one before, are "
                 "folded as XLA's algebraic simplifier folds them (no HBM copy)"
             )
+        fusions = _loop_fusions(jaxpr, folded)
+        if any(len(f.members) > 1 for f in fusions.values()):
+            self.notes.add(
+                "elementwise and layout ops outside kernels that feed one another are priced as XLA's loop "
+                "fusions: each chain reads its inputs once and writes what leaves it once"
+            )
+        charged: set[int] = set()
         for pos, eqn in enumerate(jaxpr.eqns):
             name = eqn.primitive.name
             if pos in folded:
+                continue
+            fusion = fusions.get(pos)
+            if fusion is not None:
+                self._propagate(eqn)
+                if id(fusion) not in charged:
+                    charged.add(id(fusion))
+                    if fusion.nbytes:
+                        self.xla_ops += 1
+                        self.xla_bytes += fusion.nbytes * mult
+                        self.xla_seconds += fusion.nbytes / self.spec.device_hbm_bytes_per_s * mult
                 continue
             if name == "pallas_call":
                 n_prefetch = int(getattr(eqn.params["grid_mapping"], "num_index_operands", 0) or 0)
@@ -1607,6 +1625,86 @@ class _ProgramWalk:
         self.xla_ops += 1
         self.xla_bytes += nbytes * mult
         self.xla_seconds += t * mult
+
+
+@dataclass
+class _LoopFusion:
+    """Ops outside kernels that XLA runs as one loop fusion, and the HBM bytes it moves."""
+
+    members: list[int]
+    nbytes: float = 0.0
+
+
+def _array_bytes(v: Any) -> float:
+    a = v.aval
+    return float(_nbytes(a)) if hasattr(a, "dtype") and hasattr(a, "shape") else 0.0
+
+
+def _loop_fusions(jaxpr: jex_core.Jaxpr, folded: set[int]) -> dict[int, _LoopFusion]:
+    """The loop fusions among the ops outside kernels (`XLA_LOOP_FUSIBLE`): ops joined by producer ->
+    consumer edges, each group read and written once. A group reads each input produced outside it once -
+    only the slices it takes, when slices are the only ops that read it - and writes each value used
+    outside it (by a kernel, another op or the program's result); a group of bitcasts alone (reshapes,
+    folded transposes) moves nothing. Ops at the program's top level only reach here; scalar bookkeeping
+    is free either way."""
+    eqns = jaxpr.eqns
+    members = [
+        i
+        for i, e in enumerate(eqns)
+        if (e.primitive.name in XLA_LOOP_FUSIBLE or i in folded)
+        and any(getattr(v.aval, "shape", ()) for v in (*e.invars, *e.outvars) if hasattr(v, "aval"))
+    ]
+    if not members:
+        return {}
+    member = set(members)
+    parent = {i: i for i in members}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    producer: dict[Any, int] = {}
+    consumers: dict[Any, list[int]] = {}
+    for i, e in enumerate(eqns):
+        for v in e.outvars:
+            producer[v] = i
+        for v in e.invars:
+            if not isinstance(v, jex_core.Literal):
+                consumers.setdefault(v, []).append(i)
+    for i in members:
+        for v in eqns[i].invars:
+            p = producer.get(v) if not isinstance(v, jex_core.Literal) else None
+            if p is not None and p in member:
+                parent[find(i)] = find(p)
+    groups: dict[int, _LoopFusion] = {}
+    for i in members:
+        groups.setdefault(find(i), _LoopFusion(members=[])).members.append(i)
+    results = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    out: dict[int, _LoopFusion] = {}
+    for fusion in groups.values():
+        inside = set(fusion.members)
+        moves = any(eqns[i].primitive.name not in FREE_IN_XLA and i not in folded for i in inside)
+        read: dict[Any, float] = {}
+        written = 0.0
+        for i in fusion.members:
+            e = eqns[i]
+            for v in e.invars:
+                if isinstance(v, jex_core.Literal) or producer.get(v) in inside or v in read:
+                    continue
+                readers = [eqns[c] for c in consumers.get(v, []) if c in inside]
+                if readers and all(r.primitive.name == "slice" for r in readers):
+                    read[v] = min(_array_bytes(v), float(sum(_array_bytes(r.outvars[0]) for r in readers)))
+                else:
+                    read[v] = _array_bytes(v)
+            for v in e.outvars:
+                if v in results or any(c not in inside for c in consumers.get(v, [])):
+                    written += _array_bytes(v)
+        fusion.nbytes = (sum(read.values()) + written) if moves else 0.0
+        for i in fusion.members:
+            out[i] = fusion
+    return out
 
 
 def _folded_transposes(jaxpr: jex_core.Jaxpr) -> set[int]:

@@ -75,6 +75,14 @@ FREE_IN_XLA = frozenset(
 """Estimator: outside kernels, what XLA does without touching HBM (a bitcast or a no-op). Much smaller
 than `LAYOUT_OUTSIDE`: a transpose or a pad is *allowed* outside a kernel but still costs an HBM pass."""
 
+XLA_LOOP_FUSIBLE = _MAPS | frozenset(
+    """reshape transpose broadcast_in_dim squeeze expand_dims pad convert_element_type slice concatenate copy
+    copy_p iota rev reduce_precision""".split()
+)
+"""Estimator: ops outside kernels that XLA fuses into one loop fusion with their neighbours of this set
+(elementwise maps and layout): a chain of them between kernels reads its inputs once and writes what leaves
+it once, whatever the number of ops on the way."""
+
 ABSORBED = frozenset(
     "convert_element_type broadcast_in_dim squeeze expand_dims transpose copy copy_p iota reshape".split()
 )
