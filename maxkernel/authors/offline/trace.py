@@ -32,6 +32,7 @@ from maxkernel.authors.offline import threefry
 from maxkernel.authors.offline.head_groups import HeadGroups
 from maxkernel.authors.offline.linear_sums import ShiftedSums
 from maxkernel.authors.offline.moments import OnePassMoments
+from maxkernel.authors.offline.split_contractions import SplitContractions
 from maxkernel.tools.jaxpr import CALL_PRIMITIVES, walk_eqns
 
 REWRITTEN: set[str] = set()
@@ -88,6 +89,7 @@ def _eval(
     outer = _OuterBroadcasts()
     moments = OnePassMoments(jaxpr, _one_pass_moments_decision)
     shifted = ShiftedSums(jaxpr)
+    contractions = SplitContractions(jaxpr)
     heads = HeadGroups(jaxpr, read, lambda choose: SIZE_DECISIONS.decide("head_groups", choose))
     for eqn in jaxpr.eqns:
         if heads.active:
@@ -100,6 +102,8 @@ def _eval(
             split = moments.apply(eqn, read)
         if split is None:
             split = shifted.apply(eqn, read)
+        if split is None:
+            split = contractions.apply(eqn, read)
         if split is None:
             split = _fold_scalar(
                 eqn, [read(v) if isinstance(v, jcore.Literal) or v in env else None for v in eqn.invars]
