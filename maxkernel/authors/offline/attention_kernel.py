@@ -57,6 +57,8 @@ in float32 beside any live score above fill + 104."""
 class AttentionBuilder(PagedAttention, Builder):
     """Flash attention: online softmax over key blocks, scores never leave VMEM."""
 
+    merge_head_lanes = True  # [B, S, H, D] operands read in place: the head is a lane block
+
     family = "attention"
 
     def make_space(self) -> None:

@@ -179,6 +179,86 @@ class Builder(KernelBuilder):
         # the heads of a paged K/V page, fetched once for all of them (see paged.py)
         self.whole_grid: set[str] = set()
 
+    # --- heads merged into the lanes ----------------------------------------------------------------
+    merge_head_lanes = False
+    """May an operand keep its own layout when only a grid dim sits out of the view's order, just before a
+    whole last dim of 128-multiples (`lane_merge`)? A family opts in."""
+
+    def lane_merge(self, var: Any, view: list[SpaceDim]) -> int | None:
+        """The view position of a grid dim G when `var`'s array order is the view's order with G moved to
+        just before the last dim L, L whole in every block (a head dim) with an extent a multiple of 128 in
+        every traced configuration, and G walked one index per step (a head): the wrapper then merges
+        (G, L) into the lanes (a free reshape of [B, S, H, D] to [B, S, H * D]) and the block's lane index is
+        G's grid index, where the view order would transpose the array in HBM ([B, H, S, D]). The kernel
+        sees the same block either way (G is squeezed)."""
+        if not self.merge_head_lanes or dtype_name(var.aval) == "bool":
+            return None
+        classes = self.ax.classes(var)
+        present = [c for c in classes if c is not None]
+        spanned = [d for d in view if self.spans(var, d)]
+        if len(present) < 3 or len(set(present)) != len(present) or len(spanned) != len(present):
+            return None
+        if any(len(d.classes) != 1 for d in spanned) or any(
+            d.role != "grid" and not self.spans(var, d) for d in view
+        ):
+            return None
+        in_view = [d.classes[0] for d in spanned]
+        if in_view == present:
+            return None  # already in view order
+        last, g_cls = spanned[-1], present[-2]
+        if last.role != "full" or present[-1] != last.classes[0]:
+            return None
+        if any(int(e) % 128 for e in self.ax.extents_all(last.classes[0])):
+            return None
+        g = next(d for d in spanned if d.classes[0] == g_cls)
+        if g.role != "grid" or g.key in self.whole_grid or g.axis is None:
+            return None
+        if [c for c in in_view if c != g_cls] != [*present[:-2], present[-1]]:
+            return None
+        return view.index(g)
+
+    def merged_dims(self, var: Any, view: list[SpaceDim]) -> tuple[list[SpaceDim], SpaceDim]:
+        """For a lane-merged operand: its dims in array order less G (the lane dim last), and G."""
+        g = view[self.lane_merge(var, view)]  # type: ignore[index]
+        order = [c for c in self.ax.classes(var) if c is not None]
+        dims = [next(d for d in view if d.classes and d.classes[0] == c) for c in order]
+        return [d for d in dims if d is not g], g
+
+    def map_entry(self, d: SpaceDim, var: Any) -> str:
+        """One index-map entry: the block index along `d` (0 where the block is whole or `var` is flat)."""
+        sched = self.schedule
+        if d.axis is not None and d.role != "full" and self.spans(var, d):
+            if sched is not None and d.axis in sched.axis_code:
+                return sched.axis_code[d.axis][1]
+            return f"{self.axis_name(d.axis)}_index"
+        return "0"
+
+    def merged_map(self, var: Any, view: list[SpaceDim], fname: str, index_args: str) -> str:
+        dims, g = self.merged_dims(var, view)
+        entries = [self.map_entry(d, var) for d in dims[:-1]] + [self.map_entry(g, var)]
+        return f"def {fname}({index_args}):\n    return ({', '.join(entries)},)\n"
+
+    def merged_block(self, var: Any, view: list[SpaceDim]) -> str:
+        dims, _ = self.merged_dims(var, view)
+        ents = []
+        for d in dims:
+            if d.role == "grid":
+                ents.append(d.ext if d.key in self.whole_grid else "None")
+            else:
+                ents.append(d.blk)
+        return f"({', '.join(ents)},)"
+
+    def merged_shape(self, var: Any, view: list[SpaceDim], padded: bool) -> list[str]:
+        """The lane-merged array's shape: each dim's extent (padded where the block needs it), and
+        G x L last."""
+        dims, g = self.merged_dims(var, view)
+        shape = []
+        for d in dims[:-1]:
+            pad = padded and d.role in ("tiled", "seq") and not self.overhang_ok(d)
+            shape.append(d.padded if pad else d.ext)
+        shape.append(f"{g.ext} * {dims[-1].ext}")
+        return shape
+
     # --- naming ---------------------------------------------------------------------------------------
     def local(self, var: Any) -> str:
         return self.low.name_of(var)
@@ -792,20 +872,13 @@ class Builder(KernelBuilder):
         """Named index maps, one per distinct operand view (identical maps are shared)."""
         in_vars, out_view, names_in, out_names = lay.in_vars, lay.out_view, lay.names_in, lay.out_names
         index_args = lay.index_args
-        sched = self.schedule
         # index maps
         code: list[str] = []
 
         def index_map(view: list[SpaceDim], var: Any, fname: str) -> str:
-            entries = []
-            for d in view:
-                if d.axis is not None and d.role != "full" and self.spans(var, d):
-                    if sched is not None and d.axis in sched.axis_code:
-                        entries.append(sched.axis_code[d.axis][1])
-                    else:
-                        entries.append(f"{self.axis_name(d.axis)}_index")
-                else:
-                    entries.append("0")
+            if self.lane_merge(var, view) is not None:
+                return self.merged_map(var, view, fname, index_args)
+            entries = [self.map_entry(d, var) for d in view]
             return f"def {fname}({index_args}):\n    return ({', '.join(entries)}{',' if len(entries) == 1 else ''})\n"
 
         seen_maps: dict[str, str] = {}
@@ -894,6 +967,13 @@ class Builder(KernelBuilder):
             if special is not None:
                 w.extend("    " + line for line in special)
                 continue
+            if self.lane_merge(v, view) is not None:
+                unpadded = self.merged_shape(v, view, padded=False)
+                w.append(f"    {nm} = {nm}.reshape({', '.join(unpadded)})  # heads merged into the lanes")
+                target = self.merged_shape(v, view, padded=True)
+                if target != unpadded:
+                    w.append(f"    {nm} = _pad_to({nm}, ({', '.join(target)},))")
+                continue
             for line in self.to_view_code(v, view, nm):
                 w.append("    " + line)
             target = [
@@ -929,18 +1009,27 @@ class Builder(KernelBuilder):
                     ents.append(d.blk)
             return f"({', '.join(ents)}{',' if len(ents) == 1 else ''})"
 
+        def spec_block(view: list[SpaceDim], var: Any) -> str:
+            return (
+                self.merged_block(var, view) if self.lane_merge(var, view) is not None else block(view, var)
+            )
+
         in_specs = [
-            self.operand_spec(v, nm, map_of) or f"pl.BlockSpec({block(self.input_view[v], v)}, {map_of[nm]})"
+            self.operand_spec(v, nm, map_of)
+            or f"pl.BlockSpec({spec_block(self.input_view[v], v)}, {map_of[nm]})"
             for v, nm in zip(in_vars, names_in, strict=True)
         ]
         out_specs = []
         out_shapes = []
         for v, nm in zip(self.outputs, out_names, strict=True):
-            out_specs.append(f"pl.BlockSpec({block(out_view, v)}, {map_of[nm]})")
-            shape = [
-                ("1" if not self.spans(v, d) else d.ext if self.overhang_ok(d) else d.padded)
-                for d in out_view
-            ]
+            out_specs.append(f"pl.BlockSpec({spec_block(out_view, v)}, {map_of[nm]})")
+            if self.lane_merge(v, out_view) is not None:
+                shape = self.merged_shape(v, out_view, padded=True)
+            else:
+                shape = [
+                    ("1" if not self.spans(v, d) else d.ext if self.overhang_ok(d) else d.padded)
+                    for d in out_view
+                ]
             dt = dtype_name(v.aval)
             dt = "int32" if dt == "bool" else dt
             out_shapes.append(
@@ -1018,6 +1107,14 @@ class Builder(KernelBuilder):
             else:
                 cur = nm
                 w.append(f"    {nm} = {src}")
+            if self.lane_merge(v, out_view) is not None:
+                whole = self.merged_shape(v, out_view, padded=False)
+                if whole != self.merged_shape(v, out_view, padded=True):
+                    w.append(f"    {cur} = _crop({cur}, ({', '.join(whole)},))")
+                shape = [self.class_var(c) if c is not None else "1" for c in self.ax.classes(v)]
+                w.append(f"    {cur} = {cur}.reshape({_tuple(shape)})  # the heads out of the lanes")
+                results.append(cur)
+                continue
             if any(c is not None for c in crop):
                 shape = ", ".join(c if c is not None else f"{cur}.shape[{j}]" for j, c in enumerate(crop))
                 w.append(f"    {cur} = _crop({cur}, ({shape},))")
