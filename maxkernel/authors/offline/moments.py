@@ -278,6 +278,11 @@ class _Grouped:
         src_axes = tuple(a if a < ch else a - 1 for a in p.axes if a != ch + 1)
         if any(d not in src_axes for d in range(ch + 1, len(src_shape))):
             return None  # the channel dim is the last one kept: per-channel sums are (..., C)
+        if len(src_axes) > 2:
+            # `per_count` divides by the reduced spatial count, a literal the generated code must name from
+            # the input shapes: a product of two conv output dims ((H - 2) * (W - 2)) is in the resolver's
+            # grammar, a product of three (a 3-D conv's D x H x W) is not, and the lowering would fail
+            return None
         if not _floating(src.aval.dtype) or np.dtype(src.aval.dtype).itemsize > 4:
             return None
         # the split value's views: itself and its widening casts (each library reduction casts it again)
