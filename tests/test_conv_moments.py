@@ -272,3 +272,58 @@ def test_bf16_group_norm_is_evaluated_per_channel() -> None:
         np.testing.assert_allclose(
             np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2
         )
+
+
+def conv_nchw_instancenorm_divide(x, w, g, b):
+    """bf16, PyTorch layout: the statistics of `jnp.mean` / `jnp.var` read a float32 cast of the conv output,
+    the normalisation reads the bf16 output itself."""
+    y = jnp.transpose(_conv(jnp.transpose(x, (0, 2, 3, 1)), w), (0, 3, 1, 2))
+    mean = jnp.mean(y, axis=(2, 3), keepdims=True)
+    var = jnp.var(y, axis=(2, 3), keepdims=True)
+    y = (y - mean) / jnp.sqrt(var + 1e-5)
+    return (y * g.reshape(1, -1, 1, 1) + b.reshape(1, -1, 1, 1)) / 2.0
+
+
+def test_a_widening_cast_is_computed_by_its_reader() -> None:
+    """The conv kernel writes its bf16 output once; the norm kernel casts its own blocks to float32. With
+    the cast left in the conv kernel, the conv wrote an f32 copy beside the bf16 output (twice its bytes)
+    and the norm kernel read both."""
+    import re
+
+    shapes = [
+        ((2, 16, 64, 64), (3, 3, 16, 128)),
+        ((2, 16, 16, 16), (3, 3, 16, 128)),
+        ((1, 8, 9, 11), (3, 3, 8, 16)),
+    ]
+    configs = [
+        Config(
+            dynamic=[(x, "bfloat16"), (w, "bfloat16"), ((w[-1],), "bfloat16"), ((w[-1],), "bfloat16")],
+            static=[],
+        )
+        for x, w in shapes
+    ]
+    fn = conv_nchw_instancenorm_divide
+    program = lower_program(
+        trace_reference(fn, configs, ["x", "w", "g", "b"], direct_conv=True), "t", options=FUSION_LEVELS[0]
+    )
+    assert [k.family for k in program.kernels] == ["conv", "rowwise"]
+    src = render(program, default_config(program, TPU), TPU)
+    (conv_call,) = [ln for ln in src.split("def computation", 1)[1].splitlines() if "= _conv_0(" in ln]
+    assert not re.search(r"f32\[\d+, \d+, \d+, \d+\]", conv_call), conv_call  # no full-size f32 output
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    rng = np.random.default_rng(7)
+    for xs, ws in shapes[1:]:
+        args = (
+            jnp.asarray(rng.standard_normal(xs) + 0.5, jnp.bfloat16),
+            jnp.asarray(0.3 * rng.standard_normal(ws), jnp.bfloat16),
+            jnp.asarray(1.0 + 0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
+            jnp.asarray(0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
+        )
+        with pltpu.force_tpu_interpret_mode():
+            got = ns["computation"](*args)
+        want = fn(*args)
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2
+        )

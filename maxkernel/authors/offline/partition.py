@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from maxkernel.authors.offline.axes import Axes, Conflict, Node
 from maxkernel.authors.offline.conv_epilogue import epilogue_ok as conv_epilogue_ok
 from maxkernel.authors.offline.conv_pool import absorb_pools
@@ -97,6 +99,12 @@ class Region:
 
     def eqns(self) -> list[int]:
         return sorted(set(self.owned) | self.pulled)
+
+
+def _widening_float(src: Any, out: Any) -> bool:
+    a, b = np.dtype(src.aval.dtype), np.dtype(out.aval.dtype)
+    floats = all(np.issubdtype(d, np.floating) or d.name == "bfloat16" for d in (a, b))
+    return floats and b.itemsize > a.itemsize
 
 
 def _elems(v: Any) -> int:
@@ -470,8 +478,49 @@ class Partition:
         self._layout_only_regions_to_glue()
         self._float_sinks()
         self._unpulled_layout_to_glue()
+        self._widening_casts_to_readers()
         if self.opt.epilogue_reductions:
             absorb_pools(self)  # a pool after a conv: the conv kernel writes the pooled block
+
+    def _widening_casts_to_readers(self) -> None:
+        """A widening cast (bf16 -> f32) of a kernel's value that only other kernels read is computed by
+        its readers: the kernel writes the narrow value, and each reader casts its block in VMEM. Kept in
+        the producer, the cast is one more output twice as wide as the value (a bf16 conv's output and its
+        f32 copy for the norm statistics: the conv wrote both and the norm kernel read both). The readers
+        pull the cast (computed in their kernel, like a float they recompute); the producer writes the
+        narrow value instead, if it did not already, and keeps the cast only for its own use (a sum of
+        the f32 values in its epilogue)."""
+        g = self.g
+        for rid, r in list(self.regions.items()):
+            for i in list(r.owned):
+                e = g.eqns[i]
+                if e.primitive.name != "convert_element_type" or len(r.owned) < 2:
+                    continue
+                src, out = e.invars[0], e.outvars[0]
+                if is_literal(src) or not _widening_float(src, out) or out in g.out_set:
+                    continue
+                readers = g.consumers.get(out, [])
+                if any(c not in self.owner or self.status[c] == "glue" for c in readers):
+                    continue
+                homes = {self.owner[c] for c in readers} - {rid}
+                if not homes:
+                    continue
+                trial: dict[int, Axes] = {}
+                for h in homes:
+                    ax = self.regions[h].axes.copy()
+                    try:
+                        ax.add(e)
+                    except Conflict:
+                        break
+                    trial[h] = ax
+                if len(trial) != len(homes):
+                    continue
+                if all(self.owner[c] != rid for c in readers):  # nothing in the producer reads it
+                    r.owned.remove(i)
+                    del self.owner[i]
+                for h, ax in trial.items():
+                    self.regions[h].axes = ax
+                    self.regions[h].pulled.add(i)
 
     def _layout_only_regions_to_glue(self) -> None:
         """A map region that owns nothing but layout ops (a transpose of a result its producer's kernel
@@ -735,8 +784,15 @@ class Partition:
                 for c in g.consumers.get(v, []):
                     if c in owned:
                         continue
-                    if self.status[c] == "glue" or c in self.owner and self.owner[c] != region.id:
+                    if self.status[c] == "glue":
                         used_outside = True
+                    elif c in self.owner and self.owner[c] != region.id:
+                        # unless that kernel computes the value itself (`_widening_casts_to_readers`)
+                        used_outside = used_outside or i not in self.regions[self.owner[c]].pulled
+                    elif c not in self.owner and any(
+                        c in o.pulled for o in self.regions.values() if o.id != region.id
+                    ):
+                        used_outside = True  # read by a cast another kernel computes
                 if used_outside:
                     outs.append(v)
         return outs
