@@ -382,3 +382,31 @@ def test_every_requested_generation_gets_an_estimate(matmul_task: KernelTask, tm
     assert v6e.estimated_seconds != v5e.estimated_seconds  # priced on each chip's own figures
     for gen, est in r.estimate.by_generation.items():
         assert store.get_reference_estimate(matmul_task.fingerprint, gen) == est.reference_estimated_seconds
+
+
+def test_the_file_cap_holds_the_judges_float32_copies() -> None:
+    """The children's RLIMIT_FSIZE leaves room for the largest file the judge writes: `precise.npz`, two
+    float32 copies of every low-precision output of every set. A bf16 conv whose outputs dwarf its inputs
+    (34k: 1 MiB in, 16 MiB out per set) overran a cap sized from inputs and outputs alone, and the judge
+    failed with "File too large"."""
+    from types import SimpleNamespace
+
+    from maxkernel.tools.harness import PRECISE_COPIES, _output_cap
+    from maxkernel.tools.results import ArraySpec, InputConfig
+
+    cfg = InputConfig(
+        dynamic=[ArraySpec(shape=(4, 8, 128, 128), dtype="bfloat16")],
+        outputs=[ArraySpec(shape=(4, 128, 126, 126), dtype="bfloat16")],
+        atol=1e-2,
+        rtol=1e-2,
+    )
+    sets = 3
+    cap_mb = _output_cap(SimpleNamespace(validation_configs=[cfg]), SimpleNamespace(input_sets=sets), None)
+    precise_mb = sets * PRECISE_COPIES * cfg.outputs[0].size * 4 / 2**20
+    assert cap_mb >= precise_mb + 1
+    f32 = cfg.model_copy(update={"outputs": [ArraySpec(shape=(4, 128, 126, 126), dtype="float32")]})
+    # float32 outputs get no copies: their cap is what they are
+    assert (
+        _output_cap(SimpleNamespace(validation_configs=[f32]), SimpleNamespace(input_sets=sets), None)
+        < cap_mb
+    )

@@ -81,6 +81,7 @@ from maxkernel.tools.results import (
     SetCheck,
     StageError,
     first_lines,
+    low_precision_float,
 )
 from maxkernel.tools.sandbox import (
     SandboxedChild,
@@ -349,10 +350,25 @@ def _within_larger_budget(cfg: InputConfig, options: EvalOptions) -> tuple[Input
     return cfg, ""
 
 
+PRECISE_COPIES = 2
+"""Float32 runs of the reference the judge keeps per low-precision float output (`judge.PRECISE_FILE`: the
+reference widened to float32, and the same with every op rounded as the program says)."""
+
+
+def _set_bytes(c: InputConfig) -> int:
+    """One input set on disk: its inputs and outputs, and the judge's float32 copies of each low-precision
+    float output (a bf16 conv output of 16 MiB has 64 MiB of them beside it)."""
+    wide = sum(PRECISE_COPIES * a.size * 4 for a in c.outputs if low_precision_float(str(a.dtype)))
+    return c.input_bytes() + c.output_bytes() + wide
+
+
 def _output_cap(task: KernelTask, options: EvalOptions, larger: InputConfig | None) -> int:
-    """RLIMIT_FSIZE for both children: room for every input or output set, and for logs."""
-    per_set = sum(c.input_bytes() + c.output_bytes() for c in task.validation_configs)
-    extra = 2 * (larger.input_bytes() + larger.output_bytes()) if larger is not None else 0
+    """RLIMIT_FSIZE for both children: room for every input or output set (the judge's float32 copies of
+    low-precision outputs included), and for logs. Sized from the inputs and outputs alone, the judge's
+    `precise.npz` of a bf16 task whose outputs dwarf its inputs overran it, and the evaluation ended as
+    "the judge (reference) failed: File too large" - the machine's limit charged to the task."""
+    per_set = sum(_set_bytes(c) for c in task.validation_configs)
+    extra = 2 * _set_bytes(larger) if larger is not None else 0
     return max(64, (2 * per_set * options.input_sets + extra >> 20) + 32)
 
 
