@@ -38,7 +38,8 @@ def seq_major_causal(q, k, v):
 
 def _program(fn, d: int):
     configs = [
-        Config(dynamic=[((b, s, h, d), "bfloat16")] * 3, static=[]) for b, s, h in [(2, 512, 4), (1, 64, 2), (1, 48, 3)]
+        Config(dynamic=[((b, s, h, d), "bfloat16")] * 3, static=[])
+        for b, s, h in [(2, 512, 4), (1, 64, 2), (1, 48, 3)]
     ]
     return lower_program(trace_reference(fn, configs, ["q", "k", "v"]), "t", options=FUSION_LEVELS[0])
 
