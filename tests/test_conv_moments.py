@@ -327,3 +327,53 @@ def test_a_widening_cast_is_computed_by_its_reader() -> None:
         np.testing.assert_allclose(
             np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2
         )
+
+
+def conv_nchw_mish_batchnorm(x, w, g, b):
+    """bf16, PyTorch layout, training-mode batch norm written out: the mean rounded to bf16, `x - mean` and
+    its square in bf16, summed as a float32 cast."""
+    y = jnp.transpose(_conv(jnp.transpose(x, (0, 2, 3, 1)), w), (0, 3, 1, 2))
+    y = y * jnp.tanh(jax.nn.softplus(y))
+    mean = jnp.mean(y, axis=(0, 2, 3), keepdims=True)
+    var = jnp.mean((y - mean) ** 2, axis=(0, 2, 3), keepdims=True)
+    y = (y - mean) / jnp.sqrt(var + 1e-5)
+    return y * g.reshape(1, -1, 1, 1) + b.reshape(1, -1, 1, 1)
+
+
+def test_bf16_batch_norm_statistics_come_from_the_conv_pass() -> None:
+    """The bf16 batch norm's sum of squares is taken in the conv kernel's epilogue, in float32, from the
+    bf16-rounded mean (sum(y^2) - 2 h s + n h^2): the conv output is read once more, to normalise it."""
+    shapes = [
+        ((8, 16, 128, 128), (3, 3, 16, 128)),
+        ((2, 16, 16, 16), (3, 3, 16, 128)),
+        ((1, 8, 9, 11), (3, 3, 8, 16)),
+    ]
+    configs = [
+        Config(
+            dynamic=[(x, "bfloat16"), (w, "bfloat16"), ((w[-1],), "bfloat16"), ((w[-1],), "bfloat16")],
+            static=[],
+        )
+        for x, w in shapes
+    ]
+    fn = conv_nchw_mish_batchnorm
+    program = lower_program(
+        trace_reference(fn, configs, ["x", "w", "g", "b"], direct_conv=True), "t", options=FUSION_LEVELS[0]
+    )
+    assert [k.family for k in program.kernels] == ["conv", "elementwise"]
+    src = render(program, default_config(program, TPU), TPU)
+    ns: dict = {}
+    exec(compile(src, "generated", "exec"), ns)
+    rng = np.random.default_rng(11)
+    for xs, ws in shapes[1:]:
+        args = (
+            jnp.asarray(rng.standard_normal(xs) + 0.5, jnp.bfloat16),
+            jnp.asarray(0.3 * rng.standard_normal(ws), jnp.bfloat16),
+            jnp.asarray(1.0 + 0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
+            jnp.asarray(0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
+        )
+        with pltpu.force_tpu_interpret_mode():
+            got = np.asarray(ns["computation"](*args), np.float32)
+        want = np.asarray(fn(*args), np.float32)
+        exact = np.asarray(fn(*[a.astype(jnp.float32) for a in args]), np.float32)
+        # as close to exact arithmetic as the bf16 reference is, give or take one bf16 rounding
+        assert np.max(np.abs(got - exact)) <= np.max(np.abs(want - exact)) + 2e-2 * np.max(np.abs(exact))

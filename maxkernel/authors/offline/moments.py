@@ -151,11 +151,17 @@ def _reduce_sum(x: Any, axes: tuple[int, ...]) -> Any:
 
 
 def _plain_m2(p: CentredSquares, read: Callable[[Any], Any]) -> Any:
-    """sum((y - h)^2) = sum(y^2) - h * s, with h = s / n."""
+    """sum((y - h)^2) = sum(y^2) - h * s, with h = s / n; for a low-precision y (a bf16 program: its mean h
+    rounded to bf16, so not exactly s / n) the general sum(y^2) - 2 h s + n h^2, all in float32."""
     import jax.numpy as jnp
 
     y, s, h = read(p.y), read(p.s), read(p.h)
-    return jnp.maximum(_reduce_sum(jnp.square(y), p.axes) - jnp.reshape(h, s.shape) * s, 0.0)
+    if np.dtype(p.y.aval.dtype) == np.float32:
+        return jnp.maximum(_reduce_sum(jnp.square(y), p.axes) - jnp.reshape(h, s.shape) * s, 0.0)
+    y32, s32 = y.astype(jnp.float32), s.astype(jnp.float32)
+    h32 = jnp.reshape(h, s.shape).astype(jnp.float32)
+    n = float(_count(p.y, p.axes))
+    return jnp.maximum(_reduce_sum(jnp.square(y32), p.axes) - 2.0 * h32 * s32 + n * h32 * h32, 0.0)
 
 
 ELEMENTWISE = frozenset(
@@ -440,6 +446,9 @@ def _match(eqn: Any, producer: dict[Any, Any], uses: dict[Any, int]) -> CentredS
     axes = tuple(sorted(int(a) for a in eqn.params["axes"]))
     sq_var = eqn.invars[0]
     sq = producer.get(sq_var)
+    if sq is not None and uses.get(sq_var) == 1 and _widening(sq) and not _is_lit(sq.invars[0]):
+        sq_var = sq.invars[0]  # a bf16 program sums a float32 cast of its bf16 squares
+        sq = producer.get(sq_var)
     if sq is None or uses.get(sq_var) != 1 or sq.primitive.name not in SQUARES:
         return None
     if sq.primitive.name == "integer_pow" and int(sq.params["y"]) != 2:
@@ -457,7 +466,7 @@ def _match(eqn: Any, producer: dict[Any, Any], uses: dict[Any, int]) -> CentredS
     ):
         return None
     y, h = sub.invars
-    if _is_lit(y) or _is_lit(h) or np.dtype(y.aval.dtype) != np.float32:
+    if _is_lit(y) or _is_lit(h) or not _floating(y.aval.dtype) or np.dtype(y.aval.dtype).itemsize > 4:
         return None
     shape = tuple(int(d) for d in y.aval.shape)
     h_shape = tuple(int(d) for d in h.aval.shape)
@@ -473,13 +482,21 @@ def _match(eqn: Any, producer: dict[Any, Any], uses: dict[Any, int]) -> CentredS
         if e is None:
             return None
         name = e.primitive.name
-        if name in MEAN_LAYOUT:
-            v = e.invars[0]
+        if name in MEAN_LAYOUT or (name == "convert_element_type" and _floating(e.outvars[0].aval.dtype)):
+            v = e.invars[0]  # layout, and a bf16 program's rounding of its float32 mean
             continue
         if name == "div" and not divided and _is_lit(e.invars[1]) and float(e.invars[1].val) == count:
             v, divided, div_eqn = e.invars[0], True, e
             continue
-        if name == "reduce_sum" and divided and e.invars[0] is y:
+        summed = e.invars[0] if name == "reduce_sum" else None
+        if (
+            summed is not None
+            and summed is not y
+            and (c := producer.get(summed)) is not None
+            and _widening(c)
+        ):
+            summed = c.invars[0]  # the sum of a float32 cast of y
+        if name == "reduce_sum" and divided and summed is y:
             if tuple(sorted(int(a) for a in e.params["axes"])) != axes:
                 return None
             s_shape = tuple(int(d) for d in e.outvars[0].aval.shape)
