@@ -234,30 +234,25 @@ def test_sum_of_squares_matches_the_centred_form_of_a_conv() -> None:
     np.testing.assert_allclose(np.asarray(got), np.asarray(conv_batchnorm_relu(*args)), atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_group_norm_is_evaluated_per_channel() -> None:
-    """The bf16 program of a PyTorch-layout group norm (`jnp.mean` / `jnp.var` sum a float32 cast of the split
-    value; the normalisation is bf16 arithmetic with the mean rounded to bf16) takes the same per-channel
-    form as float32: the statistics from the conv pass, two tiny group sums, one normalising kernel on the
-    unsplit conv output (no kernel re-reads the conv output in the (N, G, C // G, H, W) split), and it
-    rounds as the reference does."""
-    fn, shapes = conv_nchw_groupnorm_tanh, CASES[4][1]
+def _bf16_program(fn, shapes, static=()):
+    """The offline author's program for a bf16 conv reference (x, w, g, b[, static]) at these shapes."""
     configs = [
         Config(
             dynamic=[(x, "bfloat16"), (w, "bfloat16"), ((w[-1],), "bfloat16"), ((w[-1],), "bfloat16")],
-            static=[4],
+            static=list(static),
         )
         for x, w in shapes
     ]
-    program = lower_program(
-        trace_reference(fn, configs, ["x", "w", "g", "b", "groups"], direct_conv=True),
-        "t",
-        options=FUSION_LEVELS[0],
-    )
-    assert [k.family for k in program.kernels] == ["conv", "rowwise", "rowwise", "elementwise"]
-    src = render(program, default_config(program, TPU), TPU)
+    names = ["x", "w", "g", "b", *(["groups"] if static else [])]
+    return lower_program(trace_reference(fn, configs, names, direct_conv=True), "t", options=FUSION_LEVELS[0])
+
+
+def _bf16_runs(src, shapes, seed, static=()):
+    """(args, the rendered kernel's outputs in TPU interpret mode) at each validation shape (`shapes[1:]`):
+    a mean away from zero, small weights, an affine near identity."""
     ns: dict = {}
     exec(compile(src, "generated", "exec"), ns)
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     for xs, ws in shapes[1:]:
         args = (
             jnp.asarray(rng.standard_normal(xs) + 0.5, jnp.bfloat16),
@@ -266,7 +261,21 @@ def test_bf16_group_norm_is_evaluated_per_channel() -> None:
             jnp.asarray(0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
         )
         with pltpu.force_tpu_interpret_mode():
-            got = ns["computation"](*args, 4)
+            got = ns["computation"](*args, *static)
+        yield args, got
+
+
+def test_bf16_group_norm_is_evaluated_per_channel() -> None:
+    """The bf16 program of a PyTorch-layout group norm (`jnp.mean` / `jnp.var` sum a float32 cast of the split
+    value; the normalisation is bf16 arithmetic with the mean rounded to bf16) takes the same per-channel
+    form as float32: the statistics from the conv pass, two tiny group sums, one normalising kernel on the
+    unsplit conv output (no kernel re-reads the conv output in the (N, G, C // G, H, W) split), and it
+    rounds as the reference does."""
+    fn, shapes = conv_nchw_groupnorm_tanh, CASES[4][1]
+    program = _bf16_program(fn, shapes, static=[4])
+    assert [k.family for k in program.kernels] == ["conv", "rowwise", "rowwise", "elementwise"]
+    src = render(program, default_config(program, TPU), TPU)
+    for args, got in _bf16_runs(src, shapes, 5, static=[4]):
         want = fn(*args, 4)
         assert got.dtype == want.dtype == jnp.bfloat16
         np.testing.assert_allclose(
@@ -295,33 +304,13 @@ def test_a_widening_cast_is_computed_by_its_reader() -> None:
         ((2, 16, 16, 16), (3, 3, 16, 128)),
         ((1, 8, 9, 11), (3, 3, 8, 16)),
     ]
-    configs = [
-        Config(
-            dynamic=[(x, "bfloat16"), (w, "bfloat16"), ((w[-1],), "bfloat16"), ((w[-1],), "bfloat16")],
-            static=[],
-        )
-        for x, w in shapes
-    ]
     fn = conv_nchw_instancenorm_divide
-    program = lower_program(
-        trace_reference(fn, configs, ["x", "w", "g", "b"], direct_conv=True), "t", options=FUSION_LEVELS[0]
-    )
+    program = _bf16_program(fn, shapes)
     assert [k.family for k in program.kernels] == ["conv", "rowwise"]
     src = render(program, default_config(program, TPU), TPU)
     (conv_call,) = [ln for ln in src.split("def computation", 1)[1].splitlines() if "= _conv_0(" in ln]
     assert not re.search(r"f32\[\d+, \d+, \d+, \d+\]", conv_call), conv_call  # no full-size f32 output
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
-    rng = np.random.default_rng(7)
-    for xs, ws in shapes[1:]:
-        args = (
-            jnp.asarray(rng.standard_normal(xs) + 0.5, jnp.bfloat16),
-            jnp.asarray(0.3 * rng.standard_normal(ws), jnp.bfloat16),
-            jnp.asarray(1.0 + 0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
-            jnp.asarray(0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
-        )
-        with pltpu.force_tpu_interpret_mode():
-            got = ns["computation"](*args)
+    for args, got in _bf16_runs(src, shapes, 7):
         want = fn(*args)
         assert got.dtype == want.dtype == jnp.bfloat16
         np.testing.assert_allclose(
@@ -348,31 +337,12 @@ def test_bf16_batch_norm_statistics_come_from_the_conv_pass() -> None:
         ((2, 16, 16, 16), (3, 3, 16, 128)),
         ((1, 8, 9, 11), (3, 3, 8, 16)),
     ]
-    configs = [
-        Config(
-            dynamic=[(x, "bfloat16"), (w, "bfloat16"), ((w[-1],), "bfloat16"), ((w[-1],), "bfloat16")],
-            static=[],
-        )
-        for x, w in shapes
-    ]
     fn = conv_nchw_mish_batchnorm
-    program = lower_program(
-        trace_reference(fn, configs, ["x", "w", "g", "b"], direct_conv=True), "t", options=FUSION_LEVELS[0]
-    )
+    program = _bf16_program(fn, shapes)
     assert [k.family for k in program.kernels] == ["conv", "elementwise"]
     src = render(program, default_config(program, TPU), TPU)
-    ns: dict = {}
-    exec(compile(src, "generated", "exec"), ns)
-    rng = np.random.default_rng(11)
-    for xs, ws in shapes[1:]:
-        args = (
-            jnp.asarray(rng.standard_normal(xs) + 0.5, jnp.bfloat16),
-            jnp.asarray(0.3 * rng.standard_normal(ws), jnp.bfloat16),
-            jnp.asarray(1.0 + 0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
-            jnp.asarray(0.2 * rng.standard_normal(ws[-1]), jnp.bfloat16),
-        )
-        with pltpu.force_tpu_interpret_mode():
-            got = np.asarray(ns["computation"](*args), np.float32)
+    for args, out in _bf16_runs(src, shapes, 11):
+        got = np.asarray(out, np.float32)
         want = np.asarray(fn(*args), np.float32)
         exact = np.asarray(fn(*[a.astype(jnp.float32) for a in args]), np.float32)
         # as close to exact arithmetic as the bf16 reference is, give or take one bf16 rounding
