@@ -19,6 +19,7 @@ import numpy as np
 
 from maxkernel.authors.offline.axes import Axes, Conflict
 from maxkernel.authors.offline.dataflow import is_literal, reduced_axes
+from maxkernel.authors.offline.emit import dtype_name
 from maxkernel.authors.offline.partition import AttentionInfo, Partition
 
 MAX_HEAD_DIM = 768
@@ -55,6 +56,7 @@ def match_attention(part: Partition, d1: int) -> AttentionInfo | None:
     kv = ax.cls(e1.invars[k_side], k_free[0])
     chain: list[int] = [d1]
     chain_vars: set[Any] = set(e1.outvars)
+    steals: list[int] = []  # earlier map regions whose only result is a term of the scores
     score_dots = [d1]
     reduces: list[int] = []
     pv: int | None = None
@@ -78,7 +80,7 @@ def match_attention(part: Partition, d1: int) -> AttentionInfo | None:
             for v in ins:
                 if v in chain_vars:
                     continue
-                branch = _score_branch(part, v, chain)
+                branch = _score_branch(part, v, chain, j, steals)
                 if branch is None:
                     return None
                 extra.extend(branch)
@@ -126,7 +128,9 @@ def match_attention(part: Partition, d1: int) -> AttentionInfo | None:
                     return None
     info = AttentionInfo(score_dots=score_dots, pv_dot=pv, softmax=bool(reduces), kv_class=kv)
     info.probs = probs[1]
-    if reduces and not _check_softmax(part, info, chain, reduces):
+    if reduces and not (
+        _check_softmax(part, info, chain, reduces) or _check_row_norm(part, info, chain, reduces)
+    ):
         return None
     if not reduces:
         info.logits = probs[1]
@@ -143,6 +147,10 @@ def match_attention(part: Partition, d1: int) -> AttentionInfo | None:
             ax2.add(g.eqns[k])
     except Conflict:
         return None
+    for rid in steals:  # their equations run in this kernel now
+        for k in part.regions[rid].owned:
+            del part.owner[k]
+        del part.regions[rid]
     region = part.new_region("attention")
     region.axes = ax2
     region.owned = sorted(chain_set)
@@ -162,15 +170,42 @@ def _softmax_tail(part: Partition, c: int, reduces: list[int]) -> bool:
     return part.g.kind[c] in ("absorbed", "elementwise") and c > min(reduces, default=10**9)
 
 
-def _score_branch(part: Partition, v: Any, chain: list[int]) -> list[int] | None:
-    """A value combined with the scores: a float or glue value (mask, bias), or another score dot reached
-    through layout-only ops (q_rope·k_ropeᵀ added to q_nope·k_nopeᵀ)."""
+def _stealable(part: Partition, rid: int, reader: int) -> list[int] | None:
+    """The equations of an earlier map region whose results only the scores' equation `reader` reads (a
+    decay mask `exp(where(causal, c_i - c_j, -inf))` built from a cumulative sum): the attention kernel
+    computes them per block instead of reading a [.., S, S] array the map kernel wrote to HBM."""
+    g = part.g
+    r = part.regions[rid]
+    if r.kind != "map" or r.dots or r.has_reduction or r.stream or r.attention is not None:
+        return None
+    owned = set(r.owned)
+    if any(g.kind[k] not in ("elementwise", "absorbed") for k in owned):
+        return None
+    for k in owned:
+        for w in g.eqns[k].outvars:
+            if w in g.out_set:
+                return None
+            if any(c not in owned and c != reader for c in g.consumers.get(w, [])):
+                return None
+    return sorted(owned)
+
+
+def _score_branch(
+    part: Partition, v: Any, chain: list[int], reader: int, steals: list[int]
+) -> list[int] | None:
+    """A value combined with the scores: a float or glue value (mask, bias), the work of an earlier map
+    region that only feeds it (`_stealable`), or another score dot reached through layout-only ops
+    (q_rope·k_ropeᵀ added to q_nope·k_nopeᵀ)."""
     g = part.g
     p = g.producer.get(v)
     if p is None or part.status[p] in ("glue", "float"):
         return []
     if p in part.owner:
-        return []  # written by an earlier kernel: an input
+        stolen = _stealable(part, part.owner[p], reader)
+        if stolen is None:
+            return []  # written by an earlier kernel: an input
+        steals.append(part.owner[p])
+        return stolen
     out: list[int] = []
     while True:
         if p in part.owner or part.status[p] != "owned":
@@ -228,6 +263,67 @@ def _strip_casts(part: Partition, v: Any, within: set[int]) -> Any:
             v = e.invars[0]
             continue
         return v
+
+
+def _depends_on(part: Partition, var: Any, source: Any, within: set[int]) -> bool:
+    """Is `source` among the values `var` is computed from (through equations in `within`)?"""
+    g = part.g
+    stack, seen = [var], set()
+    while stack:
+        v = stack.pop()
+        if v is source:
+            return True
+        if is_literal(v) or v in seen:
+            continue
+        seen.add(v)
+        p = g.producer.get(v)
+        if p is not None and p in within:
+            stack.extend(g.eqns[p].invars)
+    return False
+
+
+def _check_row_norm(part: Partition, info: AttentionInfo, chain: list[int], reduces: list[int]) -> bool:
+    """Retention's normalisation: one float32 row sum `l` of a function of the scores, and the probabilities
+    `num / den` with `den` an elementwise function of `l` alone (`maximum(l, 1)`, a guard against tiny sums)
+    and `num` independent of `l`. Since `den` is constant along the keys, `(num / den) @ v` is `(num @ v) / den`:
+    the kernel accumulates `num @ v` and `l` over the key blocks and divides once (rounding `num` rather than
+    `num / den` to the probabilities' dtype: the same relative rounding, as flash attention's unnormalised
+    probabilities)."""
+    g = part.g
+    if len(reduces) != 1 or g.eqns[reduces[0]].primitive.name != "reduce_sum":
+        return False
+    rsum = g.eqns[reduces[0]]
+    l_var = rsum.outvars[0]
+    if dtype_name(l_var.aval) != "float32":
+        return False
+    within = set(chain)
+    probs = _strip_casts(part, info.probs, within)
+    pd = g.producer.get(probs)
+    if pd is None or pd not in within or g.eqns[pd].primitive.name != "div":
+        return False
+    num, den = g.eqns[pd].invars
+    if is_literal(num) or is_literal(den) or dtype_name(probs.aval) != "float32":
+        return False
+    everywhere = set(range(len(g.eqns)))  # literals' broadcasts are floats, not chain equations
+    if not _derived_only_from(part, den, l_var, everywhere) or _depends_on(part, num, l_var, within):
+        return False
+    # the row sum is read only on the way to the divisor, and the quotient only on the way to the pv dot
+    path = [p for p in within if _depends_on(part, den, g.eqns[p].outvars[0], within)]
+    path = {p for p in path if _depends_on(part, g.eqns[p].outvars[0], l_var, within)}
+    for k in path | {reduces[0]}:
+        for c in g.consumers.get(g.eqns[k].outvars[0], []):
+            if c not in path and c != pd:
+                return False
+    v = probs
+    while v is not info.probs:
+        cs = g.consumers.get(v, [])
+        if len(cs) != 1 or g.eqns[cs[0]].primitive.name not in ("convert_element_type", "copy", "copy_p"):
+            return False
+        v = g.eqns[cs[0]].outvars[0]
+    info.softmax, info.row_norm, info.row_sum = False, True, l_var
+    info.norm_num, info.norm_den, info.norm_div = num, den, probs
+    info.sum_operand = rsum.invars[0]
+    return True
 
 
 def _check_softmax(part: Partition, info: AttentionInfo, chain: list[int], reduces: list[int]) -> bool:

@@ -54,6 +54,30 @@ MASK_FILL_AS_NEG_INF = -1e4
 in float32 beside any live score above fill + 104."""
 
 
+_ZERO_PRESERVING = ("abs", "neg", "convert_element_type", "copy", "copy_p", "integer_pow", "square", "mul")
+
+
+def _zero_preserving(g: Any, var: Any, source: Any, own: set[int]) -> bool:
+    """Is `var` zero wherever `source` is: computed from it by a chain of ops that map 0 to 0 (a product
+    needs one factor on the chain)?"""
+    while var is not source:
+        p = g.producer.get(var)
+        if p is None or p not in own or g.eqns[p].primitive.name not in _ZERO_PRESERVING:
+            return False
+        e = g.eqns[p]
+        if e.primitive.name == "integer_pow" and int(e.params["y"]) <= 0:
+            return False
+        ins = [w for w in e.invars if not is_literal(w)]
+        on = [w for w in ins if w is source or g.producer.get(w) in own]
+        if e.primitive.name == "mul":
+            nxt = [w for w in on if w is source or _zero_preserving(g, w, source, own)]
+            return bool(nxt)
+        if len(ins) != 1:
+            return False
+        var = ins[0]
+    return True
+
+
 class AttentionBuilder(PagedAttention, Builder):
     """Flash attention: online softmax over key blocks, scores never leave VMEM."""
 
@@ -219,6 +243,8 @@ class AttentionBuilder(PagedAttention, Builder):
                 ("l_ref", "jnp.float32", [*lead, self.q, "1"]),
                 *acc,
             ]
+        if info is not None and info.row_norm:
+            return [("l_ref", "jnp.float32", [*lead, self.q, "1"]), *acc]
         return acc
 
     def make_body(self) -> list[str]:
@@ -252,6 +278,7 @@ class AttentionBuilder(PagedAttention, Builder):
         main.add("def _init():")
         if info.softmax:
             main.add("    m_ref[...] = jnp.full_like(m_ref, -jnp.inf)")
+        if info.softmax or info.row_norm:
             main.add("    l_ref[...] = jnp.zeros_like(l_ref)")
         main.add("    acc_ref[...] = jnp.zeros_like(acc_ref)")
         main.add("")
@@ -336,6 +363,13 @@ class AttentionBuilder(PagedAttention, Builder):
                 main.add(f"acc_ref[...] = rescale * acc_ref[...] + {pv_expr}")
                 self.transcendentals = 2  # exp of the scores and of the rescale, once per update
             else:
+                if info.row_norm:
+                    # the quotient num / den(l) is num here; the kernel divides by den(l) once, at the end
+                    main.special[info.norm_div] = lambda scope, space: self.value(info.norm_num, space, scope)
+                    scode, sm = self.value(info.sum_operand, self.score, main)
+                    scode, sm = self.materialise(
+                        scode, sm, need, self.score, main, dtype_name(info.sum_operand.aval)
+                    )
                 pcode, pm = self.value(info.probs, self.score, main)
                 pcode, pm = self.materialise(pcode, pm, need, self.score, main, pdt)
                 main.add(f"if n_kv % {self.kv.blk}:  # padded keys exist: they must add nothing")
@@ -343,6 +377,12 @@ class AttentionBuilder(PagedAttention, Builder):
                     f"    kv_pos = {kv_index} * {self.kv.blk} + lax.broadcasted_iota(jnp.int32, (1, {self.kv.blk}), 1)"
                 )
                 main.add(f"    {pcode} = jnp.where(kv_pos < n_kv, {pcode}, 0)")
+                if info.row_norm:
+                    main.add(f"    {scode} = jnp.where(kv_pos < n_kv, {scode}, 0)")
+                    main.add(
+                        f"l_ref[...] += jnp.sum({scode}.astype(jnp.float32), axis=-1, keepdims=True)"
+                        "  # the row sum the divisor is made of"
+                    )
                 main.add(f"acc_ref[...] += {self.pv_product(pcode, pdt, v_var, vspace, main)}")
 
         if scheduled and not partial and self.mask_select is not None:
@@ -379,6 +419,9 @@ class AttentionBuilder(PagedAttention, Builder):
         def load_out(scope: Scope, space: Space) -> tuple[str, frozenset[str]]:
             nm = self.fresh("attn")
             div = " / l_ref[...]" if info.softmax and info.normalised_before_pv else ""
+            if info.row_norm:
+                den, _ = self.value(info.norm_den, space, scope)
+                div = f" / {den}"
             cast = "" if odt == "float32" else f".astype({dtype_code(odt)})"
             expr = f"(acc_ref[...]{div}){cast}" if cast and div else f"acc_ref[...]{div}{cast}"
             mat = frozenset(
@@ -388,8 +431,13 @@ class AttentionBuilder(PagedAttention, Builder):
             return nm, mat
 
         fin.special[out] = load_out
-        if info.softmax:
-            for var, ref in ((info.row_max, "m_ref"), (info.row_sum, "l_ref")):
+        if info.softmax or info.row_norm:
+            stats = (
+                ((info.row_max, "m_ref"), (info.row_sum, "l_ref"))
+                if info.softmax
+                else ((info.row_sum, "l_ref"),)
+            )
+            for var, ref in stats:
 
                 def load_stat(
                     scope: Scope, space: Space, ref: str = ref, var: Any = var
@@ -690,6 +738,12 @@ class AttentionBuilder(PagedAttention, Builder):
             if p is None or p not in own:
                 return None
             e = g.eqns[p]
+            if (
+                neutral == "0"
+                and e.primitive.name == "convert_element_type"
+                and dtype_name(e.invars[0].aval) == "bool"
+            ):
+                return e.invars[0]  # x * float(pred): zero where the predicate is false
             if e.primitive.name in (
                 "convert_element_type",
                 "broadcast_in_dim",
@@ -703,6 +757,24 @@ class AttentionBuilder(PagedAttention, Builder):
                 var = e.invars[0]
                 continue
             break
+        info = self.region.attention
+        if neutral == "0" and e.primitive.name == "exp":
+            # exp(where(pred, x, -inf or a fill that underflows)) is exactly 0 where pred is false, whatever the
+            # row holds (no softmax average over dead rows here)
+            finite = self.finite_fill
+            found = self.block_mask(e.invars[0], "-inf")
+            self.finite_fill = finite
+            return found
+        if (
+            neutral == "0"
+            and e.primitive.name == "div"
+            and info is not None
+            and info.row_norm
+            and e.outvars[0] is info.norm_div
+            and _zero_preserving(g, info.sum_operand, info.norm_num, own)
+        ):
+            # num / den(l): zero where num is, and the row sum skips the same entries (its operand is zero there)
+            return self.block_mask(e.invars[0], neutral)
         if e.primitive.name == "mul" and neutral == "0":  # x * where(pred, y, 0) (a decay mask)
             for w in e.invars:
                 if not is_literal(w):

@@ -83,6 +83,13 @@ class AttentionInfo:
     probs: Any | None = None  # var fed to the pv dot (lhs)
     kv_class: Node | None = None
     probs_side: int = 0  # which operand of the pv dot holds the probabilities
+    # a row-sum normalisation without a max (retention): probs = num / den(l), l = sum(f(num)) over the keys;
+    # the kernel accumulates num @ v and l, and divides by den(l) once at the end
+    row_norm: bool = False
+    norm_num: Any | None = None  # var: the numerator (the unnormalised scores)
+    norm_den: Any | None = None  # var: the divisor, an elementwise function of l alone
+    norm_div: Any | None = None  # var: num / den
+    sum_operand: Any | None = None  # var: what the row sum adds up
 
 
 @dataclass
