@@ -292,8 +292,9 @@ class AttentionBuilder(PagedAttention, Builder):
                 qv, kvv = e.invars[side], e.invars[1 - side]
                 prec = precision_arg(e)
                 narrow_q, narrow_k = self.widened_bf16(qv), self.widened_bf16(kvv)
-                if prec and narrow_q is not None and narrow_k is not None:
-                    # f32 widenings of bf16 on both sides: one bf16 MXU pass is exact, HIGHEST adds nothing
+                if narrow_q is not None and narrow_k is not None:
+                    # f32 widenings of bf16 on both sides: one bf16 MXU pass with f32 accumulation is exact (the
+                    # products of bf16 values are exact in f32), so an f32 dot at any precision adds nothing
                     qv, kvv, prec = narrow_q, narrow_k, ""
                 a, am = self.value(qv, qs, scope)
                 b, bm = self.value(kvv, ks, scope)

@@ -195,6 +195,41 @@ class Partition:
                         # kernels recompute it from its (smaller) source instead of reading XLA's copy
                         self.dual.add(q)
 
+        self._views_as_glue()
+
+    def _views_as_glue(self) -> None:
+        """An input or glue value that floats reshape into two different unit-dim placements (`c[:, None]` and
+        `c[None, :]` of an outer difference `c_i - c_j`) would tie its one axis to two axes of the kernel that
+        combines them, which no iteration space holds. Each such view runs as glue instead: XLA writes a copy
+        the size of the value (a [.., S] vector as [.., S, 1] and [.., 1, S]) and the kernel reads the two
+        views as two operands, one along each axis."""
+        g = self.g
+        views: dict[Any, dict[tuple[Any, ...], list[int]]] = {}
+        for i, e in enumerate(g.eqns):
+            if self.status[i] != "float" or e.primitive.name not in (
+                "broadcast_in_dim",
+                "reshape",
+                "expand_dims",
+            ):
+                continue
+            src = e.invars[0]
+            if is_literal(src) or src in self.const:
+                continue
+            p = g.producer.get(src)
+            if p is not None and self.status[p] != "glue":
+                continue
+            out = e.outvars[0]
+            if math.prod(out.aval.shape) != math.prod(src.aval.shape) or out.aval.ndim <= src.aval.ndim:
+                continue
+            views.setdefault(src, {}).setdefault(tuple(out.aval.shape), []).append(i)
+        for by_shape in views.values():
+            if len(by_shape) < 2:
+                continue
+            for eqns in by_shape.values():
+                for i in eqns:
+                    self.status[i] = "glue"
+                    self.dual.discard(i)
+
     # --- helpers --------------------------------------------------------------------------------------
     def _layout_only(self, eqns: list[int]) -> bool:
         """Equations that only move data (absorbed layout ops; an iota makes values, so it is not one)."""

@@ -411,6 +411,11 @@ CUMULATIVE = {"cumsum": "sum", "cummax": "max", "cummin": "min"}
 CUMULATIVE_MAX_LEN = 4096
 """Most chunks in the two-level rewrite (the chunk totals are scanned as one masked reduction)."""
 
+CUMULATIVE_MULTI_DIM_LEN = 512
+"""Longest scanned axis of a multi-dim scan kept as one masked reduction (a chunked SSD's within-chunk cumsum
+of 64 to 256); a longer one (a cumulative log-decay over a whole 4096-long sequence, per batch and head) is
+scanned in chunks: its n^2 masked work per row was 9 ms of VPU and EUP time on v5e at [4, 64, 4096]."""
+
 CUMULATIVE_CHUNK = 128
 """Longest axis scanned as one masked reduction: each output element reads the whole axis (n² work), cheap
 for chunk-sized axes and group counts; a longer axis is scanned in chunks of this many elements."""
@@ -428,7 +433,7 @@ def _cumulative_as_masked_reduce(x: Any, name: str, axis: int, reverse: bool) ->
     (a chunked SSD's within-chunk cumsum) keeps the one-level form up to the old limit."""
     n = x.shape[axis]
     if SIZE_DECISIONS.decide(
-        "chunked_scan", lambda: n > (CUMULATIVE_CHUNK if x.ndim == 1 else CUMULATIVE_MAX_LEN)
+        "chunked_scan", lambda: n > (CUMULATIVE_CHUNK if x.ndim == 1 else CUMULATIVE_MULTI_DIM_LEN)
     ):
         return _cumulative_in_chunks(x, name, axis, reverse)
     return _masked_prefix(x, name, axis, reverse, strict=False)
