@@ -7,7 +7,6 @@ two as separate operands. A long cumulative sum over the last axis of a multi-di
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
