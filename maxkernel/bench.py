@@ -20,8 +20,10 @@ import hashlib
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -222,6 +224,7 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         self.db = sqlite_utils.Database(self.out / "results.db")
         self.say = on_progress
+        self.children = Children()  # the task runs in flight, ended with the bench (see Children)
 
     def _done(self) -> dict[str, dict[str, Any]]:
         if "results" not in self.db.table_names():
@@ -260,6 +263,13 @@ class Bench:
             + (f"; {order}" if order else "")
         )
         started = time.monotonic()
+        with _stop_children_on_sigterm(self.children):
+            self._run_pool(todo, started)
+        rows = self.rows(tasks)
+        self.write_outputs(rows, time.monotonic() - started)
+        return rows
+
+    def _run_pool(self, todo: list[Path], started: float) -> None:
         finished = 0
         for t in todo:  # only this thread writes results.db (sqlite connections are per thread)
             self.db["results"].upsert(
@@ -293,9 +303,6 @@ class Bench:
                     f"[{finished}/{len(todo)}] {row.task_id}: {row.status}"
                     f"{' correct' if row.correct else ''}{perf} in {row.seconds or 0:.0f} s (eta {eta / 60:.1f} min)"
                 )
-        rows = self.rows(tasks)
-        self.write_outputs(rows, time.monotonic() - started)
-        return rows
 
     def rows(self, tasks: list[Path]) -> list[TaskRow]:
         ids = {task_name(t) for t in tasks}
@@ -410,7 +417,7 @@ class Bench:
         out.mkdir(parents=True, exist_ok=True)
         try:
             with open(log, "w") as fh:
-                proc = subprocess.run(
+                proc = self.children.run(
                     cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=self.s.task_timeout_s, env=_env()
                 )
             rc = proc.returncode
@@ -466,8 +473,13 @@ class Bench:
             "--store", str(self.out / "store.db"), "--work-dir", str(self.out / "work"), *self._ray(),
         ]  # fmt: skip
         try:
-            proc = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=self.s.task_timeout_s, env=_env()
+            proc = self.children.run(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=self.s.task_timeout_s,
+                env=_env(),
             )
         except subprocess.TimeoutExpired:
             return None
@@ -494,6 +506,93 @@ def load_rows(out_dir: Path) -> list[TaskRow]:
         TaskRow.model_validate({**r, **{k: json.loads(r.get(k) or "{}") for k in JSON_COLUMNS}})
         for r in db["results"].rows
     ]
+
+
+class StoppedError(Exception):
+    """The bench is stopping (SIGTERM): no new child run starts."""
+
+
+class Children:
+    """The bench's child runs in flight (one `maxkernel optimize`, `resume` or `eval` per task). Each is
+    ended with SIGTERM, never SIGKILL first, so that it ends its own sandboxed jobs on the way out: a child
+    killed outright leaves its sandbox's processes running with no parent. A timed-out child gets the same,
+    and SIGKILL only after `GRACE_S`."""
+
+    GRACE_S = 30.0
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.procs: set[subprocess.Popen[Any]] = set()
+        self.stopping = False
+
+    def run(self, cmd: list[str], *, timeout: float | None, **kw: Any) -> subprocess.CompletedProcess[Any]:
+        """`subprocess.run` for one child, registered so that `stop` can end it."""
+        with self.lock:
+            if self.stopping:
+                raise StoppedError("the bench is stopping")
+            proc = subprocess.Popen(cmd, **kw)
+            self.procs.add(proc)
+        try:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._end(proc)
+                proc.communicate()
+                raise
+        finally:
+            with self.lock:
+                self.procs.discard(proc)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    def _end(self, proc: subprocess.Popen[Any]) -> None:
+        if proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=self.GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def stop(self) -> None:
+        """End every child in flight (SIGTERM, then SIGKILL after the grace period); start no new one."""
+        with self.lock:
+            self.stopping = True
+            procs = list(self.procs)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + self.GRACE_S
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class _stop_children_on_sigterm:  # noqa: N801 - a context manager used like a function
+    """While the bench runs (main thread only): SIGTERM (`kill PID`, a container stop) ends the child runs
+    in flight, then exits with 143. Python's default would end the bench alone and leave every child running
+    as an orphan. A stopped bench resumes where it was (finished tasks are kept in results.db)."""
+
+    def __init__(self, children: Children) -> None:
+        self.children = children
+        self.previous: Any = None
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            self.children.stop()
+            raise SystemExit(128 + signum)
+
+        self.previous = signal.signal(signal.SIGTERM, handler)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def _env() -> dict[str, str]:
