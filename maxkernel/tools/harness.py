@@ -69,6 +69,7 @@ from maxkernel.tools.readback import (
 from maxkernel.tools.reference_cache import REFERENCE_ESTIMATES, TASK_INPUTS, TASK_INPUTS_FILE
 from maxkernel.tools.results import (
     CANDIDATE_STAGES,
+    REFUSED_FOR_DEVICE,
     STAGE_INFO,
     ArraySpec,
     CompileOutcome,
@@ -773,6 +774,8 @@ def _verdict(
         return result
     if failed:
         first = result.tpu_compile[failed[0]].error or ""
+        if first.startswith(REFUSED_FOR_DEVICE):  # compiles, but the judge's audit says it is wrong there
+            return _fail(result, "compile", first_lines(first, 6))
         return _fail(
             result, "compile", f"Mosaic compile failed for {', '.join(failed)}: {first_lines(first, 6)}"
         )

@@ -69,6 +69,11 @@ class WindowAudit(BaseModel):
         description="every block of the array visited by the grid: written (outputs) or read (inputs); "
         "None: unknown",
     )
+    parallel_revisits: list[int] = Field(
+        default_factory=list,
+        description="outputs: the grid axes marked 'parallel' along which the block index repeats (steps that "
+        "differ only there write the same block)",
+    )
 
 
 class KernelAudit(BaseModel):
@@ -316,6 +321,8 @@ def audit_kernel(body: bytes, signature: tuple[list[Any], int, bool] = ([], 0, F
             hbm += transfers * math.prod(shape) * _ITEMSIZE.get(dtype, _ITEMSIZE_FLOOR)
             if fn is not None and array is not None and not (output and aliased):
                 audit.covered = _covers(fn, grid, bounds, array)
+            if fn is not None and output:
+                audit.parallel_revisits = _parallel_revisits(fn, grid, semantics)
         flops = _matmul_flops(block, {}) * steps
         compute, dma, dma_in_loops = _body_ops(block)
         return KernelAudit(
@@ -565,6 +572,29 @@ def _covers(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], array: tuple
     return len(seen) == math.prod(need)
 
 
+def _parallel_revisits(fn: Any, grid: tuple[int, ...], semantics: list[str]) -> list[int]:
+    """The grid axes marked 'parallel' along which an output's block index repeats: two steps that differ
+    only on such an axis write the same block. Mosaic's contract for 'parallel' is that steps along it are
+    independent; a device with several TensorCores splits those axes between its cores, so a block written
+    (or accumulated into) from both halves is a race there. Empty when none, or when the map cannot be
+    replayed over the whole grid."""
+    axes = [d for d, (g, s) in enumerate(zip(grid, semantics, strict=False)) if s == "parallel" and g > 1]
+    if not axes or math.prod(grid) > CHUNK_STEPS:
+        return []
+    idx = next(_grid_chunks(grid, CHUNK_STEPS))
+    outs = _eval_function(fn, idx[: len(grid)])
+    if outs is None:
+        return []
+    n = len(idx[0])
+    cols = [np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,)) for o in outs]
+    revisited = []
+    for d in axes:
+        key = np.stack([np.zeros(n, np.int64), *(idx[a] for a in range(len(grid)) if a != d), *cols], axis=1)
+        if len(np.unique(key, axis=0)) < n:  # two steps differing only on axis d share a block
+            revisited.append(d)
+    return revisited
+
+
 def _block_follows(b_small: int, a_small: int, b_big: int, a_big: int) -> bool:
     """One block dimension of one kernel at two shapes: the same constant, or the whole array dimension
     at either (a `min(dim, BLOCK)` choice)."""
@@ -605,6 +635,21 @@ def different_kernels(checked: ProgramAudit, shipped: ProgramAudit, what: str) -
         if set(a.compute_ops) != set(b.compute_ops):
             diff = sorted(set(a.compute_ops) ^ set(b.compute_ops))
             return f"kernel {i}: different operations at {what} and shipped ({', '.join(diff[:6])})"
+    return None
+
+
+def parallel_races(audit: ProgramAudit) -> str | None:
+    """Why the kernels race on a device whose TensorCores split 'parallel' grid axes between them (None:
+    they do not): an output block written from steps that differ only on such an axis (a reduction axis
+    declared 'parallel'). Interpreters and single-core chips run the grid in order, so no run on a CPU shows
+    it; on two cores one half of the steps never sees the other's work."""
+    for i, k in enumerate(audit.kernels):
+        for w, win in enumerate(k.windows):
+            if win.output and win.parallel_revisits:
+                axes = ", ".join(str(a) for a in win.parallel_revisits)
+                return (f"kernel {i} (grid {k.grid}, {k.semantics}) writes the same block of output window {w} from "
+                        f"steps that differ only along grid axis {axes}, which it declares 'parallel': the "
+                        "TensorCores that split that axis race on the block (declare it 'arbitrary')")  # fmt: skip
     return None
 
 
