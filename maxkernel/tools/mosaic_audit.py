@@ -627,6 +627,10 @@ def different_kernels(checked: ProgramAudit, shipped: ProgramAudit, what: str) -
                 continue
             if len(x.block) != len(x.array) or len(y.block) != len(y.array):
                 continue
+            if not x.output and x.covered is True and y.covered is False:
+                return (f"kernel {i}: window {w} reads every block of its input {x.array} at {what} but not of "
+                        f"{y.array} shipped (grid {b.grid}): part of an input that counts where it was checked is "
+                        "never read where it ships")  # fmt: skip
             follows = all(_block_follows(*d) for d in zip(x.block, x.array, y.block, y.array, strict=True))
             if not follows and not _tiles_whole_array(x, y):
                 return (f"kernel {i}: window {w} has blocks {x.block} of {x.array} at {what} but {y.block} of "
