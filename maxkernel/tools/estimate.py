@@ -1091,7 +1091,25 @@ def _np_eval(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[np.nda
 
 
 def _np_prim(eqn: jex_core.JaxprEqn, x: list[Any]) -> list[Any]:
-    """One integer/boolean primitive on numpy vectors (one entry per grid step); KeyError if unsupported."""
+    """One integer/boolean primitive on numpy vectors (one entry per grid step); KeyError if unsupported.
+    Results are wrapped to the equation's own integer type (int32 on a TPU): index arithmetic that
+    overflows there must overflow here too, or a guard that is always true on the chip (`step * 2**32 == 0`)
+    reads as almost never true and the compute under it goes unpriced."""
+    outs = _np_prim_wide(eqn, x)
+    if len(outs) != len(eqn.outvars) or eqn.primitive.name in ("pjit", "jit", "closed_call", "scan", "while"):
+        return outs
+    with np.errstate(over="ignore"):
+        return [_wrap_to(o, v) for o, v in zip(outs, eqn.outvars, strict=True)]
+
+
+def _wrap_to(value: Any, var: Any) -> Any:
+    dtype = np.dtype(getattr(getattr(var, "aval", None), "dtype", np.int64))
+    if dtype.kind not in "iu" or dtype.itemsize >= 8:
+        return value
+    return np.asarray(value).astype(np.int64).astype(dtype).astype(np.int64)
+
+
+def _np_prim_wide(eqn: jex_core.JaxprEqn, x: list[Any]) -> list[Any]:
     name = eqn.primitive.name
     if name in _NP_BINOPS:
         out = _NP_BINOPS[name](x[0], x[1])
