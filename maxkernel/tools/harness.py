@@ -1025,6 +1025,10 @@ def _estimate_summary(
     judged = judged if isinstance(judged, dict) else {}
     gens = estimate_generations(options)
     withheld = _audit_claims(cand_ests, judge.get("kernel_audit"), gens)
+    head_error = cand_ests.get(gens[0], {}).get("error") if isinstance(cand_ests.get(gens[0]), dict) else None
+    if not withheld and isinstance(head_error, str) and head_error.startswith("estimate withheld"):
+        withheld = head_error[:400]  # the block model itself found no price (say so, as for the audit's)
+        cand_ests = {g: {"error": withheld} for g in gens}
     if withheld:
         cand_ests = {g: {"error": withheld} for g in gens}
         if warnings is not None:
@@ -1053,14 +1057,16 @@ def _audit_claims(cand_ests: dict[str, Any], audit: Any, gens: list[str]) -> str
     from maxkernel.tools.tpu_specs import get_spec
 
     claimed = {g: c for g, c in cand_ests.items() if g in gens and isinstance(c, dict) and "error" not in c}
-    if not claimed:
+    withheld = any(isinstance(c, dict) and str(c.get("error", "")).startswith("estimate withheld") for c in
+                   cand_ests.values())  # fmt: skip
+    if not claimed and not withheld:
         return None
     try:
         trusted = ProgramAudit.model_validate(audit)
     except ValueError:
         trusted = ProgramAudit(error="the judge returned no audit")
     reason = unpriceable(trusted)
-    if reason:
+    if reason:  # the judge's own reading says why, whatever the candidate's process reported
         return f"estimate withheld: {reason} (read off the TPU program it shipped)"
     for gen, claim in claimed.items():
         reason = contradiction(claim, trusted, get_spec(gen))
