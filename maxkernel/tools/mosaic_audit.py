@@ -390,6 +390,20 @@ _BINARY: dict[str, Callable[[Any, Any], Any]] = {
 _CASTS = frozenset({"arith.index_cast", "arith.index_castui", "arith.extsi", "arith.extui", "arith.trunci"})
 
 
+_INT_WIDTH = re.compile(r"^i(8|16|32)$")
+
+
+def _wrap(value: np.ndarray, op: Any) -> np.ndarray:
+    """`value` wrapped to the width of the op's result type, as the chip computes it: index maps run in
+    i32, and arithmetic that overflows there (only at a large grid) must overflow here too, or a map that
+    is the identity in int64 (`(i * 2**27) // 2**27`) reads as covering an output the chip never writes."""
+    results = list(getattr(op, "results", []))
+    m = _INT_WIDTH.match(str(results[0].type)) if results else None
+    if m is None:
+        return value
+    return value.astype(np.dtype(f"int{m.group(1)}")).astype(np.int64)
+
+
 def _eval_scalar(op: Any, env: dict[Any, Any]) -> list[Any] | None:
     """The results of one scalar integer op given its operands' values in `env` (None: not evaluable)."""
     name = op.name
@@ -407,11 +421,11 @@ def _eval_scalar(op: Any, env: dict[Any, Any]) -> list[Any] | None:
             return None
         ins.append(env[v])
     if name in _BINARY and len(ins) == 2:
-        return [
-            np.asarray(_BINARY[name](np.asarray(ins[0], np.int64), np.asarray(ins[1], np.int64)), np.int64)
-        ]
+        with np.errstate(over="ignore"):
+            out = _BINARY[name](np.asarray(ins[0], np.int64), np.asarray(ins[1], np.int64))
+        return [_wrap(np.asarray(out, np.int64), op)]
     if name in _CASTS and len(ins) == 1:
-        return [ins[0]]
+        return [_wrap(np.asarray(ins[0], np.int64), op)]
     if name == "arith.cmpi" and len(ins) == 2:
         pred = _ints(_attr(op, "predicate"))
         fn = _CMP.get(pred[0]) if pred else None
