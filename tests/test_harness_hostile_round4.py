@@ -45,6 +45,7 @@ REJECTED = [
     ("scratch_nan_launder.py", ["v5e"], {"correctness"}, "output 0"),
     ("parallel_reduction_axis.py", ["v5p"], {"compile"}, "declares 'parallel'"),
     ("capped_k_grid.py", ["v5e"], {"consistency"}, "never read where it ships"),
+    ("index_map_overflow.py", ["v5e"], {"consistency"}, "never writes some blocks"),
     # already rejected: regression cases
     ("nan_laundered_accumulator.py", ["v5e"], {"correctness"}, "output 0"),
     ("alias_reads_output.py", ["v5e"], {"correctness"}, "output 0"),
@@ -72,6 +73,20 @@ def test_a_race_on_two_cores_is_refused_only_where_the_axis_is_split(
     assert single.accepted, single.error
     honest = run(matmul, CANDIDATES / "good_matmul.py", tmp_path, OPTS.model_copy(update={"tpu": ["v5p"]}))
     assert honest.accepted, honest.error
+
+
+@pytest.mark.xfail(
+    strict=True, reason="not claimed (README): busywork that is zero by arithmetic, not by syntax"
+)
+def test_busywork_that_cancels_out_earns_no_credit(
+    data_dir: Path, session_work: Path, tmp_path: Path
+) -> None:
+    """XLA computes the whole GELU; the kernel adds `t - t` for a chain of transcendentals t. The result
+    reaches the output, so the chain is credited as kernel work and the candidate is accepted. Kept as the
+    known gap it is: it fails (xfail) until the check weighs work outside against the task's own."""
+    task = load_task(data_dir / "tasks" / "small_gelu", work_dir=session_work)
+    r = run(task, HOSTILE / "neutral_busywork_gelu.py", tmp_path)
+    assert not r.accepted and r.error is not None and r.error.stage == "pallas", r.error
 
 
 def test_a_data_bounded_loop_doing_the_work_has_no_estimate(matmul: KernelTask, tmp_path: Path) -> None:
