@@ -69,6 +69,11 @@ class WindowAudit(BaseModel):
         description="every block of the array visited by the grid: written (outputs) or read (inputs); "
         "None: unknown",
     )
+    stored: bool | None = Field(
+        None,
+        description="outputs: every block of the array is the block of some grid step that runs a store to "
+        "it (its `pl.when` guards on the grid position replayed); None: unknown",
+    )
     parallel_revisits: list[int] = Field(
         default_factory=list,
         description="outputs: the grid axes marked 'parallel' along which the block index repeats (steps that "
@@ -323,6 +328,8 @@ def audit_kernel(body: bytes, signature: tuple[list[Any], int, bool] = ([], 0, F
                 audit.covered = _covers(fn, grid, bounds, array)
             if fn is not None and output:
                 audit.parallel_revisits = _parallel_revisits(fn, grid, semantics)
+                if array is not None and not aliased:
+                    audit.stored = _stores_cover(block, args[: len(grid)], arg, fn, grid, bounds, array)
         flops = _matmul_flops(block, {}) * steps
         compute, dma, dma_in_loops = _body_ops(block)
         return KernelAudit(
@@ -586,6 +593,74 @@ def _covers(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], array: tuple
     return len(seen) == math.prod(need)
 
 
+_STORES = frozenset(
+    {"tpu.vector_store", "vector.store", "memref.store", "tpu.store", "vector.transfer_write"}
+)
+_LOADS = frozenset({"tpu.vector_load", "vector.load", "memref.load", "tpu.load", "vector.transfer_read"})
+
+
+def _stores_cover(
+    body: Any, grid_args: list[Any], out: Any, fn: Any, grid: tuple[int, ...], block: tuple[int, ...],
+    array: tuple[int, ...],
+) -> bool | None:  # fmt: skip
+    """Whether every block of an output is the block of some grid step that stores to it: the body's stores
+    to the output ref, each under the `scf.if` guards around it, those guards replayed over the grid when
+    they depend on the grid position alone. The pipeline writes every visited output block back, stored to
+    or not, so a block no step stores to is written back from a buffer nothing wrote (stale VMEM).
+    None when unknown: a guard or loop this reader cannot evaluate around a store, a use of the output ref
+    that is neither a load nor a store (a view, a DMA), a grid too long to replay."""
+    if (
+        len(block) != len(array)
+        or any(b <= 0 for b in block)
+        or (math.prod(grid) if grid else 1) > CHUNK_STEPS
+    ):
+        return None
+    idx = next(_grid_chunks(grid, CHUNK_STEPS))
+    n = len(idx[0])
+    env: dict[Any, Any] = dict(zip(grid_args, idx, strict=False))
+    stored = np.zeros(n, bool)
+
+    def walk(blk: Any, guard: np.ndarray | None) -> bool:  # False: a use of the output it cannot follow
+        nonlocal stored
+        for op in blk.operations:
+            op = op.operation
+            if any(v == out for v in op.operands):
+                if op.name in _STORES and guard is not None:
+                    stored |= guard
+                elif op.name not in _LOADS:
+                    return False
+            if not op.regions:
+                res = _eval_scalar(op, env) if len(op.results) == 1 else None
+                if res is not None:
+                    env[op.results[0]] = res[0]
+                continue
+            regions = [list(r.blocks) for r in op.regions]
+            if op.name == "scf.if" and op.operands[0] in env:
+                taken = np.broadcast_to(np.asarray(env[op.operands[0]]) != 0, (n,))
+                branches = [taken, ~taken]
+            elif op.name == "scf.for" and all(v in env for v in list(op.operands)[:3]):
+                lo, hi = (np.asarray(env[v]) for v in list(op.operands)[:2])
+                branches = [np.broadcast_to(hi > lo, (n,))]  # its body runs at least once at these steps
+            else:
+                branches = [None] * len(regions)
+            for blocks, cond in zip(regions, branches, strict=False):
+                inner = None if guard is None or cond is None else guard & cond
+                if not all(walk(b, inner) for b in blocks):
+                    return False
+        return True
+
+    if not walk(body, np.ones(n, bool)):
+        return None
+    outs = _eval_function(fn, idx[: len(grid)])
+    if outs is None or len(outs) != len(block):
+        return None
+    cols = np.stack([np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,))
+                     for o in outs], axis=1)[stored]  # fmt: skip
+    need = tuple(-(-a // b) for a, b in zip(array, block, strict=True))
+    inside = np.all((cols >= 0) & (cols < np.asarray(need)), axis=1)
+    return len(np.unique(cols[inside], axis=0)) == math.prod(need)
+
+
 def _parallel_revisits(fn: Any, grid: tuple[int, ...], semantics: list[str]) -> list[int]:
     """The grid axes marked 'parallel' along which an output's block index repeats: two steps that differ
     only on such an axis write the same block. Mosaic's contract for 'parallel' is that steps along it are
@@ -675,6 +750,10 @@ def uncovered_outputs(audit: ProgramAudit) -> str | None:
     """Why some kernel leaves blocks of an output unwritten (the grid does not reach them), or None."""
     for i, k in enumerate(audit.kernels):
         for w, win in enumerate(k.windows):
+            if win.output and win.stored is False and win.covered is not False:
+                return (f"kernel {i} (grid {k.grid}) stores to no step's block for some blocks {win.block} of its output "
+                        f"{win.array} (window {w}): its guards on the grid position skip them, and the pipeline writes "
+                        "them back from buffers nothing wrote")  # fmt: skip
             if win.output and win.covered is False:
                 return (f"kernel {i} (grid {k.grid}) never writes some blocks {win.block} of its output "
                         f"{win.array} (window {w}): the grid does not cover the output")  # fmt: skip
