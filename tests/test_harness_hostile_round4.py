@@ -46,6 +46,7 @@ REJECTED = [
     ("parallel_reduction_axis.py", ["v5p"], {"compile"}, "declares 'parallel'"),
     ("capped_k_grid.py", ["v5e"], {"consistency"}, "never read where it ships"),
     ("index_map_overflow.py", ["v5e"], {"consistency"}, "never writes some blocks"),
+    ("guarded_write_threshold.py", ["v5e"], {"consistency"}, "stores to no step's block"),
     # already rejected: regression cases
     ("nan_laundered_accumulator.py", ["v5e"], {"correctness"}, "output 0"),
     ("alias_reads_output.py", ["v5e"], {"correctness"}, "output 0"),
@@ -87,6 +88,16 @@ def test_busywork_that_cancels_out_earns_no_credit(
     task = load_task(data_dir / "tasks" / "small_gelu", work_dir=session_work)
     r = run(task, HOSTILE / "neutral_busywork_gelu.py", tmp_path)
     assert not r.accepted and r.error is not None and r.error.stage == "pallas", r.error
+
+
+@pytest.mark.xfail(
+    strict=True, reason="not claimed (README): index maps that read scalar prefetch are not replayed"
+)
+def test_a_prefetch_table_capped_past_the_checked_shapes_is_caught(
+    matmul: KernelTask, tmp_path: Path
+) -> None:
+    r = run(matmul, HOSTILE / "prefetch_capped_k.py", tmp_path)
+    assert not r.accepted and r.error is not None and r.error.stage == "consistency", r.error
 
 
 def test_a_data_bounded_loop_doing_the_work_has_no_estimate(matmul: KernelTask, tmp_path: Path) -> None:
