@@ -74,6 +74,11 @@ class WindowAudit(BaseModel):
         description="outputs: every block of the array is the block of some grid step that runs a store to "
         "it (its `pl.when` guards on the grid position replayed); None: unknown",
     )
+    revisited: bool | None = Field(
+        None,
+        description="outputs: some block index comes back after the grid has moved to another block (a "
+        "later visit finds a stale buffer: the pipeline never fetches an output block); None: unknown",
+    )
     parallel_revisits: list[int] = Field(
         default_factory=list,
         description="outputs: the grid axes marked 'parallel' along which the block index repeats (steps that "
@@ -330,6 +335,7 @@ def audit_kernel(body: bytes, signature: tuple[list[Any], int, bool] = ([], 0, F
                 audit.parallel_revisits = _parallel_revisits(fn, grid, semantics)
                 if array is not None and not aliased:
                     audit.stored = _stores_cover(block, args[: len(grid)], arg, fn, grid, bounds, array)
+                    audit.revisited = _revisited_out_of_order(fn, grid)
         flops = _matmul_flops(block, {}) * steps
         compute, dma, dma_in_loops = _body_ops(block)
         return KernelAudit(
@@ -661,6 +667,26 @@ def _stores_cover(
     return len(np.unique(cols[inside], axis=0)) == math.prod(need)
 
 
+def _revisited_out_of_order(fn: Any, grid: tuple[int, ...]) -> bool | None:
+    """Whether an output's block index, over the grid in order, returns to a block it has left: the pipeline
+    writes a block back when its index changes and never fetches it again, so the return visit starts from
+    a stale buffer (Pallas's plain interpreter re-reads the whole output and hides it; TPU interpret mode
+    raises). None when the map cannot be replayed or the grid is longer than one replay chunk."""
+    if (math.prod(grid) if grid else 1) > CHUNK_STEPS:
+        return None
+    idx = next(_grid_chunks(grid, CHUNK_STEPS))
+    outs = _eval_function(fn, idx[: len(grid)])
+    if outs is None:
+        return None
+    n = len(idx[0])
+    cols = np.stack([np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,))
+                     for o in outs], axis=1) if outs else np.zeros((n, 1), np.int64)  # fmt: skip
+    starts = np.ones(n, bool)
+    starts[1:] = np.any(cols[1:] != cols[:-1], axis=1)
+    runs = cols[starts]
+    return len(np.unique(runs, axis=0)) < len(runs)
+
+
 def _parallel_revisits(fn: Any, grid: tuple[int, ...], semantics: list[str]) -> list[int]:
     """The grid axes marked 'parallel' along which an output's block index repeats: two steps that differ
     only on such an axis write the same block. Mosaic's contract for 'parallel' is that steps along it are
@@ -754,6 +780,11 @@ def uncovered_outputs(audit: ProgramAudit) -> str | None:
                 return (f"kernel {i} (grid {k.grid}) stores to no step's block for some blocks {win.block} of its output "
                         f"{win.array} (window {w}): its guards on the grid position skip them, and the pipeline writes "
                         "them back from buffers nothing wrote")  # fmt: skip
+            if win.output and win.revisited:
+                return (f"kernel {i} (grid {k.grid}) comes back to blocks {win.block} of its output {win.array} "
+                        f"(window {w}) after moving to others: an output block is written back when the grid "
+                        "leaves it and never fetched again, so the return visit starts from a stale buffer (make "
+                        "the axes that revisit it the innermost)")  # fmt: skip
             if win.output and win.covered is False:
                 return (f"kernel {i} (grid {k.grid}) never writes some blocks {win.block} of its output "
                         f"{win.array} (window {w}): the grid does not cover the output")  # fmt: skip
