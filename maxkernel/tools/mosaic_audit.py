@@ -773,10 +773,14 @@ def parallel_races(audit: ProgramAudit) -> str | None:
 
 
 def uncovered_outputs(audit: ProgramAudit) -> str | None:
-    """Why some kernel leaves blocks of an output unwritten (the grid does not reach them), or None."""
+    """Why some kernel leaves blocks of an output unwritten or stale, or None: the grid does not reach them,
+    no step that reaches them stores, or the grid comes back to a block it left (in that order)."""
     for i, k in enumerate(audit.kernels):
         for w, win in enumerate(k.windows):
-            if win.output and win.stored is False and win.covered is not False:
+            if win.output and win.covered is False:
+                return (f"kernel {i} (grid {k.grid}) never writes some blocks {win.block} of its output "
+                        f"{win.array} (window {w}): the grid does not cover the output")  # fmt: skip
+            if win.output and win.stored is False:
                 return (f"kernel {i} (grid {k.grid}) stores to no step's block for some blocks {win.block} of its output "
                         f"{win.array} (window {w}): its guards on the grid position skip them, and the pipeline writes "
                         "them back from buffers nothing wrote")  # fmt: skip
@@ -785,7 +789,4 @@ def uncovered_outputs(audit: ProgramAudit) -> str | None:
                         f"(window {w}) after moving to others: an output block is written back when the grid "
                         "leaves it and never fetched again, so the return visit starts from a stale buffer (make "
                         "the axes that revisit it the innermost)")  # fmt: skip
-            if win.output and win.covered is False:
-                return (f"kernel {i} (grid {k.grid}) never writes some blocks {win.block} of its output "
-                        f"{win.array} (window {w}): the grid does not cover the output")  # fmt: skip
     return None
