@@ -362,6 +362,9 @@ def _estimate_candidate(closed: Any, cfg: InputConfig, gens: list[str]) -> dict[
     for gen in gens:
         try:
             est = estimate_pallas(closed, gen, cfg.index_values)
+            if est.unpriced:
+                out[gen] = {"error": f"estimate withheld: {est.unpriced}"}
+                continue
             out[gen] = {
                 "estimated_seconds": est.estimated_seconds,
                 # what the judge checks against the shipped program's floor (mosaic_audit.contradiction)

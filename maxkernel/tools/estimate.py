@@ -312,6 +312,11 @@ class PallasEstimate(BaseModel):
     xla_op_count: int
     assumptions: dict[str, str]
     notes: list[str] = Field(default_factory=list)
+    unpriced: str | None = Field(
+        None,
+        description="why no figure above can be trusted (a kernel loop of data-dependent length doing work); "
+        "harnesses withhold the estimate then",
+    )
 
     def to_markdown(self) -> str:
         """Compact table for prompts and reports; says 'estimate' in the heading on purpose."""
@@ -829,6 +834,14 @@ def pallas_call_name(eqn: jex_core.JaxprEqn) -> str:
 # --------------------------------------------------------------------------------------------------------
 
 
+UNPRICED_KERNEL_LOOP = (
+    "while loop in kernel whose trip count depends on data, with vector or MXU work in its body: the block "
+    "model cannot count its iterations, so the kernel's time has no price"
+)
+"""A kernel-call note that withholds the whole estimate (`PallasEstimate.unpriced`): charging such a body
+once priced a K reduction run as a data-bounded loop at one slice of it."""
+
+
 @dataclass
 class _Work:
     """Work counted in a kernel body for one grid step (before multiplying by steps)."""
@@ -992,8 +1005,12 @@ def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, facts: _StepFacts | None = 
                 static = loop_pricing.jaxpr_loop_trips(eqn)
                 trips = None if static is None else float(static)
             if trips is None:
-                w.add(_body_work(as_jaxpr(eqn.params["body_jaxpr"])[0], spec))
-                w.notes.add("while loop in kernel: trip count unknown, body charged once (underestimate)")
+                body = _body_work(as_jaxpr(eqn.params["body_jaxpr"])[0], spec)
+                w.add(body)
+                # a scalar loop (a walk over group sizes) costs the step overhead; a loop doing vector or
+                # MXU work an unknown number of times has no price: charged once, it would be a false speedup
+                w.notes.add(UNPRICED_KERNEL_LOOP if body.cost_key(spec) > 0 else
+                            "while loop in kernel: trip count unknown, scalar body charged once")  # fmt: skip
             else:
                 w.add(_body_work(as_jaxpr(eqn.params["body_jaxpr"])[0], spec), trips)
                 w.notes.add("while loop in kernel: body charged per trip (mean trip count over grid steps)")
@@ -1091,7 +1108,25 @@ def _np_eval(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[np.nda
 
 
 def _np_prim(eqn: jex_core.JaxprEqn, x: list[Any]) -> list[Any]:
-    """One integer/boolean primitive on numpy vectors (one entry per grid step); KeyError if unsupported."""
+    """One integer/boolean primitive on numpy vectors (one entry per grid step); KeyError if unsupported.
+    Results are wrapped to the equation's own integer type (int32 on a TPU): index arithmetic that
+    overflows there must overflow here too, or a guard that is always true on the chip (`step * 2**32 == 0`)
+    reads as almost never true and the compute under it goes unpriced."""
+    outs = _np_prim_wide(eqn, x)
+    if len(outs) != len(eqn.outvars) or eqn.primitive.name in ("pjit", "jit", "closed_call", "scan", "while"):
+        return outs
+    with np.errstate(over="ignore"):
+        return [_wrap_to(o, v) for o, v in zip(outs, eqn.outvars, strict=True)]
+
+
+def _wrap_to(value: Any, var: Any) -> Any:
+    dtype = np.dtype(getattr(getattr(var, "aval", None), "dtype", np.int64))
+    if dtype.kind not in "iu" or dtype.itemsize >= 8:
+        return value
+    return np.asarray(value).astype(np.int64).astype(dtype).astype(np.int64)
+
+
+def _np_prim_wide(eqn: jex_core.JaxprEqn, x: list[Any]) -> list[Any]:
     name = eqn.primitive.name
     if name in _NP_BINOPS:
         out = _NP_BINOPS[name](x[0], x[1])
@@ -1800,6 +1835,7 @@ def estimate_pallas(
         xla_op_count=walk.xla_ops,
         assumptions=dict(ASSUMPTIONS),
         notes=sorted(notes),
+        unpriced=UNPRICED_KERNEL_LOOP if any(UNPRICED_KERNEL_LOOP in c.notes for c in calls) else None,
     )
 
 

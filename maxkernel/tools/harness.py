@@ -69,6 +69,7 @@ from maxkernel.tools.readback import (
 from maxkernel.tools.reference_cache import REFERENCE_ESTIMATES, TASK_INPUTS, TASK_INPUTS_FILE
 from maxkernel.tools.results import (
     CANDIDATE_STAGES,
+    REFUSED_FOR_DEVICE,
     STAGE_INFO,
     ArraySpec,
     CompileOutcome,
@@ -773,6 +774,8 @@ def _verdict(
         return result
     if failed:
         first = result.tpu_compile[failed[0]].error or ""
+        if first.startswith(REFUSED_FOR_DEVICE):  # compiles, but the judge's audit says it is wrong there
+            return _fail(result, "compile", first_lines(first, 6))
         return _fail(
             result, "compile", f"Mosaic compile failed for {', '.join(failed)}: {first_lines(first, 6)}"
         )
@@ -1022,6 +1025,10 @@ def _estimate_summary(
     judged = judged if isinstance(judged, dict) else {}
     gens = estimate_generations(options)
     withheld = _audit_claims(cand_ests, judge.get("kernel_audit"), gens)
+    head_error = cand_ests.get(gens[0], {}).get("error") if isinstance(cand_ests.get(gens[0]), dict) else None
+    if not withheld and isinstance(head_error, str) and head_error.startswith("estimate withheld"):
+        withheld = head_error[:400]  # the block model itself found no price (say so, as for the audit's)
+        cand_ests = {g: {"error": withheld} for g in gens}
     if withheld:
         cand_ests = {g: {"error": withheld} for g in gens}
         if warnings is not None:
@@ -1050,14 +1057,16 @@ def _audit_claims(cand_ests: dict[str, Any], audit: Any, gens: list[str]) -> str
     from maxkernel.tools.tpu_specs import get_spec
 
     claimed = {g: c for g, c in cand_ests.items() if g in gens and isinstance(c, dict) and "error" not in c}
-    if not claimed:
+    withheld = any(isinstance(c, dict) and str(c.get("error", "")).startswith("estimate withheld") for c in
+                   cand_ests.values())  # fmt: skip
+    if not claimed and not withheld:
         return None
     try:
         trusted = ProgramAudit.model_validate(audit)
     except ValueError:
         trusted = ProgramAudit(error="the judge returned no audit")
     reason = unpriceable(trusted)
-    if reason:
+    if reason:  # the judge's own reading says why, whatever the candidate's process reported
         return f"estimate withheld: {reason} (read off the TPU program it shipped)"
     for gen, claim in claimed.items():
         reason = contradiction(claim, trusted, get_spec(gen))

@@ -39,7 +39,14 @@ from maxkernel.tools import taskcode
 from maxkernel.tools.candidate import input_name, output_name, stepwise_name
 from maxkernel.tools.mosaic_audit import ProgramAudit
 from maxkernel.tools.readback import pack_arrays
-from maxkernel.tools.results import CompileOutcome, InputConfig, first_lines, low_precision_float, np_dtype
+from maxkernel.tools.results import (
+    REFUSED_FOR_DEVICE,
+    CompileOutcome,
+    InputConfig,
+    first_lines,
+    low_precision_float,
+    np_dtype,
+)
 from maxkernel.tools.worker import WorkerContext
 
 INPUTS_FILE = "inputs.npz"
@@ -333,7 +340,7 @@ def _inspect_and_compile(
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
-    from maxkernel.tools.mosaic_audit import ProgramAudit, audit_tpu_program
+    from maxkernel.tools.mosaic_audit import ProgramAudit, audit_tpu_program, parallel_races
     from maxkernel.tools.stablehlo_check import TpuProgramCheck, check_tpu_program
     from maxkernel.tools.tpu_specs import get_spec
 
@@ -381,6 +388,14 @@ def _inspect_and_compile(
                 _raise_if_toolchain(exc)
                 outcome = CompileOutcome(ok=False, error=f"{type(exc).__name__}: {exc}")
                 break
+        cores = get_spec(gen).tensorcores_per_device
+        race = next(
+            (r for a in audits if cores > 1 and (r := parallel_races(ProgramAudit.model_validate(a)))), None
+        )
+        if outcome.ok and race:  # compiles, but wrong on this device: its cores split the 'parallel' axes
+            outcome = CompileOutcome(
+                ok=False, error=f"{REFUSED_FOR_DEVICE} {gen} ({cores} TensorCores per device): {race}"
+            )
         outcome.seconds = round(time.perf_counter() - t0, 3)
         compiles[gen] = outcome.model_dump()
     return checks, compiles, audits

@@ -69,6 +69,21 @@ class WindowAudit(BaseModel):
         description="every block of the array visited by the grid: written (outputs) or read (inputs); "
         "None: unknown",
     )
+    stored: bool | None = Field(
+        None,
+        description="outputs: every block of the array is the block of some grid step that runs a store to "
+        "it (its `pl.when` guards on the grid position replayed); None: unknown",
+    )
+    revisited: bool | None = Field(
+        None,
+        description="outputs: some block index comes back after the grid has moved to another block (a "
+        "later visit finds a stale buffer: the pipeline never fetches an output block); None: unknown",
+    )
+    parallel_revisits: list[int] = Field(
+        default_factory=list,
+        description="outputs: the grid axes marked 'parallel' along which the block index repeats (steps that "
+        "differ only there write the same block)",
+    )
 
 
 class KernelAudit(BaseModel):
@@ -316,6 +331,11 @@ def audit_kernel(body: bytes, signature: tuple[list[Any], int, bool] = ([], 0, F
             hbm += transfers * math.prod(shape) * _ITEMSIZE.get(dtype, _ITEMSIZE_FLOOR)
             if fn is not None and array is not None and not (output and aliased):
                 audit.covered = _covers(fn, grid, bounds, array)
+            if fn is not None and output:
+                audit.parallel_revisits = _parallel_revisits(fn, grid, semantics)
+                if array is not None and not aliased:
+                    audit.stored = _stores_cover(block, args[: len(grid)], arg, fn, grid, bounds, array)
+                    audit.revisited = _revisited_out_of_order(fn, grid)
         flops = _matmul_flops(block, {}) * steps
         compute, dma, dma_in_loops = _body_ops(block)
         return KernelAudit(
@@ -383,6 +403,20 @@ _BINARY: dict[str, Callable[[Any, Any], Any]] = {
 _CASTS = frozenset({"arith.index_cast", "arith.index_castui", "arith.extsi", "arith.extui", "arith.trunci"})
 
 
+_INT_WIDTH = re.compile(r"^i(8|16|32)$")
+
+
+def _wrap(value: np.ndarray, op: Any) -> np.ndarray:
+    """`value` wrapped to the width of the op's result type, as the chip computes it: index maps run in
+    i32, and arithmetic that overflows there (only at a large grid) must overflow here too, or a map that
+    is the identity in int64 (`(i * 2**27) // 2**27`) reads as covering an output the chip never writes."""
+    results = list(getattr(op, "results", []))
+    m = _INT_WIDTH.match(str(results[0].type)) if results else None
+    if m is None:
+        return value
+    return value.astype(np.dtype(f"int{m.group(1)}")).astype(np.int64)
+
+
 def _eval_scalar(op: Any, env: dict[Any, Any]) -> list[Any] | None:
     """The results of one scalar integer op given its operands' values in `env` (None: not evaluable)."""
     name = op.name
@@ -400,11 +434,11 @@ def _eval_scalar(op: Any, env: dict[Any, Any]) -> list[Any] | None:
             return None
         ins.append(env[v])
     if name in _BINARY and len(ins) == 2:
-        return [
-            np.asarray(_BINARY[name](np.asarray(ins[0], np.int64), np.asarray(ins[1], np.int64)), np.int64)
-        ]
+        with np.errstate(over="ignore"):
+            out = _BINARY[name](np.asarray(ins[0], np.int64), np.asarray(ins[1], np.int64))
+        return [_wrap(np.asarray(out, np.int64), op)]
     if name in _CASTS and len(ins) == 1:
-        return [ins[0]]
+        return [_wrap(np.asarray(ins[0], np.int64), op)]
     if name == "arith.cmpi" and len(ins) == 2:
         pred = _ints(_attr(op, "predicate"))
         fn = _CMP.get(pred[0]) if pred else None
@@ -565,6 +599,117 @@ def _covers(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], array: tuple
     return len(seen) == math.prod(need)
 
 
+_STORES = frozenset(
+    {"tpu.vector_store", "vector.store", "memref.store", "tpu.store", "vector.transfer_write"}
+)
+_LOADS = frozenset({"tpu.vector_load", "vector.load", "memref.load", "tpu.load", "vector.transfer_read"})
+
+
+def _stores_cover(
+    body: Any, grid_args: list[Any], out: Any, fn: Any, grid: tuple[int, ...], block: tuple[int, ...],
+    array: tuple[int, ...],
+) -> bool | None:  # fmt: skip
+    """Whether every block of an output is the block of some grid step that stores to it: the body's stores
+    to the output ref, each under the `scf.if` guards around it, those guards replayed over the grid when
+    they depend on the grid position alone. The pipeline writes every visited output block back, stored to
+    or not, so a block no step stores to is written back from a buffer nothing wrote (stale VMEM).
+    None when unknown: a guard or loop this reader cannot evaluate around a store, a use of the output ref
+    that is neither a load nor a store (a view, a DMA), a grid too long to replay."""
+    if (
+        len(block) != len(array)
+        or any(b <= 0 for b in block)
+        or (math.prod(grid) if grid else 1) > CHUNK_STEPS
+    ):
+        return None
+    idx = next(_grid_chunks(grid, CHUNK_STEPS))
+    n = len(idx[0])
+    env: dict[Any, Any] = dict(zip(grid_args, idx, strict=False))
+    stored = np.zeros(n, bool)
+
+    def walk(blk: Any, guard: np.ndarray | None) -> bool:  # False: a use of the output it cannot follow
+        nonlocal stored
+        for op in blk.operations:
+            op = op.operation
+            if any(v == out for v in op.operands):
+                if op.name in _STORES and guard is not None:
+                    stored |= guard
+                elif op.name not in _LOADS:
+                    return False
+            if not op.regions:
+                res = _eval_scalar(op, env) if len(op.results) == 1 else None
+                if res is not None:
+                    env[op.results[0]] = res[0]
+                continue
+            regions = [list(r.blocks) for r in op.regions]
+            if op.name == "scf.if" and op.operands[0] in env:
+                taken = np.broadcast_to(np.asarray(env[op.operands[0]]) != 0, (n,))
+                branches = [taken, ~taken]
+            elif op.name == "scf.for" and all(v in env for v in list(op.operands)[:3]):
+                lo, hi = (np.asarray(env[v]) for v in list(op.operands)[:2])
+                branches = [np.broadcast_to(hi > lo, (n,))]  # its body runs at least once at these steps
+            else:
+                branches = [None] * len(regions)
+            for blocks, cond in zip(regions, branches, strict=False):
+                inner = None if guard is None or cond is None else guard & cond
+                if not all(walk(b, inner) for b in blocks):
+                    return False
+        return True
+
+    if not walk(body, np.ones(n, bool)):
+        return None
+    outs = _eval_function(fn, idx[: len(grid)])
+    if outs is None or len(outs) != len(block):
+        return None
+    cols = np.stack([np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,))
+                     for o in outs], axis=1)[stored]  # fmt: skip
+    need = tuple(-(-a // b) for a, b in zip(array, block, strict=True))
+    inside = np.all((cols >= 0) & (cols < np.asarray(need)), axis=1)
+    return len(np.unique(cols[inside], axis=0)) == math.prod(need)
+
+
+def _revisited_out_of_order(fn: Any, grid: tuple[int, ...]) -> bool | None:
+    """Whether an output's block index, over the grid in order, returns to a block it has left: the pipeline
+    writes a block back when its index changes and never fetches it again, so the return visit starts from
+    a stale buffer (Pallas's plain interpreter re-reads the whole output and hides it; TPU interpret mode
+    raises). None when the map cannot be replayed or the grid is longer than one replay chunk."""
+    if (math.prod(grid) if grid else 1) > CHUNK_STEPS:
+        return None
+    idx = next(_grid_chunks(grid, CHUNK_STEPS))
+    outs = _eval_function(fn, idx[: len(grid)])
+    if outs is None:
+        return None
+    n = len(idx[0])
+    cols = np.stack([np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,))
+                     for o in outs], axis=1) if outs else np.zeros((n, 1), np.int64)  # fmt: skip
+    starts = np.ones(n, bool)
+    starts[1:] = np.any(cols[1:] != cols[:-1], axis=1)
+    runs = cols[starts]
+    return len(np.unique(runs, axis=0)) < len(runs)
+
+
+def _parallel_revisits(fn: Any, grid: tuple[int, ...], semantics: list[str]) -> list[int]:
+    """The grid axes marked 'parallel' along which an output's block index repeats: two steps that differ
+    only on such an axis write the same block. Mosaic's contract for 'parallel' is that steps along it are
+    independent; a device with several TensorCores splits those axes between its cores, so a block written
+    (or accumulated into) from both halves is a race there. Empty when none, or when the map cannot be
+    replayed over the whole grid."""
+    axes = [d for d, (g, s) in enumerate(zip(grid, semantics, strict=False)) if s == "parallel" and g > 1]
+    if not axes or math.prod(grid) > CHUNK_STEPS:
+        return []
+    idx = next(_grid_chunks(grid, CHUNK_STEPS))
+    outs = _eval_function(fn, idx[: len(grid)])
+    if outs is None:
+        return []
+    n = len(idx[0])
+    cols = [np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,)) for o in outs]
+    revisited = []
+    for d in axes:
+        key = np.stack([np.zeros(n, np.int64), *(idx[a] for a in range(len(grid)) if a != d), *cols], axis=1)
+        if len(np.unique(key, axis=0)) < n:  # two steps differing only on axis d share a block
+            revisited.append(d)
+    return revisited
+
+
 def _block_follows(b_small: int, a_small: int, b_big: int, a_big: int) -> bool:
     """One block dimension of one kernel at two shapes: the same constant, or the whole array dimension
     at either (a `min(dim, BLOCK)` choice)."""
@@ -597,6 +742,10 @@ def different_kernels(checked: ProgramAudit, shipped: ProgramAudit, what: str) -
                 continue
             if len(x.block) != len(x.array) or len(y.block) != len(y.array):
                 continue
+            if not x.output and x.covered is True and y.covered is False:
+                return (f"kernel {i}: window {w} reads every block of its input {x.array} at {what} but not of "
+                        f"{y.array} shipped (grid {b.grid}): part of an input that counts where it was checked is "
+                        "never read where it ships")  # fmt: skip
             follows = all(_block_follows(*d) for d in zip(x.block, x.array, y.block, y.array, strict=True))
             if not follows and not _tiles_whole_array(x, y):
                 return (f"kernel {i}: window {w} has blocks {x.block} of {x.array} at {what} but {y.block} of "
@@ -608,11 +757,36 @@ def different_kernels(checked: ProgramAudit, shipped: ProgramAudit, what: str) -
     return None
 
 
+def parallel_races(audit: ProgramAudit) -> str | None:
+    """Why the kernels race on a device whose TensorCores split 'parallel' grid axes between them (None:
+    they do not): an output block written from steps that differ only on such an axis (a reduction axis
+    declared 'parallel'). Interpreters and single-core chips run the grid in order, so no run on a CPU shows
+    it; on two cores one half of the steps never sees the other's work."""
+    for i, k in enumerate(audit.kernels):
+        for w, win in enumerate(k.windows):
+            if win.output and win.parallel_revisits:
+                axes = ", ".join(str(a) for a in win.parallel_revisits)
+                return (f"kernel {i} (grid {k.grid}, {k.semantics}) writes the same block of output window {w} from "
+                        f"steps that differ only along grid axis {axes}, which it declares 'parallel': the "
+                        "TensorCores that split that axis race on the block (declare it 'arbitrary')")  # fmt: skip
+    return None
+
+
 def uncovered_outputs(audit: ProgramAudit) -> str | None:
-    """Why some kernel leaves blocks of an output unwritten (the grid does not reach them), or None."""
+    """Why some kernel leaves blocks of an output unwritten or stale, or None: the grid does not reach them,
+    no step that reaches them stores, or the grid comes back to a block it left (in that order)."""
     for i, k in enumerate(audit.kernels):
         for w, win in enumerate(k.windows):
             if win.output and win.covered is False:
                 return (f"kernel {i} (grid {k.grid}) never writes some blocks {win.block} of its output "
                         f"{win.array} (window {w}): the grid does not cover the output")  # fmt: skip
+            if win.output and win.stored is False:
+                return (f"kernel {i} (grid {k.grid}) stores to no step's block for some blocks {win.block} of its output "
+                        f"{win.array} (window {w}): its guards on the grid position skip them, and the pipeline writes "
+                        "them back from buffers nothing wrote")  # fmt: skip
+            if win.output and win.revisited:
+                return (f"kernel {i} (grid {k.grid}) comes back to blocks {win.block} of its output {win.array} "
+                        f"(window {w}) after moving to others: an output block is written back when the grid "
+                        "leaves it and never fetched again, so the return visit starts from a stale buffer (make "
+                        "the axes that revisit it the innermost)")  # fmt: skip
     return None

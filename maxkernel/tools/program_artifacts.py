@@ -24,8 +24,11 @@ rules see a TPU; no libtpu is needed for it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 _installed = False
@@ -47,10 +50,72 @@ def install_interpreter_rule() -> None:
         if interpret:
             return jax_rule(ctx, *in_nodes, interpret=interpret, **params)
         impl = partial(hlo_interpreter.pallas_call_hlo_interpret, **params)
-        return mlir.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
+        with _stale_memory(hlo_interpreter):
+            return mlir.lower_fun(impl, multiple_results=True)(ctx, *in_nodes)
 
     mlir.register_lowering(pallas_call_module.pallas_call_p, cpu_rule, platform="cpu")
     _installed = True
+
+
+STALE_SCALE = 43.758
+"""Magnitude of the finite values the judge's interpreter leaves in scratch buffers (`_stale_memory`)."""
+
+
+@contextmanager
+def _stale_memory(hlo_interpreter: Any) -> Iterator[None]:
+    """While a kernel lowers to Pallas's plain interpreter (the program the judge runs), memory a kernel
+    has not written holds finite, data-like values, as a TPU's VMEM holds stale data: a float scratch buffer
+    starts as a fixed finite pattern, and the overhang of a block that runs past its array (a partial last
+    block) holds the array's own values, wrapped round, times -3 (3 unsigned), plus 1. JAX's interpreter fills both with
+    NaN, which a kernel can launder (`nan_to_num` on an accumulator it never zeroed, on padding it never
+    masked): right in every interpreter, wrong on the chip. Outputs still start as NaN (an unwritten output
+    is reported as such); the candidate's TPU-interpret-mode cross-check keeps NaN everywhere, so a kernel
+    that relies on either value is caught by one of the two runs."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    primitives = hlo_interpreter.primitives
+    honest_pad = hlo_interpreter._pad_to_block_dimension
+    honest_outputs = hlo_interpreter._initialize_output_vals
+
+    def stale_value(shape: Any, dtype: Any) -> Any:
+        if not jnp.issubdtype(dtype, jnp.floating):
+            return primitives.uninitialized_value(shape, dtype)  # semaphores (int16) must stay 0
+        size = math.prod(shape) if shape else 1
+        pattern = jnp.sin(lax.iota(jnp.float32, size) * 12.9898 + 0.5) * STALE_SCALE
+        return pattern.reshape(shape).astype(dtype)
+
+    def stale_pad(value: Any, block_shape: Any) -> Any:
+        padded = tuple(((v - 1) // b + 1) * b for v, b in zip(value.shape, block_shape, strict=False))
+        number = jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)
+        if padded == tuple(value.shape) or not number or value.size == 0 or len(padded) != value.ndim:
+            return honest_pad(value, block_shape)
+        widths = tuple((0, a - b) for a, b in zip(padded, value.shape, strict=True))
+        wrapped = jnp.pad(value, widths, mode="wrap")
+        inside = jnp.pad(jnp.ones(value.shape, bool), widths)
+        factor = 3 if jnp.issubdtype(value.dtype, jnp.unsignedinteger) else -3
+        return jnp.where(
+            inside, wrapped, wrapped * jnp.asarray(factor, value.dtype) + jnp.asarray(1, value.dtype)
+        )
+
+    def nan_outputs(*args: Any, **kwargs: Any) -> Any:
+        hlo_interpreter.primitives = primitives
+        try:
+            return honest_outputs(*args, **kwargs)
+        finally:
+            hlo_interpreter.primitives = stale
+
+    stale = SimpleNamespace(**{k: getattr(primitives, k) for k in dir(primitives) if not k.startswith("__")})
+    stale.uninitialized_value = stale_value
+    hlo_interpreter.primitives = stale
+    hlo_interpreter._pad_to_block_dimension = stale_pad
+    hlo_interpreter._initialize_output_vals = nan_outputs
+    try:
+        yield
+    finally:
+        hlo_interpreter.primitives = primitives
+        hlo_interpreter._pad_to_block_dimension = honest_pad
+        hlo_interpreter._initialize_output_vals = honest_outputs
 
 
 def trace_once(fn: Callable[..., Any], specs: list[Any], device_kind: str, cores: int = 1) -> Any:

@@ -224,6 +224,11 @@ class CorrectnessResult(BaseModel):
     max_rel_err: float | None = None
 
 
+REFUSED_FOR_DEVICE = "the TPU program is refused for"
+"""How a `CompileOutcome.error` starts when the program compiles for a generation but the judge's audit of
+it says it is wrong there (a 'parallel' grid axis whose steps write one output block, on several cores)."""
+
+
 class CompileOutcome(BaseModel):
     """Ahead-of-time Mosaic compile for one TPU generation at the task's own shapes."""
 
