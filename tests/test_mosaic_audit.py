@@ -14,7 +14,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from maxkernel.tools.estimate import estimate_pallas
-from maxkernel.tools.mosaic_audit import ProgramAudit, audit_tpu_program, contradiction, floor_seconds
+from maxkernel.tools.mosaic_audit import (
+    ProgramAudit,
+    audit_tpu_program,
+    contradiction,
+    different_kernels,
+    floor_seconds,
+)
 from maxkernel.tools.tpu_specs import get_spec
 
 BF16 = jnp.bfloat16
@@ -161,3 +167,45 @@ def test_claims_that_cannot_be_checked_are_contradicted() -> None:
     broken = audit_tpu_program('stablehlo.custom_call @tpu_custom_call(%a) {backend_config = "{}"}')
     assert broken.error is not None
     assert "could not be audited" in str(contradiction(claim, broken, get_spec("v5e")))
+
+
+def _halo_rows(x: Any, *, rows: int, steps: int | None = None) -> Any:
+    """A 3-row stencil over row blocks that read their halo through element offsets (`pl.Element`): blocks
+    overlap by two rows, and the index map gives element offsets, not block indices. `steps` caps the grid
+    (a kernel that stops before the last rows)."""
+    n_out = x.shape[0] - 2
+    grid = steps if steps is not None else n_out // rows
+
+    def kernel(x_ref: Any, o_ref: Any) -> None:
+        o_ref[...] = x_ref[pl.ds(0, rows)] + x_ref[pl.ds(1, rows)] + x_ref[pl.ds(2, rows)]
+
+    return pl.pallas_call(
+        kernel,
+        grid=(grid,),
+        in_specs=[
+            pl.BlockSpec(
+                (pl.Element(rows + 2), *(pl.Element(d) for d in x.shape[1:])), lambda r: (r * rows, 0, 0)
+            )
+        ],
+        out_specs=pl.BlockSpec((rows, *x.shape[1:]), lambda r: (r, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((n_out, *x.shape[1:]), jnp.float32),
+    )(x)
+
+
+def _audit(fn: Any, rows: int) -> ProgramAudit:
+    spec = jax.ShapeDtypeStruct((rows + 2, 8, 128), jnp.float32)
+    return audit_tpu_program(export.export(jax.jit(fn), platforms=["tpu"])(spec).mlir_module())
+
+
+def test_overlapping_element_windows_count_their_halo_as_read() -> None:
+    """A halo'd window reads every row at both shapes whatever the row count (32 rows in two blocks, 256
+    in eight); the same window on a grid that stops two blocks early does not read the last rows where it
+    ships, which is what `different_kernels` refuses."""
+    small, big = _audit(lambda x: _halo_rows(x, rows=16), 32), _audit(lambda x: _halo_rows(x, rows=32), 256)
+    assert small.kernels[0].windows[0].covered is True
+    assert big.kernels[0].windows[0].covered is True
+    assert different_kernels(small, big, "the validation shapes") is None
+
+    capped = _audit(lambda x: _halo_rows(x, rows=32, steps=6), 256)
+    assert capped.kernels[0].windows[0].covered is False
+    assert "never read where it ships" in (different_kernels(small, capped, "the validation shapes") or "")

@@ -330,7 +330,11 @@ def audit_kernel(body: bytes, signature: tuple[list[Any], int, bool] = ([], 0, F
                 transfers, unreplayed = 1, unreplayed + 1
             hbm += transfers * math.prod(shape) * _ITEMSIZE.get(dtype, _ITEMSIZE_FLOOR)
             if fn is not None and array is not None and not (output and aliased):
-                audit.covered = _covers(fn, grid, bounds, array)
+                kind = _attr(window, "window_kind")
+                if kind is not None and "element_window" in str(kind):
+                    audit.covered = _covers_elements(fn, grid, bounds, array, str(kind))
+                else:
+                    audit.covered = _covers(fn, grid, bounds, array)
             if fn is not None and output:
                 audit.parallel_revisits = _parallel_revisits(fn, grid, semantics)
                 if array is not None and not aliased:
@@ -597,6 +601,42 @@ def _covers(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], array: tuple
         inside = np.all((cols >= 0) & (cols < np.asarray(need)), axis=1)
         seen.update(map(tuple, np.unique(cols[inside], axis=0).tolist()))
     return len(seen) == math.prod(need)
+
+
+def _covers_elements(
+    fn: Any, grid: tuple[int, ...], block: tuple[int, ...], array: tuple[int, ...], kind: str
+) -> bool | None:
+    """`_covers` for an element-indexed window (`pl.Element` blocks, `#tpu.element_window`): its index map
+    gives element offsets, not block indices, and blocks may overlap (a convolution's halo), so coverage
+    is the union of the boxes [offset, offset + block) along each dim. Exact when the visited offsets are
+    the full product of their per-dim values (a grid over independent axes); None otherwise, when the map
+    cannot be replayed, the window pads, or the grid is too long to replay whole."""
+    pads = [int(v) for v in re.findall(r"-?\d+", kind)]
+    if any(pads) or len(block) != len(array) or any(b <= 0 for b in block):
+        return None
+    if (math.prod(grid) if grid else 1) > MAX_EXACT_STEPS:
+        return None
+    seen: set[tuple[int, ...]] = set()
+    for idx in _grid_chunks(grid, MAX_EXACT_STEPS):
+        outs = _eval_function(fn, idx[: len(grid)])
+        if outs is None or len(outs) != len(block):
+            return None
+        n = len(idx[0])
+        cols = np.stack([np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,))
+                         for o in outs], axis=1)  # fmt: skip
+        seen.update(map(tuple, np.unique(cols, axis=0).tolist()))
+    per_dim = [sorted({t[d] for t in seen}) for d in range(len(block))]
+    if len(seen) != math.prod(len(v) for v in per_dim):
+        return None  # offsets that are not a product of per-dim values: their union is not per-dim
+    for offsets, b, a in zip(per_dim, block, array, strict=True):
+        reach = 0  # the dim is covered up to here by the sorted intervals
+        for o in offsets:
+            if o > reach:
+                return False
+            reach = max(reach, o + b)
+        if reach < a:
+            return False
+    return True
 
 
 _STORES = frozenset(
