@@ -393,6 +393,9 @@ def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -
     if name == "random_bits" and threefry.rewritable(ins[0], eqn.params):
         REWRITTEN.add(name)
         return [threefry.threefry_bits(ins[0], tuple(eqn.params["shape"]))]
+    if name in UNIT_REDUCTIONS and ins[0].ndim and all(ins[0].shape[a] == 1 for a in eqn.params["axes"]):
+        REWRITTEN.add("unit_reduction")
+        return [jax.lax.reshape(ins[0], tuple(eqn.outvars[0].aval.shape))]
     if name == "dot_general":
         ragged = GROUPS.ragged_dot(eqn, ins)
         if ragged is not None:
@@ -405,6 +408,14 @@ def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -
     return outs
 
 
+UNIT_REDUCTIONS = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or"}
+)
+"""Reductions rewritten as a reshape when every reduced axis has size 1 (`x.sum(-1)` over a [M, 1] matmul
+result: a linear layer with one output, a gate): nothing is summed, and a reduction starts a region of its
+own where a reshape is layout the producer's kernel absorbs (26k's matmul and its epilogue became one
+kernel instead of two)."""
+
 CUMULATIVE = {"cumsum": "sum", "cummax": "max", "cummin": "min"}
 """Cumulative ops rewritten as a masked reduction over a square of the scanned axis (see below)."""
 
@@ -414,7 +425,8 @@ CUMULATIVE_MAX_LEN = 4096
 CUMULATIVE_MULTI_DIM_LEN = 512
 """Longest scanned axis of a multi-dim scan kept as one masked reduction (a chunked SSD's within-chunk cumsum
 of 64 to 256); a longer one (a cumulative log-decay over a whole 4096-long sequence, per batch and head) is
-scanned in chunks: its n^2 masked work per row was 9 ms of VPU and EUP time on v5e at [4, 64, 4096]."""
+scanned in chunks: its n^2 masked work per row is estimated at 9 ms of VPU and EUP time on v5e at
+[4, 64, 4096]."""
 
 CUMULATIVE_CHUNK = 128
 """Longest axis scanned as one masked reduction: each output element reads the whole axis (n² work), cheap
