@@ -401,6 +401,10 @@ def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -
         if ragged is not None:
             REWRITTEN.add("ragged_dot_general")
             return [ragged]
+        weighted = _weighted_sum_side(eqn, ins, in_facts)
+        if weighted is not None:
+            REWRITTEN.add("weighted_sum")
+            return [_dot_as_weighted_sum(eqn, ins, weighted)]
     out = eqn.primitive.bind(*ins, **eqn.params)
     outs = list(out) if eqn.primitive.multiple_results else [out]
     PERMUTATIONS.follow(eqn, ins, outs)
@@ -1042,6 +1046,63 @@ def _searchsorted_side(eqn: Any) -> str | None:
     if not cmp:
         return None
     return "right" if cmp[0].startswith("lt") else "left"
+
+
+WEIGHTED_SUM_MAX_K = 64
+"""Longest contraction (at the task's own shapes) of a batched matrix-vector product rewritten as a multiply
+and a sum (see below): a mixture's 8 to 64 experts, not a decode step's keys (hundreds and more at a real
+decode's shapes; the attention families read those as attention)."""
+
+
+def _weighted_sum_side(eqn: Any, ins: list[Any], in_facts: list[str | None]) -> int | None:
+    """Which operand (0: lhs, 1: rhs) of a dot_general is the weights of a weighted sum over a short axis,
+    or None. That operand has no free dims (only batch and contracting ones: per batch element, a vector),
+    the contraction is at most WEIGHTED_SUM_MAX_K long, and both are floating point: a mixture's combine
+    (`einsum('bsne,bsn->bse', expert_outputs, weights)` over 8 experts). As a matmul it is a product with
+    one output column per batch element and a contraction the width of a few sublanes: the MXU does no
+    reuse, and the batched-matmul layout puts the short contracted axis on the lanes (a [.., E, 8]
+    transpose of the other operand, padded to 128 lanes: 16x its bytes in HBM). Only where the other
+    operand's contraction is not along its last dim: contracted along its lanes (a decode step's q . k),
+    the matmul reads it in place and the attention families keep recognising it. Only where the data is
+    computed by the program (an input is read in place by the attention families' p . v)."""
+    lhs, rhs = ins
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if not all(jax.numpy.issubdtype(x.dtype, jax.numpy.floating) for x in (lhs, rhs, eqn.outvars[0].aval)):
+        return None
+    for side, (x, c, b) in enumerate([(lhs, lc, lb), (rhs, rc, rb)]):
+        other, other_c = ins[1 - side], (rc, lc)[side]
+        other_free = other.ndim - len(c) - len(b)
+        data_computed = in_facts[1 - side] != "input"
+        if len(c) + len(b) == x.ndim and other_free > 0 and other.ndim - 1 not in other_c and data_computed:
+            k = math.prod(lhs.shape[a] for a in lc)  # the task's own shapes decide; the others replay it
+            return (
+                side if SIZE_DECISIONS.decide("weighted_sum", lambda k=k: k <= WEIGHTED_SUM_MAX_K) else None
+            )
+    return None
+
+
+def _dot_as_weighted_sum(eqn: Any, ins: list[Any], side: int) -> Any:
+    """The dot_general as `sum_k data * weights` in the data operand's own layout: the weights are broadcast
+    against the data (batch dims to batch dims, contracted to contracted, 1 on the data's free dims), the
+    product is summed over the contracted dims in float32, and only the (small) result is transposed to
+    dot_general's order (batch dims, then the data's free dims)."""
+    import jax.numpy as jnp
+
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    w, data = ins[side], ins[1 - side]
+    wc, dc = (lc, rc) if side == 0 else (rc, lc)
+    wb, db = (lb, rb) if side == 0 else (rb, lb)
+    source = {d: a for d, a in zip([*db, *dc], [*wb, *wc], strict=True)}  # data axis -> weights axis
+    order = [source[d] for d in range(data.ndim) if d in source]
+    wt = jnp.transpose(w, order) if order != sorted(order) else w
+    wt = wt.reshape(tuple(data.shape[d] if d in source else 1 for d in range(data.ndim)))
+    acc = jnp.float32 if jnp.finfo(eqn.outvars[0].aval.dtype).bits <= 32 else eqn.outvars[0].aval.dtype
+    summed = jnp.sum(data.astype(acc) * wt.astype(acc), axis=tuple(dc))
+    kept = [d for d in range(data.ndim) if d not in dc]  # the result's dims, in the data's order
+    want = [*db, *(d for d in range(data.ndim) if d not in db and d not in dc)]
+    if kept != want:
+        summed = jnp.transpose(summed, [kept.index(d) for d in want])
+    return summed.astype(eqn.outvars[0].aval.dtype)
 
 
 def _searchsorted_as_count(sorted_arr: Any, query: Any, side: str, dtype: Any) -> Any:
