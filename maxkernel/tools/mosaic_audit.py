@@ -582,25 +582,34 @@ def _constant_bounds(op: Any) -> bool:
     return True
 
 
+def _visited(fn: Any, grid: tuple[int, ...], rank: int) -> set[tuple[int, ...]] | None:
+    """Every distinct index tuple a window's index map gives over the whole grid; None when the map cannot
+    be replayed or the grid is too long to replay whole."""
+    if (math.prod(grid) if grid else 1) > MAX_EXACT_STEPS:
+        return None
+    seen: set[tuple[int, ...]] = set()
+    for idx in _grid_chunks(grid, MAX_EXACT_STEPS):
+        outs = _eval_function(fn, idx[: len(grid)])
+        if outs is None or len(outs) != rank:
+            return None
+        n = len(idx[0])
+        cols = np.stack([np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,))
+                         for o in outs], axis=1)  # fmt: skip
+        seen.update(map(tuple, np.unique(cols, axis=0).tolist()))
+    return seen
+
+
 def _covers(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], array: tuple[int, ...]) -> bool | None:
     """Whether the block indices an output's index map gives over the whole grid cover every block of the
     array; None when the map cannot be replayed or the grid is too long to replay whole."""
     if len(block) != len(array) or any(b <= 0 for b in block):
         return None
-    if (math.prod(grid) if grid else 1) > MAX_EXACT_STEPS:
+    seen = _visited(fn, grid, len(block))
+    if seen is None:
         return None
     need = tuple(-(-a // b) for a, b in zip(array, block, strict=True))
-    seen: set[tuple[int, ...]] = set()
-    for idx in _grid_chunks(grid, MAX_EXACT_STEPS):
-        outs = _eval_function(fn, idx[: len(grid)])
-        if outs is None or len(outs) != len(block):
-            return None
-        n = len(idx[0])
-        cols = np.stack([np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,))
-                         for o in outs], axis=1)  # fmt: skip
-        inside = np.all((cols >= 0) & (cols < np.asarray(need)), axis=1)
-        seen.update(map(tuple, np.unique(cols[inside], axis=0).tolist()))
-    return len(seen) == math.prod(need)
+    inside = [t for t in seen if all(0 <= i < m for i, m in zip(t, need, strict=True))]
+    return len(inside) == math.prod(need)
 
 
 def _covers_elements(
@@ -614,17 +623,9 @@ def _covers_elements(
     pads = [int(v) for v in re.findall(r"-?\d+", kind)]
     if any(pads) or len(block) != len(array) or any(b <= 0 for b in block):
         return None
-    if (math.prod(grid) if grid else 1) > MAX_EXACT_STEPS:
+    seen = _visited(fn, grid, len(block))
+    if seen is None:
         return None
-    seen: set[tuple[int, ...]] = set()
-    for idx in _grid_chunks(grid, MAX_EXACT_STEPS):
-        outs = _eval_function(fn, idx[: len(grid)])
-        if outs is None or len(outs) != len(block):
-            return None
-        n = len(idx[0])
-        cols = np.stack([np.broadcast_to(np.asarray(o, np.int64).reshape(-1) if np.ndim(o) else o, (n,))
-                         for o in outs], axis=1)  # fmt: skip
-        seen.update(map(tuple, np.unique(cols, axis=0).tolist()))
     per_dim = [sorted({t[d] for t in seen}) for d in range(len(block))]
     if len(seen) != math.prod(len(v) for v in per_dim):
         return None  # offsets that are not a product of per-dim values: their union is not per-dim
