@@ -42,6 +42,21 @@ def test_a_withheld_estimate_says_why_there_is_no_speedup() -> None:
     assert "no measured or estimated speedup" in v["line"] and "withheld" in v["line"]
 
 
+def test_a_generation_without_a_reference_time_still_states_the_others() -> None:
+    """XLA's reference does not fit v5e's HBM: no speedup there, said with the reason, and v6e's figure."""
+    from maxkernel.tools.results import GenerationEstimate
+
+    r = _result(None, "compute")
+    assert r.estimate is not None
+    r.estimate.note = "reference cost model failed (v5e): XLA's own program for the reference does not fit"
+    r.estimate.by_generation = {
+        "v5e": GenerationEstimate(estimated_speedup=None, bound="compute"),
+        "v6e": GenerationEstimate(estimated_speedup=1.48, bound="compute"),
+    }
+    v = verdict(r)
+    assert v["outcome"] == "unknown" and "does not fit" in v["line"] and "estimated 1.48x on v6e" in v["line"]
+
+
 def test_a_generation_where_the_kernel_is_slower_is_said_so() -> None:
     """One kernel serves every targeted generation: faster on the first and slower on another is a mixed
     verdict, said per generation with the reason, never a plain "faster"."""

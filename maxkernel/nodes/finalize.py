@@ -132,8 +132,15 @@ def verdict(best: EvalResult | None) -> dict[str, Any]:
     bound = est.bound if est else None
     if speedup is None:
         why_not = f" ({est.note})" if est and est.note else ""  # e.g. an estimate withheld by the harness
+        others = {  # the headline generation has none (XLA cannot run the reference there): the others may
+            g: e.estimated_speedup
+            for g, e in ((est.by_generation or {}) if est else {}).items()
+            if e.estimated_speedup
+        }
+        elsewhere = "; ".join(f"estimated {s:.2f}x on {g}" for g, s in others.items())
         return {"outcome": "unknown", "kind": None, "speedup": None, "bound": bound,
-                "line": f"correct, but no measured or estimated speedup is available{why_not}"}  # fmt: skip
+                "line": f"correct, but no measured or estimated speedup is available{why_not}"
+                + (f"; {elsewhere} (estimates)" if elsewhere else "")}  # fmt: skip
     if speedup > FASTER_CLEARLY:
         outcome = "faster"
     elif speedup > 1.0:

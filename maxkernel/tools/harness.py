@@ -1033,7 +1033,12 @@ def _estimate_summary(
         cand_ests = {g: {"error": withheld} for g in gens}
         if warnings is not None:
             warnings.append(withheld)
-    summaries = {g: _generation_summary(g, cand_ests.get(g), cached_ref.get(g, judged.get(g))) for g in gens}
+    failed = judge.get("reference_estimate_errors")
+    failed = failed if isinstance(failed, dict) else {}
+    summaries = {
+        g: _generation_summary(g, cand_ests.get(g), cached_ref.get(g, judged.get(g)), failed.get(g))
+        for g in gens
+    }
     head = summaries[gens[0]]
     head.by_generation = {
         g: GenerationEstimate(
@@ -1078,7 +1083,7 @@ def _audit_claims(cand_ests: dict[str, Any], audit: Any, gens: list[str]) -> str
     return None
 
 
-def _generation_summary(gen: str, cand_est: Any, reference_s: Any) -> EstimateSummary:
+def _generation_summary(gen: str, cand_est: Any, reference_s: Any, failure: Any = None) -> EstimateSummary:
     summary = EstimateSummary(generation=gen, method="")
     notes = []
     if isinstance(cand_est, dict) and "error" not in cand_est:
@@ -1095,5 +1100,6 @@ def _generation_summary(gen: str, cand_est: Any, reference_s: Any) -> EstimateSu
         notes.append("the candidate's process reported no block-model estimate")
     reference_s = float(reference_s) if isinstance(reference_s, int | float) else None
     if reference_s is None:
-        notes.append("reference cost model failed")
+        why = str(failure)[:400] if isinstance(failure, str) and failure else ""
+        notes.append(f"reference cost model failed ({gen}): {why}" if why else "reference cost model failed")
     return with_reference(summary, reference_s, notes)

@@ -28,6 +28,7 @@ import base64
 import hashlib
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -134,10 +135,12 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     own = [InputConfig.model_validate(c) for c in task["configs"]]
     t0 = time.perf_counter()
     _warm_tpu_compiler(list(payload.get("tpu") or []))
+    failed: dict[str, str] = {}
     base["reference_estimated_seconds"] = {  # per generation the agent has no cached figure for
-        str(gen): _reference_estimate(ref, own[0], str(gen))
+        str(gen): _reference_estimate(ref, own[0], str(gen), failed)
         for gen in payload.get("reference_estimate_generations") or []
     }
+    base["reference_estimate_errors"] = failed
     seconds["judge_warmup"] = time.perf_counter() - t0
 
     message = sys.stdin.buffer.readline(MAX_PROGRAMS_BYTES)
@@ -533,7 +536,11 @@ def _raise_if_toolchain(exc: BaseException) -> None:
         raise ToolchainBroken(f"the TPU toolchain is incomplete: {type(exc).__name__}: {exc}") from exc
 
 
-def _reference_estimate(ref: taskcode.Reference, cfg: InputConfig, gen: str) -> float | None:
+def _reference_estimate(
+    ref: taskcode.Reference, cfg: InputConfig, gen: str, failed: dict[str, str] | None = None
+) -> float | None:
+    """The TPU compiler's estimate of the reference on `gen`; None when XLA cannot compile it there, with
+    the reason in `failed[gen]` (a reference whose temporaries exceed the generation's HBM has no time)."""
     import jax
 
     from maxkernel.tools.estimate import estimate_xla
@@ -542,8 +549,27 @@ def _reference_estimate(ref: taskcode.Reference, cfg: InputConfig, gen: str) -> 
     try:
         static = cfg.static
         return estimate_xla(lambda *d: ref.computation(*d, *static), specs, gen).estimated_seconds
-    except Exception:  # noqa: BLE001 - an estimate failing must not fail an accepted kernel
+    except Exception as exc:  # noqa: BLE001 - an estimate failing must not fail an accepted kernel
+        if failed is not None:
+            failed[gen] = reference_failure(exc)
         return None
+
+
+def reference_failure(exc: BaseException) -> str:
+    """Why XLA could not compile the reference for a generation, in a line: the HBM figures when it ran out
+    of memory (the compiler names them), else the error's first line."""
+    text = str(exc)
+    oom = re.search(
+        r"HLO temporaries \(([\d.]+\s*[KMGT]?i?B?)\) exceeds available HBM \(([\d.]+\s*[KMGT]?i?B?)\)", text
+    )
+    if "RESOURCE_EXHAUSTED" in text and oom:
+        return (
+            f"XLA's own program for the reference does not fit this generation's HBM ({oom.group(1)} of "
+            f"temporaries, {oom.group(2)} available): the reference cannot run there, so there is no speedup "
+            "to state"
+        )
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"XLA could not compile the reference for this generation: {type(exc).__name__}: {first}"[:300]
 
 
 def _measure(
