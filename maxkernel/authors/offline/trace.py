@@ -85,6 +85,31 @@ def _eval(
     for v, f in zip(jaxpr.invars, arg_facts or [None] * len(args), strict=True):
         if f is not None:
             facts[v] = f
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    concrete_memo: dict[Any, Any] = {}
+    dilated: dict[
+        Any, tuple[Any, list[tuple[int, int, int]]]
+    ] = {}  # zero-dilated value -> (input, pad config)
+
+    def concrete(v: Any) -> np.ndarray | None:
+        """The value of `v` when it is computed from literals alone (an index table built with iotas)."""
+        if isinstance(v, jcore.Literal):
+            return np.asarray(v.val)
+        if v not in concrete_memo:
+            concrete_memo[v] = None
+            e = producer.get(v)
+            if (
+                e is not None
+                and (e.primitive.name in CONST_OPS or e.primitive.name == "concatenate")
+                and len(e.outvars) == 1
+                and _size_of(e.outvars[0].aval) <= CONCRETE_MAX_ELEMS
+            ):
+                ins = [concrete(w) for w in e.invars]
+                if all(x is not None for x in ins):
+                    with jax.ensure_compile_time_eval():
+                        concrete_memo[v] = np.asarray(e.primitive.bind(*ins, **e.params))
+        return concrete_memo[v]
+
     casts = _CastMotion(jaxpr)
     outer = _OuterBroadcasts()
     moments = OnePassMoments(jaxpr, _one_pass_moments_decision)
@@ -126,6 +151,36 @@ def _eval(
         if deferrable:
             thunks[eqn.outvars[0]] = _thunk(eqn, read)
             continue
+        if (
+            eqn.primitive.name in ("scatter", "scatter-add", "scatter_add")
+            and fact_of(eqn.invars[0]) == "zeros"
+        ):
+            idx = concrete(eqn.invars[1])
+            grid = None if idx is None else _scatter_into_zeros_as_pad(eqn, read(eqn.invars[2]), idx)
+            if grid is not None:
+                REWRITTEN.add("scatter_into_zeros")
+                dilated[eqn.outvars[0]] = grid
+                env[eqn.outvars[0]] = jax.lax.pad(grid[0], np.zeros((), grid[0].dtype), grid[1])
+                continue
+        if (
+            eqn.primitive.name == "pad"
+            and fact_of(eqn.invars[1]) == "zeros"
+            or (
+                eqn.primitive.name == "pad"
+                and isinstance(eqn.invars[1], jcore.Literal)
+                and eqn.invars[1].val == 0
+            )
+        ):
+            config = [tuple(int(c) for c in p) for p in eqn.params["padding_config"]]
+            if any(c[2] for c in config):
+                dilated[eqn.outvars[0]] = (read(eqn.invars[0]), config)
+        if eqn.primitive.name == "conv_general_dilated" and eqn.invars[0] in dilated:
+            x, config = dilated[eqn.invars[0]]
+            conv = _dilated_conv(eqn, x, config, read(eqn.invars[1]))
+            if conv is not None:
+                REWRITTEN.add("transposed_conv")
+                env[eqn.outvars[0]] = conv
+                continue
         ins = [read(v) for v in eqn.invars]
         outs = _apply(eqn, ins, [fact_of(v) for v in eqn.invars])
         for v, o in zip(eqn.outvars, outs, strict=True):
@@ -366,7 +421,10 @@ def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -
     if name in WINDOW_REDUCTIONS and _pool_splits(eqn):
         REWRITTEN.add(name)
         return [_pool_as_split(ins[0], eqn)]
-    if name == "conv_general_dilated" and not _direct_conv_decision(eqn, ins):
+    if name == "conv_general_dilated" and any(int(d) != 1 for d in eqn.params.get("lhs_dilation") or ()):
+        REWRITTEN.add("transposed_conv")
+        return [_transposed_conv_as_phases(ins[0], ins[1], eqn.params)]
+    if name == "conv_general_dilated" and not _direct_conv_decision(eqn.params, ins[0], ins[1]):
         REWRITTEN.add(name)
         return [_conv_as_patches(ins[0], ins[1], eqn.params)]
     if name == "sort":
@@ -598,6 +656,104 @@ def _scatter_as_masked_reduce(
         found = lax.broadcast_in_dim(lax.ge(last, jnp.zeros((), jnp.int32)), moved.shape, (0,))
         out = lax.select(found, val, moved)
     return jnp.moveaxis(out, 0, d) if d else out
+
+
+def _strided_grid(idx: np.ndarray, n_scatter: int) -> list[tuple[int, int, int]] | None:
+    """For scatter indices `idx` (index vector last) that form a cartesian grid of arithmetic progressions,
+    `(axis, offset, stride)` per index component: component j is `offset + stride * arange(n)` along batch
+    axis `axis` and constant along the others. None for any other index set."""
+    if idx.ndim != n_scatter + 1 or idx.shape[-1] != n_scatter or idx.size == 0:
+        return None
+    grid: list[tuple[int, int, int]] = []
+    for j in range(n_scatter):
+        comp = idx[..., j].astype(np.int64)
+        axes = [a for a in range(n_scatter) if comp.shape[a] > 1 and not np.all(np.diff(comp, axis=a) == 0)]
+        if len(axes) > 1:
+            return None
+        axis = axes[0] if axes else next((a for a in range(n_scatter) if a not in [g[0] for g in grid]), None)
+        if axis is None:
+            return None
+        line = np.moveaxis(comp, axis, 0).reshape(comp.shape[axis], -1)[:, 0]
+        stride = int(line[1] - line[0]) if line.size > 1 else 1
+        if stride < 1 or not np.array_equal(line, line[0] + stride * np.arange(line.size)):
+            return None
+        grid.append((axis, int(line[0]), stride))
+    if sorted(g[0] for g in grid) != list(range(n_scatter)):
+        return None
+    return grid
+
+
+def _scatter_into_zeros_as_pad(
+    eqn: Any, updates: Any, idx: np.ndarray
+) -> tuple[Any, list[tuple[int, int, int]]] | None:
+    """A scatter (set or add) onto zeros at a strided grid of points, each writing a whole window along the
+    other dims, as `lax.pad` with interior padding: `zeros.at[:, ::2, ::2].set(x)` is `x` with one zero
+    between neighbours, the input dilation of a transposed convolution. Exact (each point is written once;
+    everything else stays zero), and layout work XLA fuses instead of a data-dependent write. Returns the
+    updates laid out in the operand's dim order and the padding config; None when the scatter is not of
+    that form."""
+    from jax import lax
+
+    dn = eqn.params["dimension_numbers"]
+    operand = eqn.invars[0].aval
+    scattered = [int(d) for d in dn.scatter_dims_to_operand_dims]
+    if tuple(getattr(dn, "operand_batching_dims", ())) or sorted(scattered) != sorted(
+        dn.inserted_window_dims
+    ):
+        return None
+    grid = _strided_grid(idx, len(scattered))
+    if grid is None:
+        return None
+    window_dims = [int(d) for d in dn.update_window_dims]
+    upd_scatter = [k for k in range(updates.ndim) if k not in window_dims]  # in index batch-axis order
+    kept = [d for d in range(len(operand.shape)) if d not in scattered]
+    if len(kept) != len(window_dims) or len(upd_scatter) != len(scattered):
+        return None
+    perm, config = [], []
+    for d in range(len(operand.shape)):
+        size = int(operand.shape[d])
+        if d in kept:
+            k = window_dims[kept.index(d)]
+            if int(updates.shape[k]) != size:
+                return None  # a partial window: not a dilation of the whole
+            perm.append(k)
+            config.append((0, 0, 0))
+            continue
+        axis, offset, stride = grid[scattered.index(d)]
+        k = upd_scatter[axis]
+        n = int(updates.shape[k])
+        last = offset + stride * (n - 1)
+        if offset < 0 or last >= size:
+            return None  # some points fall outside: FILL_OR_DROP / CLIP semantics, not a pad
+        perm.append(k)
+        config.append((offset, size - 1 - last, stride - 1))
+    arranged = lax.transpose(updates, tuple(perm)) if perm != list(range(updates.ndim)) else updates
+    return arranged.astype(operand.dtype), config
+
+
+def _dilated_conv(eqn: Any, x: Any, config: list[tuple[int, int, int]], w: Any) -> Any | None:
+    """A convolution of `pad(x, config)` whose spatial padding is interior (`x` dilated with zeros, as a
+    transposed convolution is written by hand) as the input-dilated convolution of `x` it is, decomposed by
+    `_transposed_conv_as_phases`; None when the pad is not of that form."""
+    params = eqn.params
+    dn = params["dimension_numbers"]
+    spatial = list(dn.lhs_spec[2:])
+    if any(config[d] != (0, 0, 0) for d in dn.lhs_spec[:2]) or any(min(config[d]) < 0 for d in spatial):
+        return None
+    if any(int(d) != 1 for d in params.get("lhs_dilation") or ()):
+        return None
+    dilation = tuple(config[d][2] + 1 for d in spatial)
+    if all(d == 1 for d in dilation):
+        return None
+    padding = tuple(
+        (int(lo) + config[d][0], int(hi) + config[d][1])
+        for (lo, hi), d in zip(params["padding"], spatial, strict=True)
+    )
+    return _transposed_conv_as_phases(x, w, dict(params, lhs_dilation=dilation, padding=padding))
+
+
+CONCRETE_MAX_ELEMS = 1 << 20
+"""Largest constant index array `_eval` computes while tracing to match a scatter's index pattern."""
 
 
 SORT_MAX_LEN = 1 << 17
@@ -1217,15 +1373,97 @@ class _SizeDecisions:
 SIZE_DECISIONS = _SizeDecisions()
 
 
-def _direct_conv_decision(eqn: Any, ins: list[Any]) -> bool:
+def _direct_conv_decision(params: dict[str, Any], x: Any, w: Any) -> bool:
     if not SIZE_DECISIONS.direct_conv:
         return False
     return SIZE_DECISIONS.decide(
         "direct_conv",
-        lambda: direct_conv_ok(
-            eqn.params, tuple(ins[0].shape), np.dtype(ins[0].dtype).itemsize, tuple(ins[1].shape)
-        ),
+        lambda: direct_conv_ok(params, tuple(x.shape), np.dtype(x.dtype).itemsize, tuple(w.shape)),
     )
+
+
+def _conv(x: Any, w: Any, params: dict[str, Any]) -> Any:
+    """A stride-1 convolution as `_apply` lowers one: kept whole for the conv family, or as patches."""
+    from jax import lax
+
+    if _direct_conv_decision(params, x, w):
+        return lax.conv_general_dilated_p.bind(x, w, **params)
+    REWRITTEN.add("conv_general_dilated")
+    return _conv_as_patches(x, w, params)
+
+
+def _transposed_conv_as_phases(x: Any, w: Any, params: dict[str, Any]) -> Any:
+    """An input-dilated (transposed) convolution as one stride-1 convolution of the undilated input per output
+    phase, interleaved. With dilation s along a dim, output `s*q + r` only meets the kernel taps `k0 + s*t`
+    whose dilated input position is a real element (`k0 = (lo - r) mod s`), and those read input `q + t + e`
+    (`e = (r + k0 - lo) / s`): a plain convolution with the kernel's every s-th tap. The zeros the dilation
+    inserts are never multiplied (a stride-2 3-D transposed convolution did 8x its useful MXU work), and
+    each phase is a convolution the conv family takes. The phases' results are stacked and interleaved
+    (layout), then cropped to the output size. Exact: every product of the original is computed once, in
+    the same float32 accumulation."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    dn = params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    nsp = len(lhs_spec) - 2
+    dil = [int(d) for d in params["lhs_dilation"]]
+    rdil = params.get("rhs_dilation") or (1,) * nsp
+    if any(int(st) != 1 for st in params["window_strides"]) or any(int(d) != 1 for d in rdil):
+        raise Unsupported("a transposed convolution with window strides or kernel dilation")
+    if params.get("batch_group_count", 1) != 1:
+        raise Unsupported("a convolution with batch_group_count > 1")
+    n = [int(x.shape[lhs_spec[2 + i]]) for i in range(nsp)]
+    k = [int(w.shape[rhs_spec[2 + i]]) for i in range(nsp)]
+    lo = [int(p[0]) for p in params["padding"]]
+    hi = [int(p[1]) for p in params["padding"]]
+    out_len = [(n[i] - 1) * dil[i] + 1 + lo[i] + hi[i] - k[i] + 1 for i in range(nsp)]
+    if any(o <= 0 for o in out_len):
+        raise Unsupported("a transposed convolution with an empty output")
+    q = [-(-out_len[i] // dil[i]) for i in range(nsp)]
+    plain = dict(params, lhs_dilation=(1,) * nsp, padding=tuple((0, 0) for _ in range(nsp)))
+    phases = []
+    for r in itertools.product(*[range(d) for d in dil]):
+        pad_x = [(0, 0, 0)] * x.ndim
+        w_start, w_limit, w_step = [0] * w.ndim, list(w.shape), [1] * w.ndim
+        taps_everywhere = True
+        for i in range(nsp):
+            k0 = (lo[i] - r[i]) % dil[i]
+            taps = -(-(k[i] - k0) // dil[i]) if k0 < k[i] else 0
+            taps_everywhere &= taps > 0
+            e = (r[i] + k0 - lo[i]) // dil[i]
+            pad_x[lhs_spec[2 + i]] = (-e, (q[i] - 1 + max(taps, 1) - 1 + e) - (n[i] - 1), 0)
+            w_start[rhs_spec[2 + i]], w_step[rhs_spec[2 + i]] = k0, dil[i]
+            w_limit[rhs_spec[2 + i]] = min(k[i], k0 + dil[i] * (taps - 1) + 1) if taps else k0
+        if not taps_everywhere:  # no tap of the kernel lands on this phase: its outputs are zero
+            shape = [0] * x.ndim
+            shape[out_spec[0]], shape[out_spec[1]] = int(x.shape[lhs_spec[0]]), int(w.shape[rhs_spec[0]])
+            for i in range(nsp):
+                shape[out_spec[2 + i]] = q[i]
+            phases.append(lax.full(shape, 0, params.get("preferred_element_type") or x.dtype))
+            continue
+        wp = lax.slice(w, w_start, w_limit, w_step)
+        spatial = [pad_x[lhs_spec[2 + i]][:2] for i in range(nsp)]
+        if all(p >= 0 for lo_hi in spatial for p in lo_hi):  # the convolution pads (in its kernel's halo)
+            phases.append(_conv(x, wp, dict(plain, padding=tuple(spatial))))
+        else:
+            phases.append(_conv(lax.pad(x, jnp.zeros((), x.dtype), pad_x), wp, plain))
+    # (phases..., out dims) -> out dims with each spatial dim (Q, s) merged, Q major
+    y = lax.concatenate([lax.expand_dims(p, (0,)) for p in phases], 0).reshape(*dil, *phases[0].shape)
+    perm: list[int] = []
+    for d in range(phases[0].ndim):
+        perm.append(nsp + d)
+        if d in out_spec[2:]:
+            perm.append(list(out_spec[2:]).index(d))
+    y = lax.transpose(y, perm)
+    full = list(phases[0].shape)
+    for i in range(nsp):
+        full[out_spec[2 + i]] = q[i] * dil[i]
+    y = y.reshape(full)
+    crop = list(full)
+    for i in range(nsp):
+        crop[out_spec[2 + i]] = out_len[i]
+    return lax.slice(y, [0] * y.ndim, crop) if crop != full else y
 
 
 def _one_pass_moments_decision(conv: Any, count: int, grouped: bool) -> bool:
@@ -1606,6 +1844,10 @@ def trace_reference(
     return t
 
 
+def _size_of(aval: Any) -> int:
+    return int(math.prod(getattr(aval, "shape", ()) or ()))
+
+
 def _np_dtype(name: str) -> Any:
     import ml_dtypes
 
@@ -1735,6 +1977,16 @@ def _candidates(integer: bool, atoms: list[Atom]) -> Any:
                 f"{a.code} * {b.code} * {c.code}",
                 tuple(x * y * z for x, y, z in zip(a.values, b.values, c.values, strict=True)),
             )
+        # a dim scaled and shifted: the extent of a transposed convolution's output (s * n + c) and of its
+        # phases interleaved (`_transposed_conv_as_phases`)
+        for a in dims:
+            for k in (2, 3, 4):
+                for j in range(-8, 9):
+                    if j:
+                        yield (
+                            f"{k} * {a.code} {'+' if j > 0 else '-'} {abs(j)}",
+                            tuple(k * x + j for x in a.values),
+                        )
         # padding up to a whole number of chunks (the two-level cumulative rewrite): last, so it never
         # shadows a form above
         for a in dims:
