@@ -113,19 +113,25 @@ def test_the_dilated_program_is_a_correct_kernel(fn, shapes) -> None:
 
 
 @pytest.mark.parametrize(
-    ("xs", "ws", "strides", "padding"),
+    ("xs", "ws", "strides", "padding", "rhs_dilation"),
     [
-        ((2, 7, 9, 4), (3, 3, 4, 5), (2, 2), "SAME"),
-        ((2, 7, 9, 4), (4, 4, 4, 5), (2, 2), "VALID"),
-        ((1, 5, 6, 3), (3, 2, 3, 2), (3, 2), ((1, 2), (0, 1))),  # a phase with no tap along one dim
-        ((2, 4, 5, 6, 3), (4, 4, 4, 3, 2), (2, 2, 2), ((2, 2), (2, 2), (2, 2))),
+        ((2, 7, 9, 4), (3, 3, 4, 5), (2, 2), "SAME", None),
+        ((2, 7, 9, 4), (4, 4, 4, 5), (2, 2), "VALID", None),
+        ((1, 5, 6, 3), (3, 2, 3, 2), (3, 2), ((1, 2), (0, 1)), None),  # a phase with no tap along one dim
+        ((2, 4, 5, 6, 3), (4, 4, 4, 3, 2), (2, 2, 2), ((2, 2), (2, 2), (2, 2)), None),
+        # kernel dilation: coprime with the stride, a multiple of it, and sharing a factor with it
+        ((1, 6, 5, 3), (3, 2, 3, 2), (3, 2), ((1, 2), (2, 1)), (2, 3)),
+        ((1, 6, 5, 3), (2, 3, 3, 2), (2, 4), "VALID", (4, 2)),
+        ((2, 7, 9, 4), (3, 3, 4, 5), (2, 2), "SAME", (2, 2)),
     ],
 )
-def test_a_transposed_convolution_is_one_plain_convolution_per_phase(xs, ws, strides, padding) -> None:
+def test_a_transposed_convolution_is_one_plain_convolution_per_phase(
+    xs, ws, strides, padding, rhs_dilation
+) -> None:
     dn = ("NHWC", "HWIO", "NHWC") if len(xs) == 4 else ("NDHWC", "DHWIO", "NDHWC")
 
     def fn(x, w):
-        return lax.conv_transpose(x, w, strides, padding, dimension_numbers=dn)
+        return lax.conv_transpose(x, w, strides, padding, rhs_dilation=rhs_dilation, dimension_numbers=dn)
 
     specs = [jax.ShapeDtypeStruct(xs, jnp.float32), jax.ShapeDtypeStruct(ws, jnp.float32)]
     flat = flatten(fn, specs)

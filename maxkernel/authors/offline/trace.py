@@ -1396,7 +1396,9 @@ def _transposed_conv_as_phases(x: Any, w: Any, params: dict[str, Any]) -> Any:
     """An input-dilated (transposed) convolution as one stride-1 convolution of the undilated input per output
     phase, interleaved. With dilation s along a dim, output `s*q + r` only meets the kernel taps `k0 + s*t`
     whose dilated input position is a real element (`k0 = (lo - r) mod s`), and those read input `q + t + e`
-    (`e = (r + k0 - lo) / s`): a plain convolution with the kernel's every s-th tap. The zeros the dilation
+    (`e = (r + k0 - lo) / s`): a plain convolution with the kernel's every s-th tap. With kernel dilation d
+    the taps `k` with `d*k = lo - r (mod s)` are every `s/g`-th (`g = gcd(d, s)`; none when g does not
+    divide `lo - r`), read with dilation `d/g`. The zeros the dilation
     inserts are never multiplied (a stride-2 3-D transposed convolution did 8x its useful MXU work), and
     each phase is a convolution the conv family takes. The phases' results are stacked and interleaved
     (layout), then cropped to the output size. Exact: every product of the original is computed once, in
@@ -1408,33 +1410,46 @@ def _transposed_conv_as_phases(x: Any, w: Any, params: dict[str, Any]) -> Any:
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     nsp = len(lhs_spec) - 2
     dil = [int(d) for d in params["lhs_dilation"]]
-    rdil = params.get("rhs_dilation") or (1,) * nsp
-    if any(int(st) != 1 for st in params["window_strides"]) or any(int(d) != 1 for d in rdil):
-        raise Unsupported("a transposed convolution with window strides or kernel dilation")
+    rdil = [int(d) for d in (params.get("rhs_dilation") or (1,) * nsp)]
+    if any(int(st) != 1 for st in params["window_strides"]):
+        raise Unsupported("a transposed convolution with window strides (an input-dilated, strided convolution)")
     if params.get("batch_group_count", 1) != 1:
         raise Unsupported("a convolution with batch_group_count > 1")
     n = [int(x.shape[lhs_spec[2 + i]]) for i in range(nsp)]
     k = [int(w.shape[rhs_spec[2 + i]]) for i in range(nsp)]
     lo = [int(p[0]) for p in params["padding"]]
     hi = [int(p[1]) for p in params["padding"]]
-    out_len = [(n[i] - 1) * dil[i] + 1 + lo[i] + hi[i] - k[i] + 1 for i in range(nsp)]
+    out_len = [(n[i] - 1) * dil[i] + 1 + lo[i] + hi[i] - (k[i] - 1) * rdil[i] for i in range(nsp)]
     if any(o <= 0 for o in out_len):
         raise Unsupported("a transposed convolution with an empty output")
     q = [-(-out_len[i] // dil[i]) for i in range(nsp)]
-    plain = dict(params, lhs_dilation=(1,) * nsp, padding=tuple((0, 0) for _ in range(nsp)))
+    gcd = [math.gcd(rdil[i], dil[i]) for i in range(nsp)]
+    step = [dil[i] // gcd[i] for i in range(nsp)]  # kernel taps apart within one phase
+    plain = dict(
+        params,
+        lhs_dilation=(1,) * nsp,
+        padding=tuple((0, 0) for _ in range(nsp)),
+        rhs_dilation=tuple(rdil[i] // gcd[i] for i in range(nsp)),
+    )
     phases = []
     for r in itertools.product(*[range(d) for d in dil]):
         pad_x = [(0, 0, 0)] * x.ndim
         w_start, w_limit, w_step = [0] * w.ndim, list(w.shape), [1] * w.ndim
         taps_everywhere = True
         for i in range(nsp):
-            k0 = (lo[i] - r[i]) % dil[i]
-            taps = -(-(k[i] - k0) // dil[i]) if k0 < k[i] else 0
+            want = (lo[i] - r[i]) % dil[i]  # d * k0 = want (mod s)
+            if want % gcd[i]:
+                k0, taps = 0, 0
+            else:
+                unit = rdil[i] // gcd[i]
+                k0 = (want // gcd[i]) * pow(unit, -1, step[i]) % step[i] if step[i] > 1 else 0
+                taps = -(-(k[i] - k0) // step[i]) if k0 < k[i] else 0
             taps_everywhere &= taps > 0
-            e = (r[i] + k0 - lo[i]) // dil[i]
-            pad_x[lhs_spec[2 + i]] = (-e, (q[i] - 1 + max(taps, 1) - 1 + e) - (n[i] - 1), 0)
-            w_start[rhs_spec[2 + i]], w_step[rhs_spec[2 + i]] = k0, dil[i]
-            w_limit[rhs_spec[2 + i]] = min(k[i], k0 + dil[i] * (taps - 1) + 1) if taps else k0
+            e = (r[i] + rdil[i] * k0 - lo[i]) // dil[i]
+            reach = (rdil[i] // gcd[i]) * (max(taps, 1) - 1)  # input positions one phase output spans
+            pad_x[lhs_spec[2 + i]] = (-e, (q[i] - 1 + reach + e) - (n[i] - 1), 0)
+            w_start[rhs_spec[2 + i]], w_step[rhs_spec[2 + i]] = k0, step[i]
+            w_limit[rhs_spec[2 + i]] = min(k[i], k0 + step[i] * (taps - 1) + 1) if taps else k0
         if not taps_everywhere:  # no tap of the kernel lands on this phase: its outputs are zero
             shape = [0] * x.ndim
             shape[out_spec[0]], shape[out_spec[1]] = int(x.shape[lhs_spec[0]]), int(w.shape[rhs_spec[0]])
