@@ -410,3 +410,41 @@ def test_the_file_cap_holds_the_judges_float32_copies() -> None:
         _output_cap(SimpleNamespace(validation_configs=[f32]), SimpleNamespace(input_sets=sets), None)
         < cap_mb
     )
+
+
+def test_the_file_cap_grows_the_larger_checks_outputs_with_its_inputs() -> None:
+    """A 3-D transposed convolution: its output dims (2n + 1) are not input dims, so the larger check's mapped
+    output keeps the validation size there, while the judge's real output grows 8x. The cap counts every
+    output at least as grown as the inputs, so that real output fits (KernelBench 77 failed "File too large")."""
+    from types import SimpleNamespace
+
+    import jax
+    from jax import lax
+
+    from maxkernel.tools.harness import _output_cap
+    from maxkernel.tools.results import ArraySpec, InputConfig
+
+    def out_shape(xs, ws):
+        f = lambda x, w: lax.conv_transpose(
+            x, w, (2, 2, 2), "VALID", dimension_numbers=("NCDHW", "OIDHW", "NCDHW")
+        )  # noqa: E731
+        return jax.eval_shape(
+            f, jax.ShapeDtypeStruct(xs, "float32"), jax.ShapeDtypeStruct(ws, "float32")
+        ).shape
+
+    def cfg(xs, ws, outs=None):
+        return InputConfig(
+            dynamic=[ArraySpec(shape=xs, dtype="float32"), ArraySpec(shape=ws, dtype="float32")],
+            outputs=[ArraySpec(shape=outs or out_shape(xs, ws), dtype="float32")],
+            atol=1e-2,
+            rtol=1e-2,
+        )
+
+    val = cfg((8, 8, 8, 8, 8), (16, 8, 3, 3, 3))  # output (8, 16, 17, 17, 17)
+    # the larger check as `larger_config` maps it: the input dims 8 -> 16 and 16 -> 32, the output's 17s kept
+    mapped = cfg((16, 16, 16, 16, 16), (32, 16, 3, 3, 3), outs=(16, 32, 17, 17, 17))
+    real = cfg((16, 16, 16, 16, 16), (32, 16, 3, 3, 3))  # output (16, 32, 33, 33, 33)
+    task = SimpleNamespace(validation_configs=[val])
+    cap_mb = _output_cap(task, SimpleNamespace(input_sets=1), mapped)
+    # the judge writes the larger check's inputs and outputs twice (its own copy and the candidate's)
+    assert cap_mb >= 2 * (real.input_bytes() + real.output_bytes()) / 2**20

@@ -369,8 +369,25 @@ def _output_cap(task: KernelTask, options: EvalOptions, larger: InputConfig | No
     `precise.npz` of a bf16 task whose outputs dwarf its inputs overran it, and the evaluation ended as
     "the judge (reference) failed: File too large" - the machine's limit charged to the task."""
     per_set = sum(_set_bytes(c) for c in task.validation_configs)
-    extra = 2 * _set_bytes(larger) if larger is not None else 0
+    extra = 2 * _larger_set_bytes(task, larger) if larger is not None else 0
     return max(64, (2 * per_set * options.input_sets + extra >> 20) + 32)
+
+
+def _larger_set_bytes(task: KernelTask, larger: InputConfig) -> int:
+    """`_set_bytes` of the larger check, whose output shapes are the validation outputs' mapped dim by dim
+    (`larger_config`): an output dim that is not an input dim (a transposed convolution's 2n + 1) keeps
+    its validation size there, though the judge's real output grows with the inputs. So each output is
+    counted at least as grown as the inputs are (a 3-D transposed convolution checked at 2x every dim
+    wrote 8x the bytes the mapped shape said, over the file cap: "File too large")."""
+    mapped = _set_bytes(larger)
+    if not task.validation_configs:
+        return mapped
+    val = task.validation_configs[0]
+    growth = larger.input_bytes() / max(1, val.input_bytes())
+    grown = val.output_bytes() * growth + sum(
+        PRECISE_COPIES * a.size * 4 * growth for a in val.outputs if low_precision_float(str(a.dtype))
+    )
+    return max(mapped, larger.input_bytes() + int(grown))
 
 
 def _run(
