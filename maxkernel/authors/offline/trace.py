@@ -1995,13 +1995,10 @@ def _candidates(integer: bool, atoms: list[Atom]) -> Any:
         # a dim scaled and shifted: the extent of a transposed convolution's output (s * n + c) and of its
         # phases interleaved (`_transposed_conv_as_phases`)
         for a in dims:
-            for k in (2, 3, 4):
+            for k in range(2, 9):
                 for j in range(-8, 9):
-                    if j:
-                        yield (
-                            f"{k} * {a.code} {'+' if j > 0 else '-'} {abs(j)}",
-                            tuple(k * x + j for x in a.values),
-                        )
+                    shift = f" {'+' if j > 0 else '-'} {abs(j)}" if j else ""
+                    yield f"{k} * {a.code}{shift}", tuple(k * x + j for x in a.values)
         # padding up to a whole number of chunks (the two-level cumulative rewrite): last, so it never
         # shadows a form above
         for a in dims:
