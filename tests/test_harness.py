@@ -425,9 +425,9 @@ def test_the_file_cap_grows_the_larger_checks_outputs_with_its_inputs() -> None:
     from maxkernel.tools.results import ArraySpec, InputConfig
 
     def out_shape(xs, ws):
-        f = lambda x, w: lax.conv_transpose(
-            x, w, (2, 2, 2), "VALID", dimension_numbers=("NCDHW", "OIDHW", "NCDHW")
-        )  # noqa: E731
+        def f(x, w):
+            return lax.conv_transpose(x, w, (2, 2, 2), "VALID", dimension_numbers=("NCDHW", "OIDHW", "NCDHW"))
+
         return jax.eval_shape(
             f, jax.ShapeDtypeStruct(xs, "float32"), jax.ShapeDtypeStruct(ws, "float32")
         ).shape

@@ -1412,7 +1412,9 @@ def _transposed_conv_as_phases(x: Any, w: Any, params: dict[str, Any]) -> Any:
     dil = [int(d) for d in params["lhs_dilation"]]
     rdil = [int(d) for d in (params.get("rhs_dilation") or (1,) * nsp)]
     if any(int(st) != 1 for st in params["window_strides"]):
-        raise Unsupported("a transposed convolution with window strides (an input-dilated, strided convolution)")
+        raise Unsupported(
+            "a transposed convolution with window strides (an input-dilated, strided convolution)"
+        )
     if params.get("batch_group_count", 1) != 1:
         raise Unsupported("a convolution with batch_group_count > 1")
     n = [int(x.shape[lhs_spec[2 + i]]) for i in range(nsp)]
