@@ -15,6 +15,7 @@ from langchain_core.messages import AnyMessage
 from langgraph.graph.message import add_messages
 from pydantic import BaseModel, Field
 
+from maxkernel.authors.base import Attempt as AuthorAttempt
 from maxkernel.authors.base import Plan
 from maxkernel.strategies import strategy_names
 from maxkernel.tools.results import SCORE_KINDS, SCORE_RANKS, EvalResult, ScoreKind, ranking_speedup
@@ -54,27 +55,24 @@ class Usage(BaseModel):
     started_at: float = Field(0.0, description="time.time() when prepare ran")
 
 
-class Attempt(BaseModel):
-    """One evaluated kernel: enough to route, to report and to feed back to an author."""
+class Attempt(AuthorAttempt):
+    """One evaluated kernel: enough to route, to report and to feed back to an author. It extends the
+    author's view of an attempt (`authors.base.Attempt`) with what the graph routes and reports by, so the
+    history an author is given is the graph's own records, not copies of them."""
 
     iteration: int
-    kind: Literal["baseline", "implement", "repair", "tune", "human"]
+    kind: Literal["baseline", "implement", "repair", "tune", "human"]  # type: ignore[assignment]
     source_hash: str
     source_path: str
     stage: str = Field(description="'accepted' or the stage the harness stopped at")
-    message: str = ""
     correct: bool = False
     compiled: bool = False
     uses_pallas: bool = False
-    accepted: bool = False
-    config: dict[str, Any] | None = None
-    estimated_seconds: float | None = None
     estimated_speedup: float | None = None
     estimated_speedup_by_generation: dict[str, float | None] = Field(
         default_factory=dict, description="every targeted generation's estimated speedup, the first included"
     )
     estimated_bound: str | None = Field(None, description="memory / compute / overhead, per the block model")
-    measured_seconds: float | None = None
     measured_speedup: float | None = None
 
     def score(self) -> tuple[int, float]:

@@ -200,8 +200,8 @@ class ToolRequest(BaseModel):
 
 
 class Attempt(BaseModel):
-    """One evaluated kernel as an author sees it. Extra fields (the graph's richer record) are ignored, so
-    `Attempt.model_validate(graph_attempt.model_dump())` works."""
+    """One evaluated kernel as an author sees it. The graph's record (`maxkernel.state.Attempt`) extends this
+    class, so the graph hands its own attempts to an author as they are."""
 
     model_config = ConfigDict(extra="ignore")
 

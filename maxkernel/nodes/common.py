@@ -13,7 +13,6 @@ from typing import Any
 
 from langgraph.config import get_config
 
-from maxkernel.authors.base import Attempt as AuthorAttempt
 from maxkernel.authors.base import Author, AuthorContext, Plan, RunBudget
 from maxkernel.context import AuthorKind, Context
 from maxkernel.state import AgentState, Attempt
@@ -92,7 +91,7 @@ def author_context(state: AgentState, ctx: Context, *, feedback: str | None = No
         feedback=feedback if feedback is not None else (state.feedback or ""),
         starting_source=starting,
         strategy=state.strategy,
-        history=[AuthorAttempt.model_validate(a.model_dump()) for a in state.attempts],
+        history=list(state.attempts),
         profile=state.trace_summary,
         plan_text=state.plan.text if state.plan else None,
         tried_strategies=[s for s in (*state.tried_strategies, state.strategy) if s],

@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 from langgraph.runtime import Runtime
 
-from maxkernel.authors.base import Attempt as AuthorAttempt
 from maxkernel.authors.base import AuthorError, BudgetSpent
 from maxkernel.context import Context
 from maxkernel.nodes.common import author_context, author_for, budget_exhausted, usage_of, usage_update
@@ -31,7 +30,7 @@ def reflect(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
     elif (spent := budget_exhausted(state)) is not None:
         stop = spent
     if stop is None:
-        history = [AuthorAttempt.model_validate(a.model_dump()) for a in state.attempts]
+        history = list(state.attempts)
         try:
             decision = author.reflect(author_context(state, ctx), history)
         except BudgetSpent as exc:

@@ -8,7 +8,6 @@ from typing import Literal
 from langgraph.runtime import Runtime
 from langgraph.types import Command
 
-from maxkernel.authors.base import Attempt as AuthorAttempt
 from maxkernel.authors.base import AuthorError, BudgetSpent, ToolRequest
 from maxkernel.context import Context
 from maxkernel.nodes.common import (
@@ -35,9 +34,7 @@ def repair(
     failure = f"{r.error.stage}: {r.error.message}" if r.error else "not accepted"
     if state.feedback and state.feedback not in failure:
         failure += "\n" + state.feedback
-    history = [
-        AuthorAttempt.model_validate(a.model_dump()) for a in state.attempts if a.iteration == state.iteration
-    ]
+    history = [a for a in state.attempts if a.iteration == state.iteration]
     try:
         draft = author.repair(
             author_context(state, ctx),
