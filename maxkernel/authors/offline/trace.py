@@ -102,7 +102,7 @@ def _eval(
                 e is not None
                 and (e.primitive.name in CONST_OPS or e.primitive.name == "concatenate")
                 and len(e.outvars) == 1
-                and _size_of(e.outvars[0].aval) <= CONCRETE_MAX_ELEMS
+                and math.prod(e.outvars[0].aval.shape) <= CONCRETE_MAX_ELEMS
             ):
                 ins = [concrete(w) for w in e.invars]
                 if all(x is not None for x in ins):
@@ -162,14 +162,9 @@ def _eval(
                 dilated[eqn.outvars[0]] = grid
                 env[eqn.outvars[0]] = jax.lax.pad(grid[0], np.zeros((), grid[0].dtype), grid[1])
                 continue
-        if (
-            eqn.primitive.name == "pad"
-            and fact_of(eqn.invars[1]) == "zeros"
-            or (
-                eqn.primitive.name == "pad"
-                and isinstance(eqn.invars[1], jcore.Literal)
-                and eqn.invars[1].val == 0
-            )
+        if eqn.primitive.name == "pad" and (
+            fact_of(eqn.invars[1]) == "zeros"
+            or (isinstance(eqn.invars[1], jcore.Literal) and eqn.invars[1].val == 0)
         ):
             config = [tuple(int(c) for c in p) for p in eqn.params["padding_config"]]
             if any(c[2] for c in config):
@@ -424,9 +419,8 @@ def _apply(eqn: Any, ins: list[Any], in_facts: list[str | None] | None = None) -
     if name == "conv_general_dilated" and any(int(d) != 1 for d in eqn.params.get("lhs_dilation") or ()):
         REWRITTEN.add("transposed_conv")
         return [_transposed_conv_as_phases(ins[0], ins[1], eqn.params)]
-    if name == "conv_general_dilated" and not _direct_conv_decision(eqn.params, ins[0], ins[1]):
-        REWRITTEN.add(name)
-        return [_conv_as_patches(ins[0], ins[1], eqn.params)]
+    if name == "conv_general_dilated":
+        return [_conv(ins[0], ins[1], eqn.params)]
     if name == "sort":
         REWRITTEN.add(name)
         bound = in_facts[0][len("below:") :] if in_facts[0] and in_facts[0].startswith("below:") else None
@@ -1383,7 +1377,7 @@ def _direct_conv_decision(params: dict[str, Any], x: Any, w: Any) -> bool:
 
 
 def _conv(x: Any, w: Any, params: dict[str, Any]) -> Any:
-    """A stride-1 convolution as `_apply` lowers one: kept whole for the conv family, or as patches."""
+    """A convolution without input dilation: kept whole for the conv family, or as patches."""
     from jax import lax
 
     if _direct_conv_decision(params, x, w):
@@ -1859,10 +1853,6 @@ def trace_reference(
     )
     t.build_maps()
     return t
-
-
-def _size_of(aval: Any) -> int:
-    return int(math.prod(getattr(aval, "shape", ()) or ()))
 
 
 def _np_dtype(name: str) -> Any:
