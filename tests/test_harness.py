@@ -404,12 +404,19 @@ def test_the_file_cap_holds_the_judges_float32_copies() -> None:
     cap_mb = _output_cap(SimpleNamespace(validation_configs=[cfg]), SimpleNamespace(input_sets=sets), None)
     precise_mb = sets * PRECISE_COPIES * cfg.outputs[0].size * 4 / 2**20
     assert cap_mb >= precise_mb + 1
-    f32 = cfg.model_copy(update={"outputs": [ArraySpec(shape=(4, 128, 126, 126), dtype="float32")]})
-    # float32 outputs get no copies: their cap is what they are
-    assert (
-        _output_cap(SimpleNamespace(validation_configs=[f32]), SimpleNamespace(input_sets=sets), None)
-        < cap_mb
+    out32 = [ArraySpec(shape=(4, 128, 126, 126), dtype="float32")]
+    f32 = cfg.model_copy(
+        update={"dynamic": [ArraySpec(shape=(4, 8, 128, 128), dtype="float32")], "outputs": out32}
     )
+    # a float32 program's outputs get no copies: their cap is what they are
+    f32_cap = _output_cap(SimpleNamespace(validation_configs=[f32]), SimpleNamespace(input_sets=sets), None)
+    assert f32_cap < cap_mb
+    # a float32 output of bf16 inputs carries the chain's rounding: the judge keeps its copies too
+    widened = cfg.model_copy(update={"outputs": out32})
+    widened_cap = _output_cap(
+        SimpleNamespace(validation_configs=[widened]), SimpleNamespace(input_sets=sets), None
+    )
+    assert widened_cap >= sets * (PRECISE_COPIES * 4 + 4) * out32[0].size / 2**20 + 1
 
 
 def test_the_file_cap_grows_the_larger_checks_outputs_with_its_inputs() -> None:

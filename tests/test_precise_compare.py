@@ -34,12 +34,17 @@ def _case():
     return want, precise["c0s0o0"]
 
 
-def test_the_judges_widened_run_covers_low_precision_outputs_only() -> None:
+def test_the_judges_widened_run_covers_low_precision_programs_only() -> None:
     want, exact = _case()
     assert exact.dtype == np.float32 and exact.shape == want[0].shape
     assert not np.array_equal(exact, want[0].astype(np.float32))  # the reference did round
     f32 = [np.ones((2, 2), np.float32)]
     assert _precise_outputs(jax.jit(lambda a: a * 2), [f32[0]], f32, 0, 0) == {}
+    # a float32 output of a bf16 program carries its rounding: widened and step-wise runs are kept for it
+    x = np.full((2, 2), 1.5, ml_dtypes.bfloat16)
+    widen = jax.jit(lambda a: ((a + 256) - 256).astype(jnp.float32))
+    kept = _precise_outputs(widen, [x], [np.asarray(widen(x))], 0, 0)
+    assert kept["c0s0o0"].dtype == np.float32 and np.allclose(kept["c0s0o0"], 1.5)
 
 
 def test_an_element_closer_to_the_exact_answer_than_the_reference_is_right() -> None:
@@ -189,3 +194,29 @@ def test_the_stepwise_run_is_kept_only_where_it_differs() -> None:
     double = jax.jit(lambda a: a * 2)  # one op: nothing to keep wider, the two runs agree
     strict = jax.jit(lambda a: a * 2, compiler_options={"xla_allow_excess_precision": False})
     assert sorted(_precise_outputs(double, [x], [np.asarray(double(x))], 0, 0, strict)) == ["c0s0o0"]
+
+
+# The same chain ending in a float32 combine, as a mixture of experts weights its experts' bf16 outputs by
+# float32 router probabilities: the output is float32, the rounding that decides it is the bf16 chain's.
+def _combined(x, g, u, d, w):
+    return _swiglu(x, g, u, d).astype(jnp.float32) * w
+
+
+def test_a_float32_output_of_a_bf16_chain_gets_the_rounding_allowance() -> None:
+    rng = np.random.default_rng(4)
+    shapes = [(256, 512), (512, 1024), (512, 1024), (1024, 512)]
+    args = [rng.normal(size=s).astype(ml_dtypes.bfloat16) for s in shapes]
+    w = rng.uniform(0.5, 1.0, size=(1, 512)).astype(np.float32)
+    fn = jax.jit(_combined)
+    want = [np.asarray(fn(*args, w))]
+    assert want[0].dtype == np.float32
+    runs = _precise_outputs(fn, [*args, w], want, 0, 0, jax.jit(_combined))
+    exact = runs["c0s0o0"]
+    cfg = InputConfig(dynamic=[ArraySpec(shape=[256, 512], dtype="bfloat16")], atol=1e-2, rtol=1e-2)
+    honest = [np.asarray(_kernel_like(*args, epilogue_f32=True).astype(jnp.float32) * w)]
+    assert not compare(honest, want, cfg, 0, 0, "random").ok  # the case must bite
+    check = compare(honest, want, cfg, 0, 0, "random", [exact])
+    assert check.ok, check.message
+    narrow = [np.asarray(_kernel_like(*args, narrow=ml_dtypes.float8_e5m2).astype(jnp.float32) * w)]
+    check = compare(narrow, want, cfg, 0, 0, "random", [exact])
+    assert not check.ok and "rounding allowance refused" in check.message, check.message

@@ -82,7 +82,6 @@ from maxkernel.tools.results import (
     SetCheck,
     StageError,
     first_lines,
-    low_precision_float,
 )
 from maxkernel.tools.sandbox import (
     SandboxedChild,
@@ -359,7 +358,7 @@ reference widened to float32, and the same with every op rounded as the program 
 def _set_bytes(c: InputConfig) -> int:
     """One input set on disk: its inputs and outputs, and the judge's float32 copies of each low-precision
     float output (a bf16 conv output of 16 MiB has 64 MiB of them beside it)."""
-    wide = sum(PRECISE_COPIES * a.size * 4 for a in c.outputs if low_precision_float(str(a.dtype)))
+    wide = sum(PRECISE_COPIES * a.size * 4 for a in c.rounding_checked_outputs())
     return c.input_bytes() + c.output_bytes() + wide
 
 
@@ -385,7 +384,7 @@ def _larger_set_bytes(task: KernelTask, larger: InputConfig) -> int:
     val = task.validation_configs[0]
     growth = larger.input_bytes() / max(1, val.input_bytes())
     grown = val.output_bytes() * growth + sum(
-        PRECISE_COPIES * a.size * 4 * growth for a in val.outputs if low_precision_float(str(a.dtype))
+        PRECISE_COPIES * a.size * 4 * growth for a in val.rounding_checked_outputs()
     )
     return max(mapped, larger.input_bytes() + int(grown))
 

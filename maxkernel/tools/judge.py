@@ -47,6 +47,7 @@ from maxkernel.tools.results import (
     first_lines,
     low_precision_float,
     np_dtype,
+    rounding_checked,
 )
 from maxkernel.tools.worker import WorkerContext
 
@@ -194,14 +195,16 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
 def _precise_outputs(
     fn: Any, inputs: list[np.ndarray], outs: list[np.ndarray], ci: int, si: int, stepwise: Any = None
 ) -> dict[str, np.ndarray]:
-    """`PRECISE_FILE`'s arrays for one input set, for each low-precision float output: the (jitted)
+    """`PRECISE_FILE`'s arrays for one input set, for each output whose rounding is checked
+    (`rounding_checked`: low-precision, or float32 from low-precision inputs): the (jitted)
     reference on the same inputs with the low-precision floats widened to float32, as float32, where its
     shape is unchanged; and the `stepwise` reference's output (rounding after every op), as float32, where
-    it differs from `outs`. Empty when no output is low-precision; a run that fails or changes the outputs'
+    it differs from `outs`. Empty when no output is checked so; a run that fails or changes the outputs'
     structure is left out (then the tolerance and the other run decide)."""
     import jax
 
-    wanted = [k for k, o in enumerate(outs) if low_precision_float(np.dtype(o.dtype).name)]
+    ins = [np.dtype(a.dtype).name for a in inputs]
+    wanted = [k for k, o in enumerate(outs) if rounding_checked(np.dtype(o.dtype).name, ins)]
     if not wanted:
         return {}
 
@@ -293,7 +296,7 @@ def _larger_set(
                       for s, st, d in zip(cfg.dynamic, stats, domains, strict=True)]  # fmt: skip
         fn = reference_fn(ref, cfg)
         outs = run_reference(ref, cfg, arrays, fn)
-        wide = sum(8 * math.prod(o.shape) for o in cfg.outputs if low_precision_float(o.dtype))
+        wide = sum(8 * math.prod(o.shape) for o in cfg.rounding_checked_outputs())
         # the float32 and step-wise runs only where they fit the budget too (else the tolerance alone decides)
         precise = (
             _precise_outputs(fn, arrays, outs, index, 0, reference_fn(ref, cfg, stepwise=True))

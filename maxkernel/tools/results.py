@@ -8,6 +8,7 @@ numbers live in differently named fields and are never merged.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -94,6 +95,17 @@ def low_precision_float(name: str) -> bool:
     return name in ("bfloat16", "float16") or name.startswith("float8")
 
 
+def rounding_checked(output: str, inputs: Iterable[str]) -> bool:
+    """Whether the judge keeps float32 runs of a reference output (`judge.PRECISE_FILE`), by dtype names:
+    a low-precision float output, or a float32/64 one computed from low-precision float inputs. The latter
+    carries the rounding of every low-precision op before its last, widening one (a bf16 mixture of
+    experts combined with float32 router weights), and a kernel that rounds elsewhere in that chain is
+    measured against the same float32 runs as a bf16 output would be."""
+    return low_precision_float(output) or (
+        output in ("float32", "float64") and any(low_precision_float(d) for d in inputs)
+    )
+
+
 class StageError(BaseModel):
     """Why an evaluation stopped: the stage it stopped in and a message a person (or a model) can act on."""
 
@@ -152,6 +164,11 @@ class InputConfig(BaseModel):
 
     def output_bytes(self) -> int:
         return sum(a.nbytes() for a in self.outputs)
+
+    def rounding_checked_outputs(self) -> list[ArraySpec]:
+        """The outputs the judge keeps float32 runs of (`rounding_checked`)."""
+        ins = [a.dtype for a in self.dynamic]
+        return [o for o in self.outputs if rounding_checked(o.dtype, ins)]
 
     def describe(self) -> str:
         args = ", ".join(str(a) for a in self.dynamic)
