@@ -415,7 +415,7 @@ def test_a_hand_written_kernel_that_compiles_for_one_generation_is_judged_there_
 
     calls: list[list[str]] = []
 
-    def fake_eval(self, task, kernel, tpu, out, suffix):  # noqa: ANN001, ANN202 - stands in for the subprocess
+    def fake_eval(self, task, kernel, tpu, out, suffix, scale):  # noqa: ANN001, ANN202 - stands in for the subprocess
         calls.append(list(tpu))
         text = both if len(tpu) == 2 else alone
         return subprocess.CompletedProcess([], 0 if len(tpu) == 1 else 1, stdout=text, stderr="")
@@ -441,3 +441,45 @@ def test_a_hand_written_kernel_that_compiles_for_one_generation_is_judged_there_
     assert "| t | ✓ | 1.10x | rejected (accepted on v6e alone) | v6e 1.30x |" in report
     b.db["results"].upsert(bench._flat(row), pk="task_id", alter=True)  # as the bench loop keeps a row
     assert bench.load_rows(tmp_path)[0].human_generations == row.human_generations
+
+
+def test_a_hand_written_kernel_whose_blocks_do_not_tile_our_shapes_is_judged_at_larger_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel tuned with 2048-wide blocks raises on a sequence the default budget shrank to 1024: it is
+    judged once more at the shapes a larger budget keeps, and the report says so. A kernel that ran and was
+    wrong is not retried."""
+    untiled = _eval_json(error={"stage": "trace", "message": "ValueError: block_q=2048 should be smaller or "
+                                "equal to q_seq_len=1024\ntraceback"})  # fmt: skip
+    accepted = _eval_json(
+        accepted=True, correct=True, estimate={"estimated_speedup": 1.4, "by_generation": {}}
+    )
+    wrong = _eval_json(error={"stage": "correctness", "message": "output 0: 3 of 64 elements outside"})
+    assert (
+        bench.shape_refusal(untiled)
+        == "trace: ValueError: block_q=2048 should be smaller or equal to q_seq_len=1024"
+    )
+    assert bench.shape_refusal(wrong) is None and bench.shape_refusal(accepted) is None
+
+    calls: list[str] = []
+    first = {"text": untiled}
+
+    def fake_eval(self, task, kernel, tpu, out, suffix, scale):  # noqa: ANN001, ANN202 - stands in for the subprocess
+        calls.append(scale)
+        text = first["text"] if scale == bench.DEFAULT_SCALE else accepted
+        return subprocess.CompletedProcess([], 0 if text == accepted else 1, stdout=text, stderr="")
+
+    monkeypatch.setattr(bench.Bench, "_eval_human", fake_eval)
+    b = bench.Bench(
+        bench.BenchSettings(suite=str(SUITE), out_dir=str(tmp_path), tpu=["v5e"]), on_progress=lambda _: None
+    )
+    row = b.run_human(GEMM, GEMM / "optimized.py", _row("t", correct=True, estimated_speedup=1.1), tmp_path)
+    assert calls == [bench.DEFAULT_SCALE, bench.HUMAN_TILE_BUDGET]
+    assert row.human_status == "accepted" and row.human_estimated_speedup == pytest.approx(1.4)
+    assert bench.HUMAN_TILE_BUDGET in row.human_scale_note and "block_q=2048" in row.human_scale_note
+    assert "block_q=2048" in "\n".join(bench.render_side_by_side([row]))
+
+    calls.clear()
+    first["text"] = wrong
+    row = b.run_human(GEMM, GEMM / "optimized.py", _row("t", correct=True, estimated_speedup=1.1), tmp_path)
+    assert calls == [bench.DEFAULT_SCALE] and row.human_status == "rejected" and row.human_scale_note is None
