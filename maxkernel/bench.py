@@ -39,6 +39,7 @@ from maxkernel.convert import kernelbench
 from maxkernel.tools import jaxbench
 from maxkernel.tools.readback import bounded_yaml
 from maxkernel.tools.results import geomean, ranking_speedup
+from maxkernel.tools.tasks import TILES_SCALE
 from maxkernel.tools.tpu_specs import DEFAULT_GENERATIONS
 
 TERMINAL = ("succeeded", "failed", "stopped", "error")
@@ -454,8 +455,8 @@ class Bench:
             if wider is not None:
                 proc, scale = wider, HUMAN_TILE_BUDGET
                 row.human_scale_note = (
-                    f"judged at the larger shapes a {HUMAN_TILE_BUDGET} budget allows: at ours it did not "
-                    f"run ({untiled})"
+                    f"judged at `--scale {HUMAN_TILE_BUDGET}` shapes (its block multiples kept): at ours it did "
+                    f"not run ({untiled})"
                 )
         row = read_human_result(row, proc.returncode, proc.stdout, proc.stderr)
         some = compiled_for_some(proc.stdout, self.s.tpu)
@@ -662,12 +663,11 @@ def _read_result(row: TaskRow, out: Path, rc: int, log: Path) -> TaskRow:
     return row
 
 
-HUMAN_TILE_BUDGET = "12s"
-"""The validation budget per input set a hand-written kernel is judged again with when it does not run at
-the shapes ours was judged at (`shape_refusal`). Hand-written JAXBench kernels tile with blocks up to 2048
-wide and raise, or leave output blocks unwritten, on a sequence shrunk to 1024 to fit the default 4 s; three
-times that keeps a 2048-wide multiple on the workloads that have one (flash attention at
-`[4, 4, 2048, 128]`, the GEMM at `2048 x 2048 x 14336`: 8-9 s predicted per set)."""
+HUMAN_TILE_BUDGET = TILES_SCALE
+"""The validation scale a hand-written kernel is judged again at when it does not run at the shapes ours
+was judged at (`shape_refusal`): hand-written JAXBench kernels tile with blocks up to 2048 wide and raise,
+or leave output blocks unwritten, on a sequence the default 4 s budget shrank to 1024. `--scale tiles`
+keeps those multiples while batch, heads or other sizes can shrink, in a larger budget."""
 
 SHAPE_STAGES = ("trace", "consistency")
 """Where a kernel whose blocks do not tile the validation shapes stops: its own shape checks raise while it

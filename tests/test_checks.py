@@ -215,6 +215,16 @@ def test_tpu_program_text_costs_glue_and_sees_complex_reduces() -> None:
         1,
     )
     assert not cplx.ok and "stablehlo.reduce" in cplx.reason
+    # a cumsum is a reduce_window on the TPU, its types after its region: small (offsets of 16 groups), it
+    # is glue; over the whole input (a running sum of 256 x 256 windows of 256), work outside the kernel
+    groups = jnp.arange(16, dtype=jnp.int32)
+    offsets = check_tpu_program(
+        text(lambda x: _call(_scale_kernel, x) + jnp.cumsum(groups)[:, None].astype(x.dtype).sum()), 1
+    )
+    assert offsets.ok, offsets.reason
+    assert any("reduce_window (256 elements)" in g for g in offsets.glue_outside), offsets.glue_outside
+    running = check_tpu_program(text(lambda x: _call(_scale_kernel, jnp.cumsum(x, axis=1))), 1)
+    assert not running.ok and "stablehlo.reduce_window" in running.reason, running.reason
 
 
 def test_the_checked_programs_platform_sites_must_be_its_kernels() -> None:

@@ -240,3 +240,17 @@ def test_the_hand_written_kernel_gets_the_static_too(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(proc.stdout)
     assert res["accepted"] and res["correctness"]["ok"]
+
+
+def test_scale_tiles_keeps_2048_wide_blocks_while_the_batch_can_shrink(tmp_path: Path) -> None:
+    """A hand-written kernel tuned with 2048-wide blocks raises on a sequence of 512. The default search
+    halves the sequence before a batch of 4 (a small count, kept as structure); `--scale tiles` halves the
+    batch and the heads first, in a larger budget, and keeps the sequence a multiple of 2048."""
+    default = _load("wide_blocks", tmp_path, 4.0)
+    (b, h, s, d), *_ = _shapes(default.validation_configs[0])
+    assert s < 2048 and b == 4
+    tiles = load_task(DATA / "wide_blocks", scale="tiles", work_dir=tmp_path, rates=sizing.DEFAULT_RATES)
+    (b, h, s, d), *_ = _shapes(tiles.validation_configs[0])
+    assert s == 2048 and b < 4 and d == 128
+    assert "CONFIG['batch'] 4->" in tiles.validation_note and "budget of 12 s" in tiles.validation_note
+    assert tiles.fingerprint != default.fingerprint  # the scale decides the shapes: a different task

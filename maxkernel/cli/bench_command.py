@@ -69,9 +69,9 @@ def bench_cmd(
     With --algorithm every task first gets a single round; the search then runs only where that round
     left headroom (--search-below), and the report shows both, per family."""
     from maxkernel.bench import Bench, BenchSettings, side_by_side, summary
-    from maxkernel.tools.tasks import TaskError, parse_budget
+    from maxkernel.tools.tasks import TILES_SCALE, TaskError, parse_budget
 
-    if scale not in ("cpu", "tpu"):
+    if scale not in ("cpu", "tpu", TILES_SCALE):
         try:
             factor_ok = 0 < float(scale) <= 1
         except ValueError:
@@ -81,7 +81,7 @@ def bench_cmd(
                 factor_ok = False
         if not factor_ok:
             raise fail_usage(
-                "--scale must be cpu, tpu, a budget such as 2s or a shrink factor in (0, 1] such as 0.125"
+                "--scale must be cpu, tpu, tiles, a budget such as 2s or a shrink factor in (0, 1] such as 0.125"
             )
     if algorithm not in (None, "parallel", "beam"):
         raise fail_usage(f"--algorithm must be parallel or beam, not {algorithm!r}")

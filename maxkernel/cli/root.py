@@ -41,8 +41,9 @@ ScaleOpt = Annotated[
     typer.Option(
         "--scale",
         help="validation shapes: cpu (the default: the task's CPU-scale shapes, else the largest the budget of "
-        f"{Budget.seconds_per_set:g} s per input set allows), a budget such as 2s, tpu (its own), or a shrink "
-        "factor such as 0.25. TPU compiles always use the task's own shapes.",
+        f"{Budget.seconds_per_set:g} s per input set allows), a budget such as 2s, tiles (a larger budget that "
+        "keeps block multiples up to 2048 while other sizes can shrink: for kernels tuned with wide blocks), tpu "
+        "(its own), or a shrink factor such as 0.25. TPU compiles always use the task's own shapes.",
     ),
 ]
 DEFAULT_STORE = ".maxkernel/results.db"

@@ -130,6 +130,7 @@ def _size_validation(
     budget = sizing.Budget(
         seconds_per_set=float(payload.get("seconds_per_set") or sizing.Budget.seconds_per_set),
         memory_bytes=int(payload.get("memory_budget") or sizing.Budget.memory_bytes),
+        tiles_first=bool(payload.get("tiles_first")),
     )
     failures: list[str] = []
     tried: list[tuple[list[ArraySpec], list[Any]]] | None = None
@@ -157,6 +158,7 @@ def _size_validation(
         budget = sizing.Budget(
             seconds_per_set=min(budget.seconds_per_set, sized.cost.candidate_seconds(rates)) / 4,
             memory_bytes=min(budget.memory_bytes, max(sized.cost.peak_bytes, 4 * sized.cost.io_bytes)) // 4,
+            tiles_first=budget.tiles_first,
         )
     raise taskcode.TaskCodeError(
         "the reference cannot run at any validation size this machine allows: " + "; then ".join(failures)

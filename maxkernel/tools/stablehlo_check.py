@@ -32,12 +32,13 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 HEAVY_OPS = frozenset(
-    """while sort scatter select_and_scatter fft reduce_window triangular_solve cholesky rng
+    """while sort scatter select_and_scatter fft triangular_solve cholesky rng
     rng_bit_generator all_reduce reduce_scatter all_gather""".split()
 )
 """Refused outside kernels whatever their size: their cost is not read off a line of text."""
-COSTED_OPS = frozenset({"dot", "dot_general", "convolution", "reduce"})
-"""Allowed outside kernels when small: their cost (elements read, or multiply-adds) is read off the line."""
+COSTED_OPS = frozenset({"dot", "dot_general", "convolution", "reduce", "reduce_window"})
+"""Allowed outside kernels when small: their cost (elements read, multiply-adds, or window terms) is read
+off the op's text (for an op with a region, its first line and the line that closes the region)."""
 FREE_OPS = frozenset(
     """constant reshape transpose broadcast_in_dim broadcast slice dynamic_slice dynamic_update_slice
     concatenate pad convert bitcast_convert iota get_tuple_element tuple return reverse gather
@@ -94,6 +95,11 @@ def op_cost(kind: str, line: str) -> float:
     if not types:
         return float("inf")
     sizes = [_elements(d) for d, _t in types]
+    if kind == "reduce_window":  # a cumsum of group sizes: every output element sums its window
+        window = _WINDOW.search(line)
+        if window is None:
+            return float("inf")
+        return sizes[-1] * math.prod(int(w) for w in window.group(1).split(",") if w.strip())
     if kind == "reduce":
         return sum(sizes[: max(1, len(sizes) // 2)])
     if kind in ("dot", "dot_general", "convolution"):
@@ -104,6 +110,7 @@ def op_cost(kind: str, line: str) -> float:
 
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_WINDOW = re.compile(r"window_dimensions\s*=\s*array<i64:\s*([\d,\s]+)>")
 _OP = re.compile(r"\b(stablehlo|mhlo)\.([a-z_]+)")
 _IDENT = re.compile(r"^[\w.<>$-]{1,120}$")
 _FUNC = re.compile(r"func\.func\s+(?:public\s+|private\s+)?@([^\s(]+)")
@@ -145,6 +152,7 @@ def _scan(text: str) -> tuple[dict[str, Any], str | None]:
     depth = 0
     func_depth = 0
     cond_stack: list[int] = []
+    open_op: tuple[list[Any], int, int] | None = None  # (ops, index, depth): an op whose region is open
     for raw in text.splitlines():
         # Strings go: a kernel's serialized body holds braces.
         bare = _bare(raw)
@@ -167,12 +175,19 @@ def _scan(text: str) -> tuple[dict[str, Any], str | None]:
                 if kind == "reduce" and _boolean_only(bare):
                     kind = "reduce (predicates)"
                 ops.append((kind, target, in_cond, bare))
+                if kind in COSTED_OPS and "->" not in bare and bare.rstrip().endswith("({"):
+                    open_op = (ops, len(ops) - 1, depth)  # its types follow the region: `}) : (...) -> ...`
             for cm in _CALL.finditer(bare):
                 if not bare.lstrip().startswith("func.func"):
                     calls.append((cm.group(1), in_cond))
         if any(c in bare for c in CONDITIONALS):
             cond_stack.append(depth)
         depth += bare.count("{") - bare.count("}")
+        if open_op is not None and depth <= open_op[2] and not bare.rstrip().endswith("({"):
+            ops_of, k, _d = open_op
+            kind_k, target_k, cond_k, line_k = ops_of[k]
+            ops_of[k] = (kind_k, target_k, cond_k, line_k + " " + bare.strip())
+            open_op = None
         while cond_stack and depth <= cond_stack[-1]:
             cond_stack.pop()  # the conditional's regions are closed
         if current is not None and depth <= func_depth and not m:

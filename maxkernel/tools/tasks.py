@@ -232,6 +232,15 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+TILES_SCALE = "tiles"
+"""`--scale tiles`: the budget search with `TILES_SECONDS_PER_SET` per input set, keeping the format's tile
+multiples while anything else can shrink (`Budget.tiles_first`). For kernels tuned with blocks wider than
+the default shapes keep (a hand-written JAXBench kernel's 2048-wide blocks)."""
+TILES_SECONDS_PER_SET = 12.0
+"""Three times the default budget: flash attention keeps a 2048 sequence at `[4, 4, 2048, 128]`, the GEMM
+2048 x 2048 x 14336 (8-9 s predicted per set on 2 cores)."""
+
+
 def parse_budget(scale: str) -> float | None:
     """`2s` / `0.5s` -> seconds per validation input set for the budget search; None for other scales."""
     if not scale.endswith("s") or scale in ("tpu",):
@@ -339,6 +348,9 @@ def load_task(
     fmt, ref_path, meta = _locate(path)
     scale = scale or "auto"
     budget_seconds = parse_budget(scale)
+    tiles_first = scale == TILES_SCALE
+    if tiles_first:
+        scale, seconds_per_set = "cpu", TILES_SECONDS_PER_SET
     if budget_seconds is not None:  # `--scale 2s`: the budget search with that many seconds per input set
         scale, seconds_per_set = "cpu", budget_seconds
     task_id = safe_task_id(str(meta.get("task_id") or (path.name if path.is_dir() else path.stem)))
@@ -352,13 +364,17 @@ def load_task(
         "tolerances": tolerances,
         "memory_budget": budget,
         "seconds_per_set": seconds_per_set,
+        "tiles_first": tiles_first,
     }
     sized = scale in ("auto", "cpu") and not _declares_cpu_scale(fmt, ref_path, meta)
     if sized:  # the budget search will run: it needs this machine's rates
         payload["rates"] = dataclasses.asdict(rates if rates is not None else machine_rates(work_dir))
     # What decides the validation shapes is part of the fingerprint (it keys the describe cache and every
     # stored evaluation): the files, the scale, and for the budget search the budget and the rates.
-    sizing_key = json.dumps([scale, budget, seconds_per_set, payload.get("rates")], sort_keys=True)
+    sizing_key = json.dumps(
+        [scale, budget, seconds_per_set, payload.get("rates"), *(["tiles"] if tiles_first else [])],
+        sort_keys=True,
+    )
     fingerprint = _fingerprint(files, sizing_key if sized else scale)
     # The description depends only on the task's files and the scale: cache it next to the run dirs.
     cache = work_dir / "describe" / f"{fingerprint}.v{DESCRIBE_VERSION}.json"

@@ -311,6 +311,10 @@ class Budget:
     """The reference's predicted peak (the judge and the candidate's interpreter hold such sets at once)."""
     larger_factor: float = 3.0
     """The larger-shape check may cost this many sets."""
+    tiles_first: bool = False
+    """Keep the format's tile multiples (2048 for JAXBench) while any knob, small counts included, can still
+    shrink: a batch of 4 halves before a sequence of 2048 does, so that a hand-written kernel tiled with
+    2048-wide blocks still tiles the shapes it is judged at (`--scale tiles`)."""
 
     def fits(self, cost: Cost, rates: Rates) -> bool:
         return cost.candidate_seconds(rates) <= self.seconds_per_set and self._memory_fits(cost)
@@ -509,9 +513,13 @@ def plan_knobs(
     probe = own
     path = [own]
     steps = 0
-    phases = list(
-        dict.fromkeys([(Keep(keep_multiple, keep_multiple, keep_multiple), 1), (Keep(), 1), (Keep(), 2)])
+    tiles = Keep(keep_multiple, keep_multiple, keep_multiple)
+    order = (
+        [(tiles, 1), (tiles, 2), (Keep(), 1), (Keep(), 2)]
+        if budget.tiles_first
+        else [(tiles, 1), (Keep(), 1), (Keep(), 2)]
     )
+    phases = list(dict.fromkeys(order))
     for keep, max_tier in phases:
         stuck: set[str] = set()
         while not budget.fits(probe.cost, rates) and steps < max_steps:
