@@ -111,12 +111,13 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         kind="scan",
-        builder="maxkernel.authors.offline.scan_kernel:ScanBuilder",
+        builder="maxkernel.authors.offline.window_scan:WindowScanBuilder",
         starts=frozenset({"scan"}),
         matcher=_match_scan,
         primitives=frozenset({"scan"}),
         fixed_template=True,
-        doc="lax.scan with a carry: one sequential grid step per iteration, the carry in VMEM scratch",
+        doc="lax.scan with a carry: one sequential grid step per iteration, the carry in VMEM scratch (or in HBM "
+        "through row windows moved by DMA, when the body reads it with dynamic_slice)",
     ),
     Family(
         kind="attention",
