@@ -965,17 +965,33 @@ def _dot_work(eqn: jex_core.JaxprEqn, spec: TpuSpec, passes: int | None = None) 
 
 
 def _dma_bytes(eqn: jex_core.JaxprEqn) -> float:
-    """Bytes of one manual async copy: the (sliced) source view, else the destination buffer."""
+    """Bytes of one manual async copy: the (sliced) source view, else the destination buffer.
+
+    A view of a jaxpr ref is its ref's type put through the view's transforms (a `pl.ds(start, rows)` of
+    an HBM operand: the rows, whatever the start); the view's own `.shape` cannot be read off a jaxpr
+    variable, and reading it raised, so every such copy was priced as the smallest ref of the equation (a
+    28-byte semaphore: a 12 MB window per grid step was 28 bytes)."""
     try:
         parts = jax.tree_util.tree_unflatten(eqn.params["tree"], eqn.invars)
-        src = parts[0]
-        if hasattr(src, "transforms") and hasattr(src, "ref"):
-            shape = tuple(src.shape)
-            return float(math.prod(shape) * _itemsize(src.ref.aval.inner_aval))
-        return float(_nbytes(src.aval))
+        for view in parts[:2]:  # the source, then the destination
+            inner = _view_type(view)
+            if inner is not None:
+                return float(math.prod(inner.shape) * _itemsize(inner))
     except Exception:  # noqa: BLE001 - tree layout differs across JAX versions; fall back, say so upstream
-        refs = [v.aval for v in eqn.invars if hasattr(v.aval, "inner_aval")]
-        return float(min((_nbytes(a) for a in refs), default=0))
+        pass
+    refs = [v.aval for v in eqn.invars if hasattr(v.aval, "inner_aval")]
+    return float(min((_nbytes(a) for a in refs), default=0))
+
+
+def _view_type(view: Any) -> Any:
+    """The array type a DMA operand addresses: a ref's, or a transformed ref's (its slices applied)."""
+    if hasattr(view, "transforms") and hasattr(view, "ref"):
+        ty = getattr(view.ref, "aval", view.ref)
+        for t in view.transforms:
+            ty = t.transform_type(ty)
+        return getattr(ty, "inner_aval", ty)
+    aval = getattr(view, "aval", None)
+    return getattr(aval, "inner_aval", None)
 
 
 def _body_work(jaxpr: jex_core.Jaxpr, spec: TpuSpec, facts: _StepFacts | None = None) -> _Work:
