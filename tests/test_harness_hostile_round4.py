@@ -77,15 +77,11 @@ def test_a_race_on_two_cores_is_refused_only_where_the_axis_is_split(
     assert honest.accepted, honest.error
 
 
-@pytest.mark.xfail(
-    strict=True, reason="not claimed (README): busywork that is zero by arithmetic, not by syntax"
-)
 def test_busywork_that_cancels_out_earns_no_credit(
     data_dir: Path, session_work: Path, tmp_path: Path
 ) -> None:
-    """XLA computes the whole GELU; the kernel adds `t - t` for a chain of transcendentals t. The result
-    reaches the output, so the chain is credited as kernel work and the candidate is accepted. Kept as the
-    known gap it is: it fails (xfail) until the check weighs work outside against the task's own."""
+    """XLA computes the whole GELU; the kernel adds `t - t` for a chain of transcendentals t. A value minus
+    itself is zero whatever it is, so the chain reaches no output: no credit, and the work outside wins."""
     task = load_task(data_dir / "tasks" / "small_gelu", work_dir=session_work)
     r = run(task, HOSTILE / "neutral_busywork_gelu.py", tmp_path)
     assert not r.accepted and r.error is not None and r.error.stage == "pallas", r.error

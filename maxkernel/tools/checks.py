@@ -52,16 +52,26 @@ ZERO_PROPAGATING = frozenset(
 )
 
 
+SELF_CANCELLING = frozenset({"sub", "xor"})
+"""Binary ops whose result is zero when both operands are one value (`t - t`: zero for every finite t)."""
+
+
 def _zero_vars(body: Tree) -> set[int]:
-    """Variables of a body that are all zeros by construction: a zero literal broadcast or cast, or a
-    product with such a value. Work whose only use is a product with zero reaches no output."""
+    """Variables of a body that are all zeros by construction: a zero literal broadcast or cast, a product
+    with such a value, or a value minus itself. Work whose only use is such a value reaches no output: a
+    zero does not depend on what it was computed from."""
     zeros: set[int] = set()
     for eqn in body.get("eqns", []):
         name = eqn.get("p", "")
         lits = eqn.get("lit") or {}
         ivs = eqn.get("iv", [])
         zero_in = [lits.get(str(i)) == 0.0 or (v >= 0 and v in zeros) for i, v in enumerate(ivs)]
-        if (name in ZERO_PROPAGATING and zero_in[:1] == [True]) or (name == "mul" and any(zero_in)):
+        cancels = name in SELF_CANCELLING and len(ivs) == 2 and ivs[0] >= 0 and ivs[0] == ivs[1]
+        if (
+            (name in ZERO_PROPAGATING and zero_in[:1] == [True])
+            or (name == "mul" and any(zero_in))
+            or cancels
+        ):
             zeros.update(v for v in eqn.get("ov", []) if v >= 0)
     return zeros
 
@@ -92,7 +102,7 @@ def live_eqns(body: Tree, live_refs: set[int]) -> list[bool]:
             marked[i] = changed = True
             if name == "mul" and any(v in zeros for v in ivs) or any(v in zeros for v in ovs):
                 continue  # its result is zero whatever its other operand is
-            live.update(v for v in ivs if v >= 0)
+            live.update(v for v in ivs if v >= 0 and v not in zeros)  # a zero operand passes nothing on
     return marked
 
 
