@@ -2,8 +2,9 @@
 
 A suite is a folder of MaxKernel problem dirs, a JAXBench `benchmark/` folder (or the checkout above it),
 or a single task of any format. Where a JAXBench workload has a hand-written kernel (`optimized.py`), it is
-evaluated by `maxkernel eval` in the same harness, at the same validation shapes and with the same
-estimator, and the report sets ours, the hand-written kernel and XLA side by side.
+evaluated by `maxkernel eval` in the same harness, at the same validation shapes (where it cannot run at
+them, at `--scale tiles` shapes that keep its block multiples) and with the same estimator, and the report
+sets ours, the hand-written kernel and XLA side by side.
 
 Each task runs as its own `maxkernel optimize` / `maxkernel search` process with a thread id derived from
 the output dir and the task, so re-running the same bench skips finished tasks and resumes interrupted
@@ -929,8 +930,9 @@ def render_side_by_side(rows: list[TaskRow]) -> list[str]:
         "## Hand-written kernels side by side",
         "",
         "Speedups over XLA (XLA = 1.00x). Hand-written kernels ran in the same harness, at the same "
-        "validation shapes, with the same TPU targets and estimator as ours. In the geomeans a kernel that "
-        "is not correct counts as 1.00x (its user keeps the XLA program).",
+        "validation shapes (where theirs did not run at ours, at `--scale tiles` shapes that keep their block "
+        "multiples: the note says so), with the same TPU targets and estimator as ours. In the geomeans a "
+        "kernel that is not correct counts as 1.00x (its user keeps the XLA program).",
         "",
         "| metric | ours | hand-written | XLA |",
         "| --- | --- | --- | --- |",
