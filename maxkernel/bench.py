@@ -61,9 +61,8 @@ class BenchSettings(BaseModel):
     branches: int = 2
     tune_configs: int = Field(
         1,
-        description="autotune configs per round. One: over session 10's 61-task bench (2 configs), the second "
-        "config beat the implement and the first one on 2 tasks, by 0.3% and 0.9% (estimated), for a third "
-        "more evaluations",
+        description="autotune configs per round. One: over the 61-task suite a second config beat the first on "
+        "2 tasks, by under 1% (estimated), for a third more evaluations (benchmarks/suite_bench_search.md)",
     )
     order_from: str | None = Field(
         None,
@@ -339,8 +338,8 @@ class Bench:
 
     def _no_profile(self) -> list[str]:
         """The offline author never reads the profile step's CPU trace (a model does, to reflect): for it
-        the trace would only fill each task's report, at ~8% of a bench's time (683 of 8160 task-seconds
-        over 60 suite tasks, session 9), so the bench skips it."""
+        the trace would only fill each task's report, at ~8% of a bench's time over the suite, so the bench
+        skips it."""
         return ["--no-profile"] if author_kind(self.s.model) is AuthorKind.OFFLINE else []
 
     def _ray(self) -> list[str]:
@@ -795,7 +794,7 @@ def family_table(rows: list[TaskRow]) -> list[dict[str, Any]]:
 def _rank(r: TaskRow) -> float:
     """What a task's result is ranked by when the bench keeps the better of its single round and its search:
     the geomean over the targeted generations (`ranking_speedup`), as the agent ranks candidates; by the
-    first generation alone, a search kernel 0.001% faster on v5e and 45% slower on v6e was kept (session 11)."""
+    first generation alone, a search kernel 0.001% faster on v5e and 45% slower on v6e would be kept."""
     return ranking_speedup(r.estimated_speedup, r.estimated_speedup_by_generation) or 0.0
 
 

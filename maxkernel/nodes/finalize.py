@@ -90,7 +90,7 @@ def finalize(state: AgentState, runtime: Runtime[Context]) -> dict[str, Any]:
 
 def accepted_milestones(attempts: list[Attempt]) -> dict[str, Any]:
     """The first accepted attempt and the best accepted one of the first round, for result.json: the bench
-    reports the single round from the second and checks (issue 12) that the final kernel is at least as
+    reports the single round from the second and checks that the final kernel is at least as
     fast, estimated, as the first; None where no attempt was accepted."""
     accepted = [a for a in attempts if a.accepted]
     first_round = [a for a in accepted if a.iteration == min(a.iteration for a in attempts)]

@@ -68,7 +68,7 @@ bundle: four vector-ALU slots), and 16 exps into ~8,350 (one EUP op per bundle);
 Figures: benchmarks/calibration_vpu_slots.md.
 So four per EUP vreg on every generation. It was 2 (an unmeasured assumption), which priced every softmax,
 norm and exp-heavy kernel body at twice the VPU time: held against published v4 flash-attention forward
-times, that term alone came to ~2.5x the measured time of the whole kernel (issue 26)."""
+times, that term alone came to ~2.5x the measured time of the whole kernel."""
 
 VREG_ELEMENTS: int = 8 * 128
 """Elements in one 32-bit vreg (8 sublanes x 128 lanes, the TPU VPU shape in the Cloud TPU v6e docs)."""

@@ -308,7 +308,7 @@ def _cached_reference_estimate(
 
 
 def larger_config(task: KernelTask, options: EvalOptions) -> tuple[InputConfig | None, str]:
-    """The second, larger shape the candidate is checked at (issue 10): the first validation config with
+    """The second, larger shape the candidate is checked at: the first validation config with
     every dimension grown by `taskcode.grow_dim` towards the task's own config, or None and why not.
 
     Pure shape arithmetic (no task code runs here); the output shapes are the validation outputs' under the
@@ -825,7 +825,7 @@ def _verdict(
 
 
 def _tree_failure(task: KernelTask, result: EvalResult, programs: dict[str, Any]) -> EvalResult | None:
-    """The verdicts the candidate's program trees decide alone (issue 16's fail-fast order): the outputs'
+    """The verdicts the candidate's program trees decide alone, cheapest first: the outputs'
     shapes from the abstract trace, then Pallas on the traces, then one program across modes and shapes.
     Checked as soon as the trees are read, so a kernel that fails here costs no TPU compile and no
     interpret-mode run; `_verdict` asks again (same function) when a violation made it wait."""

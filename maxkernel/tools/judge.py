@@ -130,7 +130,7 @@ def judge_job(payload: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
     seconds["reference"] = time.perf_counter() - t0
     ctx.stage(STAGE_INPUTS_READY)
 
-    # While the candidate still traces: the work that does not need its programs (issue 16).
+    # While the candidate still traces: the work that does not need its programs.
     base: dict[str, Any] = {"ok": True, "origins": origins, "seconds": seconds, "larger": larger,
                             "task_inputs": task_inputs, "precise": sorted(precise)}  # fmt: skip
     own = [InputConfig.model_validate(c) for c in task["configs"]]

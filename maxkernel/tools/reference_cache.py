@@ -1,4 +1,4 @@
-"""Reference work done once per task instead of once per candidate (issue 16), and why each piece is safe.
+"""Reference work done once per task instead of once per candidate, and why each piece is safe.
 
 An evaluation's judge repeats, for every candidate of a task, work that does not depend on the candidate
 nor on the evaluation's secret. What is cached, where, and what is deliberately not:
