@@ -257,11 +257,10 @@ def _fills_mxu(kernel: KernelSpec, values: dict[str, int], mxu: int) -> bool:
 WIDER_GAIN = 0.9
 """A matmul default goes past `ROW_TILE_TARGET` (up to the whole budget) only when the block model's terms
 say that saves at least 10% on some target generation and costs more on none. Larger blocks are not free:
-Mosaic unrolls the body over the block, and the AOT compile grew 3-4x with them (a bias + GELU epilogue:
-9 s -> 33 s on v5e, a Mish + tanh one 18 s -> 80 s, under load), for 0.5-2% on compute-bound tiles. Where a
-tile is memory-bound on one generation the gain is large (an 8192^3 bf16 GEMM on v6e: 1024 x 1024 blocks
-re-read both operands 8 times and are HBM-bound, 1024 x 2048 x 2048 ones are compute-bound; estimated
-0.82x -> 0.96x of XLA)."""
+Mosaic unrolls the body over the block, and the AOT compile grows several times with them, for a few percent
+on compute-bound tiles. Where a tile is memory-bound on one generation the gain is large (an 8192^3 bf16 GEMM
+on v6e: 1024 x 1024 blocks re-read both operands 8 times and are HBM-bound, 1024 x 2048 x 2048 ones are
+compute-bound)."""
 
 
 def _worth_wider(
