@@ -73,6 +73,23 @@ class Plan:
     scalar_eqns: list[Any] = field(default_factory=list)
 
 
+CARRY_REF = "carry_hbm"
+"""The kernel's name for its output ref: the carry, in HBM, aliased from the initial carry."""
+
+
+@dataclass
+class _Layout:
+    """How one windowed scan's kernel addresses its operands (`WindowScanBuilder._layout`)."""
+
+    prefetch: list[int]  # scan operand positions passed by scalar prefetch
+    hbm: list[int]  # ... left in HBM (the windows' operands; the carry's init comes after them)
+    names_in: list[str] = field(default_factory=list)  # the wrapper's array arguments
+    locals: dict[int, str] = field(default_factory=dict)  # operand position -> its name in the wrapper
+    params: list[str] = field(default_factory=list)  # row counts bound by the wrapper
+    wrapper_sizes: list[str] = field(default_factory=list)  # ... as the caller computes them
+    write: Window = None  # type: ignore[assignment]
+
+
 def _full_after_first(e: Any, operand: Any) -> bool:
     sizes = tuple(int(s) for s in e.params["slice_sizes"])
     return sizes[1:] == tuple(int(s) for s in operand.aval.shape[1:])
@@ -342,260 +359,24 @@ class WindowScanBuilder(ScanBuilder):
     # --- the kernel -----------------------------------------------------------------------------------
     def _build_windowed(self, plan: Plan) -> tuple[KernelSpec, str]:
         e = self.eqn
-        s, c = self.stem, self.cprefix
-        body = self.body
-        cpos = plan.carry
-        if any(is_literal(v) for i, v in enumerate(e.invars) if i != cpos and i not in plan.counters):
+        if any(is_literal(v) for i, v in enumerate(e.invars) if i != plan.carry and i not in plan.counters):
             raise LowerError("a literal scanned operand")
-        rev = bool(e.params["reverse"])
-        if rev and plan.counters:
+        if e.params["reverse"] and plan.counters:
             raise LowerError("a reversed windowed scan with a loop index")
-        final = e.outvars[cpos - self.n_consts]
+        final = e.outvars[plan.carry - self.n_consts]
         if any(v is not final for v in self.outputs):
             raise LowerError("a windowed scan whose loop index is used after the loop")
-        # sizes that change with the configuration: window rows, as kernel parameters the wrapper binds
-        size_params: dict[tuple[int, ...], str] = {}
-        wrapper_sizes: list[str] = []
-
-        def rows_code(eqn: Any) -> str:
-            vals = self._rows(eqn)
-            if all(x == vals[0] for x in vals):
-                return str(vals[0])
-            key = tuple(vals)
-            if key not in size_params:
-                size_params[key] = f"r{len(size_params)}"
-                wrapper_sizes.append(self.low.resolve_int(vals, []))
-            return size_params[key]
-
-        # operands: scalar prefetch first (tables, scanned integers), then HBM (windows, the carry's init)
-        prefetch: list[int] = [*plan.tables, *plan.steps]
-        hbm: list[int] = [w.pos for w in plan.windows]
-        names_in: list[str] = []
-        locals_: dict[int, str] = {}
-        for pos in [*prefetch, *hbm, cpos]:
-            v = e.invars[pos]
-            if is_literal(v):
-                continue
-            nm = self.low.name_of(v)
-            if nm not in names_in:
-                names_in.append(nm)
-            locals_[pos] = f"op{pos}"
-        for pos in prefetch:
-            if e.invars[pos].aval.dtype.name != "int32":
-                raise LowerError(
-                    "a windowed scan's integer table that is not int32 (SMEM holds 32-bit scalars)"
-                )
-        tables = {pos: f"op{pos}_ref" for pos in plan.tables}
-        steps = {pos: f"op{pos}_ref" for pos in plan.steps}
-        for k, w in enumerate(plan.windows):
-            w.ref, w.buf, w.rows = f"op{w.pos}_ref", f"win{k}_ref", rows_code(w.eqn)
-        carry_ref = "carry_hbm"
-        for k, w in enumerate(plan.reads):
-            w.ref, w.buf, w.rows = carry_ref, f"cur{k}_ref", rows_code(w.eqn)
-        write = Window(plan.write, cpos, rows_code(plan.write), _aligned(plan.write, body.invars[cpos]))
-        write.ref, write.buf = carry_ref, "new_ref"
-        n_sem = 2 * len(plan.windows) + len(plan.reads) + 2
-        # sizes the body may need, read off the refs (and the window rows the wrapper binds)
-        self.atoms = {"kernel": [], "wrapper": []}
-        for pos, local in locals_.items():
-            ref = f"{local}_ref" if pos != cpos else carry_ref
-            for d in range(len(e.invars[pos].aval.shape)):
-                vals = [int(a.invars[pos].aval.shape[d]) for a in self.low.traces.aligned_eqns(e)]
-                self.atoms["kernel"].append((f"{ref}.shape[{d}]", vals))
-        for key, name in size_params.items():
-            self.atoms["kernel"].append((name, list(key)))
-        # the body: scalars, window values, tensor work, the write
-        k_lines: list[str] = ["t_index = pl.program_id(0)", "n_index = pl.num_programs(0)"]
-        k_lines.append("step = n_index - 1 - t_index" if rev else "step = t_index")
-        k_lines.append("nxt = step - 1" if rev else "nxt = step + 1")
-        k_lines += self._emit_scalars(plan, tables, steps)
-        k_lines.append("sc = _scal(step)")
-        k_lines.append("slot = lax.rem(t_index, 2)")
-        if plan.windows:
-            k_lines.append("")
-            k_lines.append("def _copies(sc_, slot_):")
-            for w in plan.windows:
-                k_lines += ["    " + ln for ln in self._start_code(w, "sc_", w.rows)]
-            copies = [
-                self._copy_code(w, w.rows, "slot_", f"sem.at[{2 * k} + slot_]")
-                for k, w in enumerate(plan.windows)
-            ]
-            k_lines.append(f"    return [{', '.join(copies)}]")
-            k_lines += [
-                "",
-                "@pl.when(t_index == 0)",
-                "def _first():",
-                "    for cp in _copies(sc, slot):",
-                "        cp.start()",
-                "",
-                "@pl.when(t_index + 1 < n_index)",
-                "def _prefetch():",
-                "    for cp in _copies(_scal(nxt), 1 - slot):",
-                "        cp.start()",
-                "",
-                "for cp in _copies(sc, slot):",
-                "    cp.wait()",
-            ]
-        self.code_of = {}
-        for v, i in self.scalar_index.items():
-            self.code_of[v] = f"sc[{i}]"
-        self.lines = []
-        # the carry's rows are read as soon as this iteration starts (the last one's write is done), and
-        # waited for where the body reads them
-        sem_next = 2 * len(plan.windows)
-        for w in plan.reads:
-            self.lines += self._start_code(w, "sc", w.rows)
-            self.lines += [
-                f"cp_{w.buf} = {self._copy_code(w, w.rows, None, f'sem.at[{sem_next}]')}",
-                f"cp_{w.buf}.start()",
-            ]
-            sem_next += 1
-        window_eqns = {w.eqn: w for w in [*plan.windows, *plan.reads]}
-        scalar_set = set(plan.scalar_eqns)
-        for eq in body.eqns:
-            if eq in scalar_set or eq is plan.write:
-                continue
-            w = window_eqns.get(eq)
-            if w is None:
-                self.emit(eq)
-                continue
-            out = eq.outvars[0]
-            dt = dtype_name(out.aval)
-            nm = self.fresh("w")
-            if w in plan.windows:
-                k = plan.windows.index(w)
-                self.lines += self._start_code(w, "sc", w.rows)
-                val = f"{w.buf}[slot]"
-            else:  # a carry read, started at the top of the iteration
-                self.lines.append(f"cp_{w.buf}.wait()")
-                val = f"{w.buf}[...]"
-            if w.aligned:
-                a = align_rows(out.aval.dtype.itemsize)
-                span = f"({w.rows} + {a})"
-                self.lines.append(
-                    f"{nm} = pltpu.roll({val}.astype(jnp.float32), lax.rem({span} - (s_{w.buf} - a_{w.buf}), {span}), 0)"
-                    f"[:{w.rows}].astype({dtype_code(dt)})"
-                )
-            else:
-                self.lines.append(f"{nm} = {val}")
-            self.code_of[out] = nm
-        # the write: the update's rows replace the carry's, the rest of an aligned window goes back as read
-        upd = plan.write.invars[1]
-        udt = dtype_name(upd.aval)
-        self.lines += self._start_code(write, "sc", write.rows)
-        value = self.arg(upd)
-        same = next((r for r in plan.reads if r.aligned == write.aligned and r.rows == write.rows
-                     and self._scalar_code(r.eqn.invars[1], "sc") == self._scalar_code(plan.write.invars[2], "sc")), None)  # fmt: skip
-        if write.aligned:
-            a = align_rows(upd.aval.dtype.itemsize)
-            if same is not None:
-                base = f"{same.buf}[...]"
-            else:
-                sem = f"sem.at[{sem_next}]"
-                self.lines += [
-                    f"cp_base = {self._copy_code(write, write.rows, None, sem)}",
-                    "cp_base.start()",
-                    "cp_base.wait()",
-                ]
-                base = f"{write.buf}[...]"
-            self.lines += [
-                f"placed = jnp.concatenate([{value}.astype(jnp.float32), "
-                f"jnp.zeros(({a}, *{value}.shape[1:]), jnp.float32)], axis=0)",
-                f"placed = pltpu.roll(placed, s_{write.buf} - a_{write.buf}, 0).astype({dtype_code(udt)})",
-                "rows = lax.broadcasted_iota(jnp.int32, placed.shape, 0)",
-                f"inside = (rows >= s_{write.buf} - a_{write.buf}) & (rows < s_{write.buf} - a_{write.buf} + {write.rows})",
-                f"{write.buf}[...] = jnp.where(inside, placed, {base})",
-            ]
-        else:
-            self.lines.append(f"{write.buf}[...] = {value}.astype({write.buf}.dtype)")
-        self.lines += [
-            f"cp_write = {self._copy_code(write, write.rows, None, f'sem.at[{n_sem - 1}]', True)}",
-            "cp_write.start()",
-            "cp_write.wait()",
-        ]
-        k_lines += [""] + self.lines
-        # refs, in pallas_call order
-        refs = (
-            [f"{locals_[p]}_ref" for p in prefetch]
-            + [f"{locals_[p]}_ref" for p in hbm]
-            + ["init_hbm", carry_ref]
-        )
-        scratch_refs = [w.buf for w in plan.windows] + [w.buf for w in plan.reads] + [write.buf, "sem"]
-        params = list(size_params.values())
-        sig = ", ".join(refs + scratch_refs)
-        kernel = [f"def {s}_kernel({sig}{', *, ' + ', '.join(params) if params else ''}):",
-                  '    """One loop iteration per grid step; the carry and the large operands stay in HBM."""']  # fmt: skip
-        kernel += [("    " + ln) if ln else "" for ln in k_lines]
-        # wrapper
+        lay = self._layout(plan)
         length = [int(a.params["length"]) for a in self.low.traces.aligned_eqns(e)]
-        n_steps = str(length[0]) if all(x == length[0] for x in length) else self.low.resolve_extent(length)
-        init = e.invars[cpos]
-        cdt = dtype_code(dtype_name(body.invars[cpos].aval))
-        carry_shape = self.shape_code(body.invars[cpos], "wrapper") if is_literal(init) else f"op{cpos}.shape"
-        wparams = [*names_in, *params]
-        w = [f"def {s}({', '.join(wparams)}):",
-             '    """lax.scan as one Pallas kernel: a sequential grid over the iterations, the carry in HBM, '
-             'windows moved by DMA."""']  # fmt: skip
-        for pos, local in locals_.items():
-            w.append(f"    {local} = {self.low.name_of(e.invars[pos])}")
-        if is_literal(init):
-            w.append(
-                f"    op{cpos} = jnp.full({carry_shape}, {literal_code(init.val, dtype_name(init.aval))}, {cdt})"
-            )
-        scratch = []
-        for win in plan.windows:
-            v = body.invars[win.pos]
-            a = align_rows(v.aval.dtype.itemsize)
-            rows = f"{win.rows} + {a}" if win.aligned else win.rows
-            rest = ", ".join(f"op{win.pos}.shape[{d}]" for d in range(1, len(v.aval.shape)))
-            scratch.append(f"pltpu.VMEM((2, {rows}, {rest}), op{win.pos}.dtype)")
-        cshape = body.invars[cpos].aval.shape
-        crest = ", ".join(f"op{cpos}.shape[{d}]" for d in range(1, len(cshape)))
-        ca = align_rows(body.invars[cpos].aval.dtype.itemsize)
-        for win in [*plan.reads, write]:
-            rows = f"{win.rows} + {ca}" if win.aligned else win.rows
-            scratch.append(f"pltpu.VMEM(({rows}, {crest}), op{cpos}.dtype)")
-        scratch.append(f"pltpu.SemaphoreType.DMA(({n_sem},))")
-        kfn = (
-            f"functools.partial({s}_kernel, {', '.join(f'{p}={p}' for p in params)})"
-            if params
-            else f"{s}_kernel"
-        )
-        operands = [locals_[p] for p in prefetch] + [locals_[p] for p in hbm] + [f"op{cpos}"]
-        w += [
-            f"    n_steps = {n_steps}",
-            "    out = pl.pallas_call(",
-            f"        {kfn},",
-            "        grid_spec=pltpu.PrefetchScalarGridSpec(",
-            f"            num_scalar_prefetch={len(prefetch)},",
-            "            grid=(n_steps,),",
-            f"            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * {len(hbm) + 1},",
-            "            out_specs=pl.BlockSpec(memory_space=pl.ANY),",
-            f"            scratch_shapes=[{', '.join(scratch)}],",
-            "        ),",
-            f"        out_shape=jax.ShapeDtypeStruct(op{cpos}.shape, op{cpos}.dtype),",
-            f"        input_output_aliases={{{len(prefetch) + len(hbm)}: 0}},",
-            "        compiler_params=pltpu.CompilerParams(",
-            '            dimension_semantics=("arbitrary",),',
-            f"            vmem_limit_bytes={c}VMEM_LIMIT_BYTES,",
-            "        ),",
-            "        cost_estimate=pl.CostEstimate(",
-            f"            flops={int(self.flop_count)} * n_steps,",
-            "            transcendentals=0,",
-            f"            bytes_accessed=_nbytes({', '.join(operands)}) * 2,",
-            "        ),",
-            f"    )({', '.join(operands)})",
-            "    return out",
-        ]
-        code = "\n".join(kernel) + "\n\n\n" + "\n".join(w) + "\n"
+        code = self._kernel_code(plan, lay) + "\n\n\n" + self._wrapper_code(plan, lay, length)
         spec = KernelSpec(
-            name=s,
+            name=self.stem,
             family=self.family,
             title=f"lax.scan over {length[0]} steps with its carry in HBM, read and written through row windows",
             code=code,
             params=[],
             grid=[GridAxis(name="t_index", extent=length[0], param=None, semantics="arbitrary")],
-            buffers=self._window_buffers(plan, write),
+            buffers=self._window_buffers(plan, lay.write),
             flops=self.flop_count * length[0],
             structure=(
                 "grid (iterations,) sequential; small integer tables and the scanned integers in SMEM by scalar "
@@ -611,8 +392,231 @@ class WindowScanBuilder(ScanBuilder):
         vm = sum(b.vmem_bytes({}) for b in spec.buffers)
         if vm > 2 * MAX_STEP_BYTES:
             raise LowerError(f"a windowed scan whose windows need {vm / 2**20:.0f} MiB of VMEM")
-        call = f"{s}({', '.join([*names_in, *wrapper_sizes])})"
-        return spec, call
+        return spec, f"{self.stem}({', '.join([*lay.names_in, *lay.wrapper_sizes])})"
+
+    def _layout(self, plan: Plan) -> _Layout:
+        """Operands in pallas_call order (scalar prefetch, then HBM: the windows, the carry's init), names
+        for every window's refs and buffers, window row counts that change with the configuration as kernel
+        parameters the wrapper binds, and the sizes the body may read off the refs (`self.atoms`)."""
+        e = self.eqn
+        lay = _Layout(prefetch=[*plan.tables, *plan.steps], hbm=[w.pos for w in plan.windows])
+        size_params: dict[tuple[int, ...], str] = {}
+
+        def rows_code(eqn: Any) -> str:
+            vals = self._rows(eqn)
+            if all(x == vals[0] for x in vals):
+                return str(vals[0])
+            key = tuple(vals)
+            if key not in size_params:
+                size_params[key] = f"r{len(size_params)}"
+                lay.wrapper_sizes.append(self.low.resolve_int(vals, []))
+            return size_params[key]
+
+        for pos in [*lay.prefetch, *lay.hbm, plan.carry]:
+            v = e.invars[pos]
+            if is_literal(v):
+                continue
+            nm = self.low.name_of(v)
+            if nm not in lay.names_in:
+                lay.names_in.append(nm)
+            lay.locals[pos] = f"op{pos}"
+        for pos in lay.prefetch:
+            if e.invars[pos].aval.dtype.name != "int32":
+                raise LowerError(
+                    "a windowed scan's integer table that is not int32 (SMEM holds 32-bit scalars)"
+                )
+        for k, w in enumerate(plan.windows):
+            w.ref, w.buf, w.rows = f"op{w.pos}_ref", f"win{k}_ref", rows_code(w.eqn)
+        for k, w in enumerate(plan.reads):
+            w.ref, w.buf, w.rows = CARRY_REF, f"cur{k}_ref", rows_code(w.eqn)
+        lay.write = Window(plan.write, plan.carry, rows_code(plan.write),
+                           _aligned(plan.write, self.body.invars[plan.carry]), CARRY_REF, "new_ref")  # fmt: skip
+        lay.params = list(size_params.values())
+        self.atoms = {"kernel": [], "wrapper": []}
+        for pos, local in lay.locals.items():
+            ref = f"{local}_ref" if pos != plan.carry else CARRY_REF
+            for d in range(len(e.invars[pos].aval.shape)):
+                vals = [int(a.invars[pos].aval.shape[d]) for a in self.low.traces.aligned_eqns(e)]
+                self.atoms["kernel"].append((f"{ref}.shape[{d}]", vals))
+        for key, name in size_params.items():
+            self.atoms["kernel"].append((name, list(key)))
+        return lay
+
+    def _kernel_code(self, plan: Plan, lay: _Layout) -> str:
+        tables = {pos: f"op{pos}_ref" for pos in plan.tables}
+        steps = {pos: f"op{pos}_ref" for pos in plan.steps}
+        rev = bool(self.eqn.params["reverse"])
+        lines = ["t_index = pl.program_id(0)", "n_index = pl.num_programs(0)"]
+        lines.append("step = n_index - 1 - t_index" if rev else "step = t_index")
+        lines.append("nxt = step - 1" if rev else "nxt = step + 1")
+        lines += self._emit_scalars(plan, tables, steps)
+        lines += ["sc = _scal(step)", "slot = lax.rem(t_index, 2)"]
+        lines += self._prefetch_lines(plan)
+        lines += [""] + self._body_lines(plan) + self._write_lines(plan, lay)
+        refs = [f"{lay.locals[p]}_ref" for p in [*lay.prefetch, *lay.hbm]] + ["init_hbm", CARRY_REF]
+        scratch = [w.buf for w in plan.windows] + [w.buf for w in plan.reads] + [lay.write.buf, "sem"]
+        params = f", *, {', '.join(lay.params)}" if lay.params else ""
+        kernel = [f"def {self.stem}_kernel({', '.join(refs + scratch)}{params}):",
+                  '    """One loop iteration per grid step; the carry and the large operands stay in HBM."""']  # fmt: skip
+        kernel += [("    " + ln) if ln else "" for ln in lines]
+        return "\n".join(kernel) + "\n"
+
+    def _prefetch_lines(self, plan: Plan) -> list[str]:
+        """Each window's copy for this iteration (started at the first) and for the next (started now, into
+        the other slot), then the wait for this iteration's."""
+        if not plan.windows:
+            return []
+        lines = ["", "def _copies(sc_, slot_):"]
+        for w in plan.windows:
+            lines += ["    " + ln for ln in self._start_code(w, "sc_", w.rows)]
+        copies = [
+            self._copy_code(w, w.rows, "slot_", f"sem.at[{2 * k} + slot_]")
+            for k, w in enumerate(plan.windows)
+        ]
+        lines.append(f"    return [{', '.join(copies)}]")
+        return lines + [
+            "",
+            "@pl.when(t_index == 0)",
+            "def _first():",
+            "    for cp in _copies(sc, slot):",
+            "        cp.start()",
+            "",
+            "@pl.when(t_index + 1 < n_index)",
+            "def _prefetch():",
+            "    for cp in _copies(_scal(nxt), 1 - slot):",
+            "        cp.start()",
+            "",
+            "for cp in _copies(sc, slot):",
+            "    cp.wait()",
+        ]
+
+    def _body_lines(self, plan: Plan) -> list[str]:
+        """The body's tensor work, its windows' values in place of their `dynamic_slice`s. The carry's rows
+        are read as soon as the iteration starts (the last one's write is done) and waited for where the
+        body reads them."""
+        self.code_of = {v: f"sc[{i}]" for v, i in self.scalar_index.items()}
+        self.lines = []
+        for k, w in enumerate(plan.reads):
+            self.lines += self._start_code(w, "sc", w.rows)
+            sem = f"sem.at[{2 * len(plan.windows) + k}]"
+            self.lines += [f"cp_{w.buf} = {self._copy_code(w, w.rows, None, sem)}", f"cp_{w.buf}.start()"]
+        window_eqns = {w.eqn: w for w in [*plan.windows, *plan.reads]}
+        skip = {*plan.scalar_eqns, plan.write}
+        for eq in self.body.eqns:
+            if eq in skip:
+                continue
+            w = window_eqns.get(eq)
+            if w is None:
+                self.emit(eq)
+                continue
+            out = eq.outvars[0]
+            nm = self.fresh("w")
+            if w in plan.windows:
+                self.lines += self._start_code(w, "sc", w.rows)
+                val = f"{w.buf}[slot]"
+            else:
+                self.lines.append(f"cp_{w.buf}.wait()")
+                val = f"{w.buf}[...]"
+            if w.aligned:
+                a = align_rows(out.aval.dtype.itemsize)
+                span = f"({w.rows} + {a})"
+                self.lines.append(
+                    f"{nm} = pltpu.roll({val}.astype(jnp.float32), lax.rem({span} - (s_{w.buf} - a_{w.buf}), "
+                    f"{span}), 0)[:{w.rows}].astype({dtype_code(dtype_name(out.aval))})"
+                )
+            else:
+                self.lines.append(f"{nm} = {val}")
+            self.code_of[out] = nm
+        return self.lines
+
+    def _write_lines(self, plan: Plan, lay: _Layout) -> list[str]:
+        """The write: the update's rows replace the carry's; the rest of an aligned window goes back as it
+        was read (by this iteration's read of the same rows when there is one)."""
+        write = lay.write
+        upd = plan.write.invars[1]
+        value = self.arg(upd)
+        lines = self._start_code(write, "sc", write.rows)
+        start = self._scalar_code(plan.write.invars[2], "sc")
+        same = next((r for r in plan.reads if r.aligned == write.aligned and r.rows == write.rows
+                     and self._scalar_code(r.eqn.invars[1], "sc") == start), None)  # fmt: skip
+        n_sem = 2 * len(plan.windows) + len(plan.reads) + 2
+        if write.aligned:
+            a = align_rows(upd.aval.dtype.itemsize)
+            if same is not None:
+                base = f"{same.buf}[...]"
+            else:
+                copy = self._copy_code(write, write.rows, None, f"sem.at[{n_sem - 2}]")
+                lines += [f"cp_base = {copy}", "cp_base.start()", "cp_base.wait()"]
+                base = f"{write.buf}[...]"
+            off = f"s_{write.buf} - a_{write.buf}"
+            lines += [
+                f"placed = jnp.concatenate([{value}.astype(jnp.float32), "
+                f"jnp.zeros(({a}, *{value}.shape[1:]), jnp.float32)], axis=0)",
+                f"placed = pltpu.roll(placed, {off}, 0).astype({dtype_code(dtype_name(upd.aval))})",
+                "rows = lax.broadcasted_iota(jnp.int32, placed.shape, 0)",
+                f"inside = (rows >= {off}) & (rows < {off} + {write.rows})",
+                f"{write.buf}[...] = jnp.where(inside, placed, {base})",
+            ]
+        else:
+            lines.append(f"{write.buf}[...] = {value}.astype({write.buf}.dtype)")
+        copy = self._copy_code(write, write.rows, None, f"sem.at[{n_sem - 1}]", True)
+        return lines + [f"cp_write = {copy}", "cp_write.start()", "cp_write.wait()"]
+
+    def _wrapper_code(self, plan: Plan, lay: _Layout, length: list[int]) -> str:
+        e, body, s, cpos = self.eqn, self.body, self.stem, plan.carry
+        n_steps = str(length[0]) if all(x == length[0] for x in length) else self.low.resolve_extent(length)
+        init = e.invars[cpos]
+        w = [f"def {s}({', '.join([*lay.names_in, *lay.params])}):",
+             '    """lax.scan as one Pallas kernel: a sequential grid over the iterations, the carry in HBM, '
+             'windows moved by DMA."""']  # fmt: skip
+        w += [f"    {local} = {self.low.name_of(e.invars[pos])}" for pos, local in lay.locals.items()]
+        if is_literal(init):
+            shape = self.shape_code(body.invars[cpos], "wrapper")
+            fill = literal_code(init.val, dtype_name(init.aval))
+            w.append(
+                f"    op{cpos} = jnp.full({shape}, {fill}, {dtype_code(dtype_name(body.invars[cpos].aval))})"
+            )
+        scratch = []
+        for win in plan.windows:
+            v = body.invars[win.pos]
+            rows = f"{win.rows} + {align_rows(v.aval.dtype.itemsize)}" if win.aligned else win.rows
+            rest = ", ".join(f"op{win.pos}.shape[{d}]" for d in range(1, len(v.aval.shape)))
+            scratch.append(f"pltpu.VMEM((2, {rows}, {rest}), op{win.pos}.dtype)")
+        carry = body.invars[cpos]
+        crest = ", ".join(f"op{cpos}.shape[{d}]" for d in range(1, len(carry.aval.shape)))
+        for win in [*plan.reads, lay.write]:
+            rows = f"{win.rows} + {align_rows(carry.aval.dtype.itemsize)}" if win.aligned else win.rows
+            scratch.append(f"pltpu.VMEM(({rows}, {crest}), op{cpos}.dtype)")
+        scratch.append(f"pltpu.SemaphoreType.DMA(({2 * len(plan.windows) + len(plan.reads) + 2},))")
+        bound = ", ".join(f"{p}={p}" for p in lay.params)
+        kfn = f"functools.partial({s}_kernel, {bound})" if lay.params else f"{s}_kernel"
+        operands = [lay.locals[p] for p in [*lay.prefetch, *lay.hbm]] + [f"op{cpos}"]
+        w += [
+            f"    n_steps = {n_steps}",
+            "    out = pl.pallas_call(",
+            f"        {kfn},",
+            "        grid_spec=pltpu.PrefetchScalarGridSpec(",
+            f"            num_scalar_prefetch={len(lay.prefetch)},",
+            "            grid=(n_steps,),",
+            f"            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * {len(lay.hbm) + 1},",
+            "            out_specs=pl.BlockSpec(memory_space=pl.ANY),",
+            f"            scratch_shapes=[{', '.join(scratch)}],",
+            "        ),",
+            f"        out_shape=jax.ShapeDtypeStruct(op{cpos}.shape, op{cpos}.dtype),",
+            f"        input_output_aliases={{{len(lay.prefetch) + len(lay.hbm)}: 0}},",
+            "        compiler_params=pltpu.CompilerParams(",
+            '            dimension_semantics=("arbitrary",),',
+            f"            vmem_limit_bytes={self.cprefix}VMEM_LIMIT_BYTES,",
+            "        ),",
+            "        cost_estimate=pl.CostEstimate(",
+            f"            flops={int(self.flop_count)} * n_steps,",
+            "            transcendentals=0,",
+            f"            bytes_accessed=_nbytes({', '.join(operands)}) * 2,",
+            "        ),",
+            f"    )({', '.join(operands)})",
+            "    return out",
+        ]
+        return "\n".join(w) + "\n"
 
     def _window_buffers(self, plan: Plan, write: Window) -> list[BufferSpec]:
         out: list[BufferSpec] = []
