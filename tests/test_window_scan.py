@@ -125,3 +125,37 @@ def test_an_operand_read_whole_inside_a_windowed_loop_is_refused_by_name() -> No
     cfg = Config(dynamic=[((256, 128), "float32"), ((4, 128), "float32"), ((4,), "int32")], static=[32])
     with pytest.raises(Unsupported, match="used other than through one window"):
         lower_program(trace_reference(whole_weights, [cfg], ["x", "w", "offsets", "rows"]), "t")
+
+
+def paged_updates(x, idx, w):
+    """A reversed scan over a [pages, 8, 128] pool: page idx[g] gains (page idx[g]) @ w[g]. Windows of rank 3
+    slice the untiled first dim directly; a page hit twice sees its first update."""
+
+    def body(acc, g):
+        i = idx[g]
+        page = lax.dynamic_slice(x, (i, 0, 0), (1, 8, 128))[0]
+        y = jnp.dot(page, w[g], preferred_element_type=jnp.float32)
+        cur = lax.dynamic_slice(acc, (i, 0, 0), (1, 8, 128))
+        return lax.dynamic_update_slice(acc, cur + y[None], (i, 0, 0)), None
+
+    out, _ = lax.scan(body, jnp.zeros_like(x), jnp.arange(idx.shape[0]), reverse=True)
+    return out
+
+
+def test_a_reversed_scan_over_pages_of_a_pool_is_exact() -> None:
+    cfgs = [
+        Config(dynamic=[((16, 8, 128), "float32"), ((6,), "int32"), ((6, 128, 128), "float32")], static=[]),
+        Config(dynamic=[((12, 8, 128), "float32"), ((4,), "int32"), ((4, 128, 128), "float32")], static=[]),
+    ]
+    program = lower_program(trace_reference(paged_updates, cfgs, ["x", "idx", "w"]), "t")
+    assert [k.family for k in program.kernels] == ["scan"] and "pltpu.roll" not in program.kernels[0].code
+    _src, kernel = load_module(program)
+    rng = np.random.default_rng(2)
+    for pages, idx in [(16, [3, 3, 15, 0, 7, 3]), (12, [11, 2, 2, 5])]:
+        x = jnp.asarray(rng.standard_normal((pages, 8, 128)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((len(idx), 128, 128)) * 0.1, jnp.float32)
+        args = (x, jnp.asarray(idx, jnp.int32), w)
+        with pltpu.force_tpu_interpret_mode():
+            got = kernel(*args)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(paged_updates)(*args)))
+    compiles(kernel, [((16, 8, 128), jnp.float32), ((6,), jnp.int32), ((6, 128, 128), jnp.float32)])

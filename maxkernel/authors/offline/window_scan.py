@@ -399,6 +399,7 @@ class WindowScanBuilder(ScanBuilder):
         for every window's refs and buffers, window row counts that change with the configuration as kernel
         parameters the wrapper binds, and the sizes the body may read off the refs (`self.atoms`)."""
         e = self.eqn
+        self.widened = {}  # every operand keeps its own shape: windows are copied as they are
         lay = _Layout(prefetch=[*plan.tables, *plan.steps], hbm=[w.pos for w in plan.windows])
         size_params: dict[tuple[int, ...], str] = {}
 
