@@ -57,6 +57,12 @@ class Window:
     aligned: bool  # a 2-D array: copied as the aligned rows around it, then rotated into place
     ref: str = ""
     buf: str = ""
+    itemsize: int = 4  # of the array it slices
+
+    @property
+    def align(self) -> int:
+        """Rows an aligned copy starts on, and adds (`align_rows`)."""
+        return align_rows(self.itemsize)
 
 
 @dataclass
@@ -170,13 +176,15 @@ def plan_windows(body: Any, n_consts: int, n_carry: int, inits: list[Any] | None
             e = us[0][0]
             if not _full_after_first(e, v):
                 raise LowerError("a window of a loop-invariant operand that is not whole rows")
-            plan.windows.append(Window(e, pos, "", _aligned(e, v)))
+            plan.windows.append(Window(e, pos, "", _aligned(e, v), itemsize=v.aval.dtype.itemsize))
         else:
             raise LowerError("a loop-invariant operand of a windowed scan used other than through one window")
     for e, k in uses.get(carry, []):
         name = e.primitive.name
         if name == "dynamic_slice" and k == 0 and _full_after_first(e, carry):
-            plan.reads.append(Window(e, plan.carry, "", _aligned(e, carry)))
+            plan.reads.append(
+                Window(e, plan.carry, "", _aligned(e, carry), itemsize=carry.aval.dtype.itemsize)
+            )
         elif (
             name == "dynamic_update_slice"
             and k == 0
@@ -332,23 +340,14 @@ class WindowScanBuilder(ScanBuilder):
         b = w.buf
         lines = [f"s_{b} = jnp.clip({self._scalar_code(v, tup)}, 0, {w.ref}.shape[0] - {rows})"]
         if w.aligned:
-            a = align_rows(
-                e.outvars[0].aval.dtype.itemsize
-                if e.primitive.name == "dynamic_slice"
-                else e.invars[1].aval.dtype.itemsize
-            )
+            a = w.align
             lines.append(f"a_{b} = jnp.minimum(lax.div(s_{b}, {a}) * {a}, {w.ref}.shape[0] - ({rows} + {a}))")
         return lines
 
     def _copy_code(self, w: Window, rows: str, slot: str | None, sem: str, to_hbm: bool = False) -> str:
-        e = w.eqn
         dst = f"{w.buf}.at[{slot}]" if slot is not None else w.buf
         if w.aligned:
-            a = align_rows(
-                e.outvars[0].aval.dtype.itemsize
-                if e.primitive.name == "dynamic_slice"
-                else e.invars[1].aval.dtype.itemsize
-            )
+            a = w.align
             src = f"{w.ref}.at[pl.ds(pl.multiple_of(a_{w.buf}, {a}), {rows} + {a})]"
         else:
             src = f"{w.ref}.at[pl.ds(s_{w.buf}, {rows})]"
@@ -430,8 +429,9 @@ class WindowScanBuilder(ScanBuilder):
             w.ref, w.buf, w.rows = f"op{w.pos}_ref", f"win{k}_ref", rows_code(w.eqn)
         for k, w in enumerate(plan.reads):
             w.ref, w.buf, w.rows = CARRY_REF, f"cur{k}_ref", rows_code(w.eqn)
-        lay.write = Window(plan.write, plan.carry, rows_code(plan.write),
-                           _aligned(plan.write, self.body.invars[plan.carry]), CARRY_REF, "new_ref")  # fmt: skip
+        carry = self.body.invars[plan.carry]
+        lay.write = Window(plan.write, plan.carry, rows_code(plan.write), _aligned(plan.write, carry), CARRY_REF,
+                           "new_ref", carry.aval.dtype.itemsize)  # fmt: skip
         lay.params = list(size_params.values())
         self.atoms = {"kernel": [], "wrapper": []}
         for pos, local in lay.locals.items():
@@ -519,7 +519,7 @@ class WindowScanBuilder(ScanBuilder):
                 self.lines.append(f"cp_{w.buf}.wait()")
                 val = f"{w.buf}[...]"
             if w.aligned:
-                a = align_rows(out.aval.dtype.itemsize)
+                a = w.align
                 span = f"({w.rows} + {a})"
                 self.lines.append(
                     f"{nm} = pltpu.roll({val}.astype(jnp.float32), lax.rem({span} - (s_{w.buf} - a_{w.buf}), "
@@ -542,7 +542,7 @@ class WindowScanBuilder(ScanBuilder):
                      and self._scalar_code(r.eqn.invars[1], "sc") == start), None)  # fmt: skip
         n_sem = 2 * len(plan.windows) + len(plan.reads) + 2
         if write.aligned:
-            a = align_rows(upd.aval.dtype.itemsize)
+            a = write.align
             if same is not None:
                 base = f"{same.buf}[...]"
             else:
@@ -580,13 +580,13 @@ class WindowScanBuilder(ScanBuilder):
         scratch = []
         for win in plan.windows:
             v = body.invars[win.pos]
-            rows = f"{win.rows} + {align_rows(v.aval.dtype.itemsize)}" if win.aligned else win.rows
+            rows = f"{win.rows} + {win.align}" if win.aligned else win.rows
             rest = ", ".join(f"op{win.pos}.shape[{d}]" for d in range(1, len(v.aval.shape)))
             scratch.append(f"pltpu.VMEM((2, {rows}, {rest}), op{win.pos}.dtype)")
         carry = body.invars[cpos]
         crest = ", ".join(f"op{cpos}.shape[{d}]" for d in range(1, len(carry.aval.shape)))
         for win in [*plan.reads, lay.write]:
-            rows = f"{win.rows} + {align_rows(carry.aval.dtype.itemsize)}" if win.aligned else win.rows
+            rows = f"{win.rows} + {win.align}" if win.aligned else win.rows
             scratch.append(f"pltpu.VMEM(({rows}, {crest}), op{cpos}.dtype)")
         scratch.append(f"pltpu.SemaphoreType.DMA(({2 * len(plan.windows) + len(plan.reads) + 2},))")
         bound = ", ".join(f"{p}={p}" for p in lay.params)
