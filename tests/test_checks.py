@@ -228,6 +228,44 @@ def test_tpu_program_text_costs_glue_and_sees_complex_reduces() -> None:
     assert not running.ok and "stablehlo.reduce_window" in running.reason, running.reason
 
 
+def test_a_scatter_that_adds_or_writes_rows_is_elementwise_work_and_any_other_is_heavy() -> None:
+    """`buf.at[rows].add(kernel_rows)` / `.set(...)` put a kernel's rows into a buffer: one add or write per
+    update element, judged as elementwise work outside the kernels, in the jaxpr and in the TPU program.
+    A scatter with a function (`scatter_apply`) or a multiplying one computes: heavy, whatever its size."""
+    from jax import export, lax
+
+    from maxkernel.tools.stablehlo_check import check_tpu_program
+
+    dn = lax.ScatterDimensionNumbers(
+        update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+    )
+    rows = jnp.array([[7], [3], [7]], jnp.int32)  # a repeated row: the adds collide
+
+    def put(add):
+        fn = lax.scatter_add if add else lax.scatter
+        return lambda x: fn(jnp.zeros((512, 256), x.dtype), rows, _call(_scale_kernel, x)[:3], dn)
+
+    cases = {
+        "add": (put(True), True),
+        "set": (put(False), True),
+        "mul": (lambda x: jnp.ones((512, 256), x.dtype).at[rows[:, 0]].mul(_call(_scale_kernel, x)[:3]), False),
+        "apply": (lambda x: lax.scatter_apply(_call(_scale_kernel, x), rows, jnp.sin, dn, update_shape=(3, 256)), False),
+    }  # fmt: skip
+    for name, (fn, allowed) in cases.items():
+        c, _ = check(fn)
+        tpu = check_tpu_program(export.export(jax.jit(fn), platforms=("tpu",))(X).mlir_module(), 1)
+        assert c.ok is allowed and tpu.ok is allowed, (name, c.reason, tpu.reason)
+        if allowed:
+            assert c.work_outside == 3 * 256 and tpu.elementwise_cost >= 3 * 256, name
+        else:
+            assert "scatter" in c.reason and "stablehlo.scatter" in tpu.reason, name
+    # a reduction done by scatter-adding a whole input into one row is more work than the kernel does
+    dump = check(
+        lambda x: lax.scatter_add(_call(_scale_kernel, x)[:1], jnp.zeros((256, 1), jnp.int32), x * x, dn)
+    )
+    assert not dump[0].ok
+
+
 def test_the_checked_programs_platform_sites_must_be_its_kernels() -> None:
     from jax import export
 

@@ -168,6 +168,19 @@ ELEMENTWISE_IO_FACTOR = 4.0
 its kernels read and write: a matmul done as a broadcast multiply and an add tree is far above it."""
 
 
+def _row_scatter(eqn: Tree) -> bool:
+    """A scatter that replaces (`x.at[i].set(u)`) or adds (`.add(u)`) and nothing else: in place, one write
+    or one add per update element, so it is elementwise work on its updates (held to the same budgets as
+    maps outside kernels, and to no more than the kernels' work); the TPU program's rule is the same
+    (`stablehlo_check.ROW_SCATTER_REGIONS`). `scatter_apply` (a `scatter` with a function) and multiplying
+    or min/max scatters stay heavy work."""
+    name = eqn.get("p")
+    if name not in ("scatter", "scatter-add") or len(eqn.get("in", [])) != 3:
+        return False
+    body = [e.get("p") for sub in eqn.get("subs", []) for e in tree_eqns(sub)]
+    return body == ([] if name == "scatter" else ["add"])
+
+
 def _glue_cost(eqn: Tree) -> float:
     """Elements a costed op processes: its operands for a reduction, M*N*K for a dot."""
     if eqn.get("p") == "dot_general":
@@ -204,6 +217,11 @@ class _Walker:
                 continue
             if name in FORBIDDEN or name in PLATFORM_DEPENDENT:
                 self.check.forbidden.append(name)
+                continue
+            if _row_scatter(eqn):  # one add (or write) per update element: elementwise work on its rows
+                shapes = ", ".join("[" + ",".join(map(str, o)) + "]" for o in eqn.get("out", []))
+                self.check.elementwise_outside.append(f"{name} of {_size(eqn['in'][2])} elements -> {shapes}")
+                self.check.work_outside += _size(eqn["in"][2])
                 continue
             if name in GLUE_COSTED:
                 cost = _glue_cost(eqn)

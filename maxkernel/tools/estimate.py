@@ -1670,6 +1670,10 @@ class _ProgramWalk:
             # it reads the slices it picks, not its whole operand (a page table picks 8192 of 10240 pages)
             operand, out = _nbytes(eqn.invars[0].aval), sum(_nbytes(v.aval) for v in eqn.outvars)
             nbytes -= max(0, operand - out)
+        elif eqn.primitive.name.startswith("scatter") and len(eqn.invars) == 3:
+            # in place: it reads the indices and updates and reads and writes the rows they hit, never the
+            # whole operand it returns (one decode token's row of a 4096-token buffer)
+            nbytes = float(_nbytes(eqn.invars[1].aval) + 3 * _nbytes(eqn.invars[2].aval))
         t = nbytes / self.spec.device_hbm_bytes_per_s
         if eqn.primitive.name == "dot_general":
             t = max(t, _dot_work(eqn, self.spec).mxu_seconds)

@@ -35,7 +35,13 @@ HEAVY_OPS = frozenset(
     """while sort scatter select_and_scatter fft triangular_solve cholesky rng
     rng_bit_generator all_reduce reduce_scatter all_gather""".split()
 )
-"""Refused outside kernels whatever their size: their cost is not read off a line of text."""
+"""Refused outside kernels whatever their size: their cost is not read off a line of text (a `scatter`
+whose region only adds or replaces is the exception: see `ROW_SCATTER_REGIONS`)."""
+ROW_SCATTER_REGIONS = (("return",), ("add", "return"))
+"""A `scatter` whose combiner region is exactly one of these (replace; add) is elementwise work on its
+updates (in place, one write or add per update element): rows a kernel computed put into a buffer (a
+prefill chunk's attention output into the token buffer). Any other combiner (`scatter_apply`'s function,
+a multiply) stays heavy work."""
 COSTED_OPS = frozenset({"dot", "dot_general", "convolution", "reduce", "reduce_window"})
 """Allowed outside kernels when small: their cost (elements read, multiply-adds, or window terms) is read
 off the op's text (for an op with a region, its first line and the line that closes the region)."""
@@ -102,6 +108,8 @@ def op_cost(kind: str, line: str) -> float:
         return sizes[-1] * math.prod(int(w) for w in window.group(1).split(",") if w.strip())
     if kind == "reduce":
         return sum(sizes[: max(1, len(sizes) // 2)])
+    if kind == "scatter (rows)":  # (operand, indices, updates) -> result: in place, it reads the updates
+        return sizes[2] if len(sizes) == 4 else float("inf")
     if kind in ("dot", "dot_general", "convolution"):
         if len(sizes) < 3:
             return float("inf")
@@ -153,6 +161,7 @@ def _scan(text: str) -> tuple[dict[str, Any], str | None]:
     func_depth = 0
     cond_stack: list[int] = []
     open_op: tuple[list[Any], int, int] | None = None  # (ops, index, depth): an op whose region is open
+    region_ops: list[str] = []  # the ops inside an open scatter's region
     for raw in text.splitlines():
         # Strings go: a kernel's serialized body holds braces.
         bare = _bare(raw)
@@ -167,7 +176,12 @@ def _scan(text: str) -> tuple[dict[str, Any], str | None]:
         if current is not None:
             ops, calls = funcs[current]
             for om in _OP.finditer(bare):
+                if om.start() and bare[om.start() - 1] == "#":
+                    continue  # an attribute (`#stablehlo.scatter<...>`), not an op
                 kind = om.group(2)
+                if open_op is not None and open_op[0][open_op[1]][0] == "scatter" and depth > open_op[2]:
+                    region_ops.append(kind)  # the combiner, judged with its scatter
+                    continue
                 target = ""
                 if kind == "custom_call":
                     tm = _TARGET.search(raw)
@@ -175,8 +189,13 @@ def _scan(text: str) -> tuple[dict[str, Any], str | None]:
                 if kind == "reduce" and _boolean_only(bare):
                     kind = "reduce (predicates)"
                 ops.append((kind, target, in_cond, bare))
-                if kind in COSTED_OPS and "->" not in bare and bare.rstrip().endswith("({"):
+                if (
+                    (kind in COSTED_OPS or kind == "scatter")
+                    and "->" not in bare
+                    and bare.rstrip().endswith("({")
+                ):
                     open_op = (ops, len(ops) - 1, depth)  # its types follow the region: `}) : (...) -> ...`
+                    region_ops = []
             for cm in _CALL.finditer(bare):
                 if not bare.lstrip().startswith("func.func"):
                     calls.append((cm.group(1), in_cond))
@@ -186,6 +205,8 @@ def _scan(text: str) -> tuple[dict[str, Any], str | None]:
         if open_op is not None and depth <= open_op[2] and not bare.rstrip().endswith("({"):
             ops_of, k, _d = open_op
             kind_k, target_k, cond_k, line_k = ops_of[k]
+            if kind_k == "scatter" and tuple(region_ops) in ROW_SCATTER_REGIONS:
+                kind_k = "scatter (rows)"
             ops_of[k] = (kind_k, target_k, cond_k, line_k + " " + bare.strip())
             open_op = None
         while cond_stack and depth <= cond_stack[-1]:
@@ -229,6 +250,8 @@ def check_tpu_program(text: str, expected_kernels: int | None = None) -> TpuProg
                     out.heavy_outside.append(f"custom_call @{target}")
             elif kind in HEAVY_OPS:
                 out.heavy_outside.append(f"stablehlo.{kind}" + (" (in a conditional)" if cond else ""))
+            elif kind == "scatter (rows)":  # one add or write per update element, in place
+                out.elementwise_cost += op_cost(kind, line)
             elif kind in COSTED_OPS:
                 cost = op_cost(kind, line)
                 out.glue_cost += cost

@@ -128,6 +128,8 @@ class Graph:
             return "glue"
         if name in RANDOM:
             return "random"
+        if name in ("scatter", "scatter-add", "scatter_add"):  # only whole-row scatters outlive the trace
+            return "glue"
         if name in EQUATION_KINDS:  # owned outright by a template family
             return EQUATION_KINDS[name]
         return "unsupported"

@@ -355,10 +355,40 @@ class HeadGroups:
         elif name == "convert_element_type":
             src, unit = self.view(eqn.invars[0], axis, groups, size)
             got = (eqn.primitive.bind(src, **eqn.params), unit)
+        elif name == "iota" and int(eqn.params["dimension"]) != axis:  # the same for every head
+            params = dict(eqn.params, shape=shape, dimension=_ex(int(eqn.params["dimension"]), axis))
+            got = (eqn.primitive.bind(**params), False)
+        elif name in MAPS and self._index_only(var):
+            # a mask or position built from iotas and scalars (a causal offset per sequence): rebuilt in
+            # split form, so the attention kernel computes it per block instead of reading a reshaped copy
+            vals: list[Any] = []
+            for v in eqn.invars:
+                if isinstance(v, jcore.Literal) or len(_shape(v)) == 0:
+                    vals.append(self.read(v))
+                    continue
+                val, unit = self.view(v, axis, groups, size)
+                vals.append(lax.broadcast_in_dim(val, shape, tuple(range(len(shape)))) if unit else val)
+            got = (eqn.primitive.bind(*vals, **eqn.params), False)
         else:
             got = (lax.reshape(self.read(var), shape), False)
         self.views[key] = got
         return got
+
+    def _index_only(self, var: Any, depth: int = 0) -> bool:
+        """`var` is computed by maps from iotas, literals and scalars alone (no array read from memory)."""
+        if isinstance(var, jcore.Literal) or len(_shape(var)) == 0:
+            return True
+        eqn = self.producer.get(var)
+        if eqn is None or depth > 32 or var in self.split:
+            return False
+        name = eqn.primitive.name
+        if name == "iota":
+            return True
+        if name == "broadcast_in_dim":
+            return len(_shape(eqn.invars[0])) == 0 or self._index_only(eqn.invars[0], depth + 1)
+        if name in MAPS:
+            return all(self._index_only(v, depth + 1) for v in eqn.invars)
+        return False
 
     def _dot(self, eqn: Any) -> Split:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]

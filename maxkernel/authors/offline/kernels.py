@@ -395,9 +395,10 @@ class Builder(KernelBuilder):
         self.check_in_space(var, space)
         view = [*self.grid_dims(), *space.dims]
         prev = self.input_view.get(var)
-        if prev is not None and [d.key for d in prev] != [d.key for d in view]:
+        if prev is not None and self._layout(var, prev) != self._layout(var, view):
             raise LowerError("an input is read in two different layouts")
-        self.input_view[var] = view
+        if prev is None:  # the first view keeps the key: another differs only where the block is 1 wide
+            self.input_view[var] = view
         mat = frozenset(d.key for d in space.dims if self.spans(var, d))
         name = self.fresh(f"{self.local(var)}_blk")
         dt = dtype_name(var.aval)
@@ -413,6 +414,11 @@ class Builder(KernelBuilder):
                     d.sublane_use = True
                 d.min_itemsize = min(d.min_itemsize, 4 if dt == "bool" else var.aval.dtype.itemsize)
         return name, mat
+
+    def _layout(self, var: Any, view: list[SpaceDim]) -> list[str | None]:
+        """The block an input is read as: a dim it does not span is 1 wide whatever the space calls it
+        (a sequence's scalar bound read by the score step and by the epilogue)."""
+        return [d.key if self.spans(var, d) else None for d in view]
 
     def materialise(
         self, code: str, mat: frozenset[str], need: set[str], space: Space, scope: Scope, dtype: str

@@ -286,6 +286,23 @@ class Lowering:
                 f"mode={mode_code}, fill_value={'None' if fill is None else literal_code(fill, dtype_name(e.outvars[0].aval))})"
                 + cast
             )
+        if name in ("scatter", "scatter-add", "scatter_add"):
+            dn = p["dimension_numbers"]
+            mode = p.get("mode")
+            mode_code = f"lax.GatherScatterMode.{getattr(mode, 'name', str(mode).split('.')[-1])}"
+            dnc = (
+                "lax.ScatterDimensionNumbers("
+                f"update_window_dims={int_tuple(dn.update_window_dims)}, "
+                f"inserted_window_dims={int_tuple(dn.inserted_window_dims)}, "
+                f"scatter_dims_to_operand_dims={int_tuple(dn.scatter_dims_to_operand_dims)}, "
+                f"operand_batching_dims={int_tuple(getattr(dn, 'operand_batching_dims', ()))}, "
+                f"scatter_indices_batching_dims={int_tuple(getattr(dn, 'scatter_indices_batching_dims', ()))})"
+            )
+            fn = "lax.scatter" if name == "scatter" else "lax.scatter_add"
+            return (
+                f"{fn}({x}, {arg(1)}, {arg(2)}, {dnc}, indices_are_sorted={bool(p.get('indices_are_sorted'))}, "
+                f"unique_indices={bool(p.get('unique_indices'))}, mode={mode_code})"
+            )
         if name == "split":
             per = ints("sizes")
             sizes = [self.resolve_int([row[j] for row in per], local) for j in range(len(per[0]))]

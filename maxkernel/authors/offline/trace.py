@@ -623,8 +623,10 @@ def _scatter_as_masked_reduce(
     scatter_dims = [k for k in range(updates.ndim) if k not in dn.update_window_dims]
     # updates -> (n_upd, *window)
     u = jnp.transpose(updates, (*scatter_dims, *dn.update_window_dims)).reshape(n_upd, *window)
-    if n_rows * n_upd * max(1, math.prod(window)) > SCATTER_MAX_ELEMS:
-        raise Unsupported(f"a scatter of {n_upd} rows into {n_rows} (too large for a one-hot reduction)")
+    if SIZE_DECISIONS.decide(
+        "row_scatter_in_xla", lambda: n_rows * n_upd * max(1, math.prod(window)) > SCATTER_MAX_ELEMS
+    ):
+        return _row_scatter_in_xla(operand, indices, updates, params, add=add)
     mode = str(params.get("mode"))
     if "CLIP" in mode:
         idx = lax.clamp(jnp.zeros((), idx.dtype), idx, jnp.asarray(n_rows - 1, idx.dtype))
@@ -650,6 +652,20 @@ def _scatter_as_masked_reduce(
         found = lax.broadcast_in_dim(lax.ge(last, jnp.zeros((), jnp.int32)), moved.shape, (0,))
         out = lax.select(found, val, moved)
     return jnp.moveaxis(out, 0, d) if d else out
+
+
+def _row_scatter_in_xla(
+    operand: Any, indices: Any, updates: Any, params: dict[str, Any], *, add: bool
+) -> Any:
+    """A scatter of whole rows too large for the one-hot rewrite (one 16K-element row into 4096, a prefill
+    chunk's 512 rows of attention output into the token buffer) stays XLA's own in-place scatter: glue
+    between kernels that reads the updates and touches only the rows they hit. The harness allows it when
+    small next to the kernels (its cost is its updates' elements), as it allows a small reduction."""
+    from jax import lax
+
+    fn = lax.scatter_add if add else lax.scatter
+    keys = ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode")
+    return fn(operand, indices, updates.astype(operand.dtype), **{k: params[k] for k in keys if k in params})
 
 
 def _strided_grid(idx: np.ndarray, n_scatter: int) -> list[tuple[int, int, int]] | None:
