@@ -383,17 +383,22 @@ def _inspect_and_compile(
             raise ToolchainBroken(f"no TPU compiler available (libtpu): {type(exc).__name__}: {exc}") from exc
         sharding = SingleDeviceSharding(device)
         outcome = CompileOutcome(ok=True)
-        for cfg, exp in zip(own, exported, strict=False):
+        for i, (cfg, exp) in enumerate(zip(own, exported, strict=False)):
             if exp is None:
                 outcome = CompileOutcome(ok=False, error="no valid TPU program to compile")
                 break
             specs = [jax.ShapeDtypeStruct(a.shape, np_dtype(a.dtype), sharding=sharding) for a in cfg.dynamic]
             try:
-                jax.jit(exp.call).trace(*specs).lower().compile()
+                compiled = jax.jit(exp.call).trace(*specs).lower().compile()
             except Exception as exc:  # noqa: BLE001 - the compiler's message, verbatim, is the verdict
                 _raise_if_toolchain(exc)
                 outcome = CompileOutcome(ok=False, error=f"{type(exc).__name__}: {exc}")
                 break
+            if i == 0:  # the task's own shapes: the program the estimate describes
+                try:
+                    outcome.relayout_bytes = parameter_relayout_bytes(compiled.as_text())
+                except Exception:  # noqa: BLE001 - no text, no charge (the compile itself succeeded)
+                    pass
         cores = get_spec(gen).tensorcores_per_device
         race = next(
             (r for a in audits if cores > 1 and (r := parallel_races(ProgramAudit.model_validate(a)))), None
@@ -405,6 +410,49 @@ def _inspect_and_compile(
         outcome.seconds = round(time.perf_counter() - t0, 3)
         compiles[gen] = outcome.model_dump()
     return checks, compiles, audits
+
+
+_HLO_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\](\{[^ ]*\})?\s+(\w[\w-]*)\(([^)]*)\)"
+)
+"""name = type[dims]{layout} opcode(operands)"""
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+              "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}  # fmt: skip
+
+
+def parameter_relayout_bytes(hlo_text: str) -> float:
+    """HBM bytes of the `copy` instructions of the entry computation that read a parameter: the compiler's
+    relayout of an input whose TPU default layout differs from the one the program needs (a
+    [.., 4096, 4095] float32 input is laid out with its 4096-wide dim minor; a Pallas kernel reads it
+    row-major, so the whole input is copied first). Each is read and written once. Only the entry
+    computation, where the parameters are."""
+    entry: list[str] = []
+    inside = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY "):
+            inside = True
+            continue
+        if inside:
+            if line.startswith("}"):
+                break
+            entry.append(line)
+    instrs = [m for line in entry if (m := _HLO_INSTR.match(line))]
+    params = {m.group(1): _minor_to_major(m.group(4)) for m in instrs if m.group(5) == "parameter"}
+    total = 0.0
+    for m in instrs:
+        operand = m.group(6).strip().lstrip("%")
+        if m.group(5) != "copy" or operand not in params:
+            continue
+        if _minor_to_major(m.group(4)) == params[operand]:
+            continue  # the same order (a move to another memory space, not a relayout)
+        dims = [int(d) for d in m.group(3).split(",") if d]
+        total += 2.0 * math.prod(dims) * _HLO_BYTES.get(m.group(2), 4)
+    return total
+
+
+def _minor_to_major(layout: str | None) -> str:
+    """`{1,0,2:T(8,128)S(1)}` -> `1,0,2` (the dim order; tiling and memory space dropped)."""
+    return (layout or "{}")[1:-1].split(":", 1)[0]
 
 
 def _inspect_checked(

@@ -252,6 +252,12 @@ class CompileOutcome(BaseModel):
     ok: bool
     error: str | None = Field(None, description="the compiler's message, verbatim")
     seconds: float | None = None
+    relayout_bytes: float = Field(
+        0.0,
+        description="HBM bytes of the copies the compiler put between the program's inputs and what its "
+        "kernels read (an input whose TPU default layout is not the row-major one a kernel asks for), at the "
+        "task's own shapes: read and written once each; the block model does not see them",
+    )
 
 
 class MeasuredTiming(BaseModel):
