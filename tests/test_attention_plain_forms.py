@@ -41,6 +41,17 @@ def repeated_kv_attention(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
+def split_heads_decode(q, k, v):
+    """One query token per sequence, its heads written as (K/V head, group) by hand: the score dot's query
+    side has one non-unit free dim (the group), as the key side has (the keys)."""
+    b, hq, d = q.shape
+    hkv = k.shape[2]
+    qs = q.reshape(b, 1, hkv, hq // hkv, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qs, k, preferred_element_type=jnp.float32) * d**-0.5
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", jax.nn.softmax(s, axis=-1).astype(v.dtype), v)
+    return o.reshape(b, hq, d)
+
+
 CASES = {
     "causal_softmax": (
         causal_softmax_attention,
@@ -54,6 +65,14 @@ CASES = {
             [(2, 128, 8, 128), (2, 128, 2, 128), (2, 128, 2, 128)],
         ],
         [[(2, 2048, 32, 128), (2, 2048, 4, 128), (2, 2048, 4, 128)]],
+    ),
+    "split_heads_decode": (
+        split_heads_decode,
+        [
+            [(2, 8, 128), (2, 256, 2, 128), (2, 256, 2, 128)],
+            [(1, 4, 128), (1, 384, 1, 128), (1, 384, 1, 128)],
+        ],
+        [[(16, 32, 128), (16, 4096, 8, 128), (16, 4096, 8, 128)]],
     ),
 }
 

@@ -33,15 +33,24 @@ def _free_dims(e: Any, side: int) -> list[int]:
 
 
 def match_attention(part: Partition, d1: int) -> AttentionInfo | None:
+    """The attention rooted at score dot `d1`, or None. The key side is the operand with one non-unit free
+    dim; when both have one (a decode query's only free dim is its group of heads sharing a K/V head),
+    each is tried: the softmax's reductions tell them apart."""
     g = part.g
     e1 = g.eqns[d1]
-    k_side = 1
-    k_free = [d for d in _free_dims(e1, 1) if not g.unit(e1.invars[1], d)]
-    if len(k_free) != 1:
-        k_side = 0
-        k_free = [d for d in _free_dims(e1, 0) if not g.unit(e1.invars[0], d)]
-        if len(k_free) != 1:
-            return None
+    for k_side in (1, 0):
+        k_free = [d for d in _free_dims(e1, k_side) if not g.unit(e1.invars[k_side], d)]
+        if len(k_free) == 1:
+            info = _match_with_keys(part, d1, k_side, k_free[0])
+            if info is not None:
+                return info
+    return None
+
+
+def _match_with_keys(part: Partition, d1: int, k_side: int, k_dim: int) -> AttentionInfo | None:
+    g = part.g
+    e1 = g.eqns[d1]
+    k_free = [k_dim]
     (lc, rc), _ = e1.params["dimension_numbers"]
     depth = max(max(s[d] for d in lc) for s in [*g.traces.shapes(e1.invars[0])][:1]) if lc else 1
     for sh in g.traces.shapes(e1.invars[0]):
