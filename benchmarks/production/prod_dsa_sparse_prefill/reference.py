@@ -35,14 +35,15 @@ def get_inputs(dtype=jnp.bfloat16, scale="tpu"):
 
 
 def computation(q, kv, sink, topk, sm_scale):
+    """Written as another model family writes it: the selection gathered with take_along_axis, the sink
+    appended to the logits as one more column of the softmax and dropped after it."""
+    b, s, h, d = q.shape
     valid = topk >= 0
-    picked = jax.vmap(lambda cache, rows: cache[rows])(kv, jnp.where(valid, topk, 0))  # [b, s, k, d]
-    logits = jnp.einsum("bshd,bskd->bshk", q, picked, preferred_element_type=jnp.float32) * sm_scale
-    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
-    sink_b = jnp.broadcast_to(sink[None, None, :, None], logits.shape[:-1] + (1,))
-    top = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink_b)
-    e = jnp.exp(logits - top)
-    denom = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink_b - top)
-    probs = (e / denom).astype(kv.dtype)
-    out = jnp.einsum("bshk,bskd->bshd", probs, picked, preferred_element_type=jnp.float32)
+    rows = jnp.where(valid, topk, 0).reshape(b, -1, 1)
+    picked = jnp.take_along_axis(kv, rows, axis=1).reshape(b, s, -1, d)  # [b, s, k, d]
+    logits = jnp.einsum("bshd,bskd->bhsk", q, picked, preferred_element_type=jnp.float32) * sm_scale
+    logits = jnp.where(valid[:, None], logits, -1e30)
+    column = jnp.broadcast_to(sink[None, :, None, None], (b, h, s, 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, column], axis=-1), axis=-1)[..., :-1]
+    out = jnp.einsum("bhsk,bskd->bshd", probs.astype(kv.dtype), picked, preferred_element_type=jnp.float32)
     return out.astype(q.dtype)

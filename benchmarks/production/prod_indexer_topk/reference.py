@@ -6,7 +6,6 @@ returned: near-equal scores swap places under any change of summation order, so 
 compare rounding, not the selection.) Shapes after DeepSeek's published configuration: 64 indexer heads
 of dim 128, top-k 2048; a 2048-query prefill chunk at the end of an 8192-position context."""
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
