@@ -81,3 +81,12 @@ def test_refusals_name_the_construct_and_what_to_do(work, name, kind, names):
     for needle in names:
         assert needle in message
     assert r.refusal.advice and r.refusal.advice in message
+
+
+def test_a_conversion_stopped_by_the_machines_limits_is_not_the_files_fault(work):
+    """A timeout (or a memory kill) says nothing about the file: refused as the machine's, with what to do,
+    and not cached, so the next conversion tries again."""
+    r = convert_torch_file(DATA / "slow_inputs.py", work / "slow", work_dir=work / "w", draws=1, timeout_s=8)
+    assert not r.ok and r.refusal is not None and r.refusal.kind == "machine", r.message()
+    assert r.infrastructure and "--timeout" in r.message()
+    assert not (work / "slow" / "conversion.json").exists()

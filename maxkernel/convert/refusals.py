@@ -23,6 +23,8 @@ ADVICE: dict[str, str] = {
     "entry_points": "a PyTorch task file defines an nn.Module (`Model`, or name it with --module), `get_inputs()` "
     "and, when the constructor takes arguments, `get_init_inputs()`",
     "task_code": "the file itself fails to run (see the message); fix the file and convert again",
+    "machine": "the conversion ran past this machine's limits (its time or its memory), which says nothing about "
+    "the file: convert it again with a longer --timeout, on a less loaded machine, or on one with more memory",
     "sizes": "sizes differ between the traced scales in a way the writer cannot express; keep the sizes in "
     "module-level constants (`batch_size = 128`) so a smaller copy of the task can be built, or make the "
     "model's shapes follow its inputs",

@@ -120,11 +120,18 @@ def convert_torch_file(
     remove_tree(run_dir)
     if not outcome.ok or outcome.value is None:
         detail = outcome.error or "the conversion child failed"
+        machine = outcome.timed_out or _out_of_memory(detail)
         return ConversionResult(
-            ok=False, source_path=str(path), infrastructure=outcome.infrastructure,
-            refusal=Refusal(kind="task_code", what="the conversion", detail=detail[:600]),
+            ok=False, source_path=str(path), infrastructure=outcome.infrastructure or machine,
+            refusal=Refusal(kind="machine" if machine else "task_code", what="the conversion", detail=detail[:600]),
         )  # fmt: skip
     return write_task(path, dest, outcome.value, digest)
+
+
+def _out_of_memory(error: str) -> bool:
+    """The child stopped for want of memory (a MemoryError, or killed at the address-space limit)."""
+    low = error.lower()
+    return "memoryerror" in low or "out of memory" in low or "memory limit" in low or "bad_alloc" in low
 
 
 def _cached(dest: Path, digest: str) -> ConversionResult | None:
