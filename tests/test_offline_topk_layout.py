@@ -88,3 +88,17 @@ def test_a_kernel_output_transposed_for_the_next_kernel_runs_plainly_interpreted
     with pltpu.force_tpu_interpret_mode(True):  # True: the plain interpreter
         got = jax.jit(lambda a, b: ns["computation"](a, b, 4))(x, w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(router_gate(x, w, 4)), atol=1e-5, rtol=1e-5)
+
+
+def test_a_top_k_too_large_for_rounds_of_max_is_refused_by_name() -> None:
+    """k rounds of max over the row is a selection for a router's few experts; the top 2048 of 8192
+    scores (a sparse-attention indexer) is a sort: refused, naming k, instead of a program the TPU compiler
+    crashes on."""
+    from maxkernel.authors.offline.trace import Unsupported
+
+    def best_scores(scores, top_k):
+        return lax.top_k(scores, top_k)[0]
+
+    configs = [Config(dynamic=[((64, 1024), "float32")], static=[256])]
+    with pytest.raises(Unsupported, match="top_k of 256"):
+        lower_program(trace_reference(best_scores, configs, ["scores", "top_k"]), "t")

@@ -47,6 +47,12 @@ if TYPE_CHECKING:
     from maxkernel.authors.offline.lower import Lowering
 
 
+TOPK_MAX_K = 64
+"""Largest k of a `lax.top_k` a kernel computes by k rounds of (max, first argmax, knock-out): each round
+is a pass over the whole row, unrolled in the kernel (k = 2048 of 8192 made a program the TPU compiler
+crashed on)."""
+
+
 class LowerError(Exception):
     """A region that does not fit its template after all; the caller retries with less fusion."""
 
@@ -511,6 +517,12 @@ class Builder(KernelBuilder):
             raise LowerError("top_k along an axis split across grid steps")
         if len(d_in.classes) != 1 or len(d_out.classes) != 1 or not is_float(dtype_name(x.aval)):
             raise LowerError("top_k over a merged axis or of integers")
+        k_max = max(int(shape[axis]) for shape in self.g.traces.shapes(e.outvars[0]))
+        if k_max > TOPK_MAX_K:
+            raise LowerError(
+                f"top_k of {k_max} (the kernel selects by k rounds of max over the row; beyond {TOPK_MAX_K} "
+                "that is a sort, which the offline author has no kernel for)"
+            )
         code, mat = self.value(x, space, scope)
         need = {d.key for d in space.dims if self.spans(x, d)}
         code, mat = self.materialise(code, mat, need, space, scope, dtype_name(x.aval))
