@@ -221,9 +221,36 @@ def default_values(
             or _modelled_cost(kernel, modelled, gens) < _modelled_cost(kernel, vals, gens)
         ):
             vals = modelled
+    if kernel.family == "grouped_matmul":
+        _whole_contraction(kernel, vals, budget)
     for p in kernel.params:
         p.default = vals[p.name]
     return vals
+
+
+def _whole_contraction(kernel: KernelSpec, vals: dict[str, int], budget: int) -> None:
+    """A grouped matmul visits a row block once per group it holds rows of. With a K block narrower than
+    K the lhs block changes every step, so it is read again on every visit (under skewed routing a
+    2048-row block holds a dozen small groups: a dozen reads of it); with the whole K in one block it
+    stays in VMEM across its visits. Take the whole K where it fits the budget, narrowing N (then M) to
+    make room; otherwise keep `vals`."""
+    ks = [p for p in kernel.params if p.name.endswith("BLOCK_K")]
+    if not ks or all(vals[p.name] >= p.extent for p in ks):
+        return
+    trial = dict(vals)
+    for p in ks:
+        trial[p.name] = candidates(p)[-1]
+    others = [p for p in kernel.params if p.name.endswith(("BLOCK_N", "BLOCK_M"))]
+    others.sort(key=lambda p: not p.name.endswith("BLOCK_N"))  # N first: it keeps the lhs block whole
+    while vmem_estimate(kernel, trial) > budget:
+        for p in others:
+            smaller = _smaller(p, trial[p.name])
+            if smaller is not None and smaller >= 128:
+                trial[p.name] = smaller
+                break
+        else:
+            return
+    vals.update(trial)
 
 
 ROW_TILE_TARGET = 32 * MiB
