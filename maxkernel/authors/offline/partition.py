@@ -345,7 +345,7 @@ class Partition:
         if FAMILY_OF[region.kind].fixed_template:  # only a cast of its result joins it
             return len(region.owned) == 1 and e.primitive.name == "convert_element_type"
         if region.kind == "map":
-            if kind == "dot":
+            if kind == "dot" or not self._one_space(region, ax, i):
                 return False
             return self._stream_ok(region, ax, i)
         if kind == "dot":
@@ -780,13 +780,42 @@ class Partition:
                     self.status[q] = "glue"
                 continue
             placed = False
-            if current is not None and self._acyclic_with(current, p):
+            # one map kernel writes several such values only when they share its iteration space: values of
+            # unrelated shapes (a mask per sequence of a ragged batch) joined into one would make its grid
+            # the product of all their axes
+            if (
+                current is not None
+                and self._float_in_one_space(current, p)
+                and self._acyclic_with(current, p)
+            ):
                 placed = self._own_float(current, p)
             if not placed:
                 current = self.new_region("map")
                 if not self._own_float(current, p):
                     raise AssertionError("a float equation failed to start its own region")
             done[v] = current
+
+    def _one_space(self, region: Region, ax: Axes, *new: int) -> bool:
+        """A map kernel walks one iteration space: some value of it (an input, an intermediate or a result)
+        spans every axis its equations' results do. Unrelated maps joined (the masked outputs of three sequences of a
+        ragged batch) would make its grid the product of their axes: 2^31 steps."""
+        eqns = [*region.owned, *region.pulled, *new]
+        outs = [ax.footprint(v) for j in eqns for v in self.g.eqns[j].outvars]
+        ins = [ax.footprint(v) for j in eqns for v in self.g.eqns[j].invars if not is_literal(v)]
+        union = frozenset().union(*outs)  # what it computes (an axis a reduction consumes is not in it)
+        return any(fp >= union for fp in [*outs, *ins])
+
+    def _float_in_one_space(self, region: Region, p: int) -> bool:
+        """Float equation `p` (with its float inputs) joins `region` without a second iteration space."""
+        chain = [q for q in self.float_closure(self.g.eqns[p].outvars[0]) if q != p]
+        ax = region.axes.copy()
+        try:
+            for q in [*chain, p]:
+                if q not in region.pulled and q not in region.owned:
+                    ax.add(self.g.eqns[q])
+        except Conflict:
+            return False
+        return self._one_space(region, ax, *chain, p)
 
     def _acyclic_with(self, region: Region, p: int) -> bool:
         """Can float equation `p` (with its float inputs) join `region` without the region needing, through
