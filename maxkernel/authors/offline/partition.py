@@ -805,8 +805,8 @@ class Partition:
         union = frozenset().union(*outs)  # what it computes (an axis a reduction consumes is not in it)
         return any(fp >= union for fp in [*outs, *ins])
 
-    def _float_in_one_space(self, region: Region, p: int) -> bool:
-        """Float equation `p` (with its float inputs) joins `region` without a second iteration space."""
+    def _float_axes(self, region: Region, p: int) -> tuple[list[int], Axes] | None:
+        """Float equation `p`'s float inputs and `region`'s axes with them and `p` added (None: they conflict)."""
         chain = [q for q in self.float_closure(self.g.eqns[p].outvars[0]) if q != p]
         ax = region.axes.copy()
         try:
@@ -814,8 +814,13 @@ class Partition:
                 if q not in region.pulled and q not in region.owned:
                     ax.add(self.g.eqns[q])
         except Conflict:
-            return False
-        return self._one_space(region, ax, *chain, p)
+            return None
+        return chain, ax
+
+    def _float_in_one_space(self, region: Region, p: int) -> bool:
+        """Float equation `p` (with its float inputs) joins `region` without a second iteration space."""
+        got = self._float_axes(region, p)
+        return got is not None and self._one_space(region, got[1], *got[0], p)
 
     def _acyclic_with(self, region: Region, p: int) -> bool:
         """Can float equation `p` (with its float inputs) join `region` without the region needing, through
@@ -829,15 +834,10 @@ class Partition:
 
     def _own_float(self, region: Region, p: int) -> bool:
         """Make float equation `p` (and its float inputs) owned by a map region, so its result is stored."""
-        chain = [q for q in self.float_closure(self.g.eqns[p].outvars[0]) if q != p]
-        ax = region.axes.copy()
-        try:
-            for q in [*chain, p]:
-                if q not in region.pulled and q not in region.owned:
-                    ax.add(self.g.eqns[q])
-        except Conflict:
+        got = self._float_axes(region, p)
+        if got is None:
             return False
-        region.axes = ax
+        chain, region.axes = got
         region.pulled.update(q for q in chain if q not in region.owned)
         region.owned.append(p)
         self.owner[p] = region.id
