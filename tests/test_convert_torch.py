@@ -90,3 +90,10 @@ def test_a_conversion_stopped_by_the_machines_limits_is_not_the_files_fault(work
     assert not r.ok and r.refusal is not None and r.refusal.kind == "machine", r.message()
     assert r.infrastructure and "--timeout" in r.message()
     assert not (work / "slow" / "conversion.json").exists()
+
+
+def test_a_shrink_that_makes_the_model_invalid_is_skipped_not_blamed_on_the_file(work):
+    """A grouped convolution of 64 channels in 16 groups is valid; shrunk x1/8 (8 channels) it cannot be built. That copy is
+    skipped, as one whose program differs would be: the file converts."""
+    r = convert_torch_file(DATA / "grouped_conv_shrink.py", work / "gn", work_dir=work / "w", draws=1)
+    assert r.ok, r.message()

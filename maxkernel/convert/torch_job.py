@@ -252,6 +252,13 @@ def _choose_cpu_scale(
         except ConversionRefused as exc:
             differences.append(f"x{factor:g}: {exc.refusal.what}")
             continue
+        except Exception as exc:  # noqa: BLE001 - the file runs at its own sizes; this shrink made it invalid
+            # (a GroupNorm of 16 groups over 64 channels shrunk to 8): a smaller copy that cannot be built,
+            # not a broken file
+            differences.append(
+                f"x{factor:g}: {type(exc).__name__} ({(str(exc).strip().splitlines() or [''])[0][:160]})"
+            )
+            continue
         diff = structure_difference(own.program, traced.program)
         if diff is not None:
             differences.append(f"x{factor:g}: {diff}")
@@ -286,7 +293,7 @@ def _third_scale(
             continue
         try:
             traced = _trace_at(source_path, overrides, class_name)
-        except ConversionRefused:
+        except Exception:  # noqa: BLE001 - refused, or the sizes make the module invalid: try the next
             continue
         if structure_difference(own.program, traced.program) is None:
             return traced, overrides
