@@ -345,7 +345,7 @@ class Partition:
         if FAMILY_OF[region.kind].fixed_template:  # only a cast of its result joins it
             return len(region.owned) == 1 and e.primitive.name == "convert_element_type"
         if region.kind == "map":
-            if kind == "dot" or not self._one_space(region, ax, i):
+            if kind == "dot":
                 return False
             return self._stream_ok(region, ax, i)
         if kind == "dot":
@@ -796,9 +796,10 @@ class Partition:
             done[v] = current
 
     def _one_space(self, region: Region, ax: Axes, *new: int) -> bool:
-        """A map kernel walks one iteration space: some value of it (an input, an intermediate or a result)
-        spans every axis its equations' results do. Unrelated maps joined (the masked outputs of three sequences of a
-        ragged batch) would make its grid the product of their axes: 2^31 steps."""
+        """The map kernel `region` (with equations `new`) walks one iteration space: some value of it (an
+        input, an intermediate or a result) spans every axis its equations' results do. Float values of
+        unrelated axes written for glue (the masked outputs of three sequences of a ragged batch) in one
+        kernel would make its grid the product of their axes: 2^31 steps."""
         eqns = [*region.owned, *region.pulled, *new]
         outs = [ax.footprint(v) for j in eqns for v in self.g.eqns[j].outvars]
         ins = [ax.footprint(v) for j in eqns for v in self.g.eqns[j].invars if not is_literal(v)]
