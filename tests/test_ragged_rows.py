@@ -157,3 +157,26 @@ def test_unrelated_maps_are_not_one_kernel_over_the_product_of_their_axes() -> N
     rng = np.random.default_rng(3)
     args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s, _d in configs[1].dynamic]
     check_interpreted(_three_maps, kernel, args, atol=1e-4, rtol=1e-4)
+
+
+def _add_row(buf, row, start):
+    """One decode token's row added into a bf16 token buffer at a data-dependent position."""
+    pos = jnp.minimum(start[0] + jnp.arange(1, dtype=jnp.int32), buf.shape[0] - 1)
+    return buf.at[pos].add(row)
+
+
+def test_a_bf16_row_scatter_kernel_compiles_for_the_tpu() -> None:
+    """The one-hot form of a small row scatter selects bf16 rows with a mask broadcast along them; Mosaic
+    cannot relayout such a mask for a 16-bit select ("Invalid relayout ... vector<1024x512xi1>"), so the
+    kernel broadcasts it as int32 and selects in float32: it compiles, and it is exact."""
+    configs = [
+        Config(dynamic=[((1024, 512), "bfloat16"), ((1, 512), "bfloat16"), ((1,), "int32")], static=[]),
+        Config(dynamic=[((256, 256), "bfloat16"), ((1, 256), "bfloat16"), ((1,), "int32")], static=[]),
+    ]
+    program = lower_program(trace_reference(_add_row, configs, ["buf", "row", "start"]), "t")
+    _src, kernel = load_module(program)
+    compiles(kernel, [(s, jnp.bfloat16 if d == "bfloat16" else jnp.int32) for s, d in configs[0].dynamic], ["v5e"])
+    rng = np.random.default_rng(4)
+    buf = jnp.asarray(rng.standard_normal((256, 256)), jnp.bfloat16)
+    row = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
+    check_interpreted(_add_row, kernel, [buf, row, jnp.asarray([37], jnp.int32)], atol=0, rtol=0)

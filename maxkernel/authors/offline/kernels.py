@@ -462,6 +462,7 @@ class Builder(KernelBuilder):
         if kind in ("elementwise", "absorbed"):
             args: list[str] = []
             mats: set[str] = set()
+            bool_mats: dict[int, frozenset[str] | None] = {}
             in_dtypes: list[str] = []
             for k, v in enumerate(e.invars):
                 if is_literal(v) and name.startswith("shift_"):
@@ -473,9 +474,22 @@ class Builder(KernelBuilder):
                     c, m = self.value(v, space, scope)
                     args.append(c)
                     mats |= m
+                    bool_mats[k] = m if dtype_name(v.aval) == "bool" else None
                 in_dtypes.append(dtype_name(v.aval))
+            pred = bool_mats.get(0)
+            narrow_select = name == "select_n" and dt in ("bfloat16", "float16") and pred not in (None, mats)
+            if narrow_select:
+                # a mask broadcast along 16-bit values: Mosaic cannot relayout that i1 vector for a 16-bit
+                # select ("Non-singleton logical dimension is replicated in destination but not in source"),
+                # so the mask is broadcast as int32 and compared back, and the select runs in float32
+                wide, _ = self.materialise(
+                    f"{args[0]}.astype(jnp.int32)", pred, set(mats), space, scope, "int32"
+                )
+                args = [f"({wide} != 0)", *(f"jnp.asarray({a}, jnp.float32)" for a in args[1:])]
             try:
                 expr = elementwise_expr(e, args, dt, in_dtypes, scalar and not mats)
+                if narrow_select:
+                    expr = f"({expr}).astype({dtype_code(dt)})"
             except EmitError as exc:
                 raise LowerError(str(exc)) from exc
             if name in (
