@@ -785,7 +785,7 @@ class Partition:
             # the product of all their axes
             if (
                 current is not None
-                and self._float_in_one_space(current, p)
+                and self._float_fits(current, p)
                 and self._acyclic_with(current, p)
             ):
                 placed = self._own_float(current, p)
@@ -795,16 +795,25 @@ class Partition:
                     raise AssertionError("a float equation failed to start its own region")
             done[v] = current
 
-    def _one_space(self, region: Region, ax: Axes, *new: int) -> bool:
-        """The map kernel `region` (with equations `new`) walks one iteration space: some value of it (an
-        input, an intermediate or a result) spans every axis its equations' results do. Float values of
-        unrelated axes written for glue (the masked outputs of three sequences of a ragged batch) in one
-        kernel would make its grid the product of their axes: 2^31 steps."""
+    def _computations(self, region: Region, ax: Axes, *new: int) -> int:
+        """How many independent computations the map kernel `region` (with equations `new`) holds: groups of
+        its values joined by sharing an axis. The map builder lines up the axes of two of one shape
+        (`MapBuilder._independent_pair`: the rope of the queries and of a shared key); with a third every
+        match is ambiguous and the grid is the product of their axes (the masked outputs of a ragged
+        batch's sequences: 2^31 steps)."""
         eqns = [*region.owned, *region.pulled, *new]
-        outs = [ax.footprint(v) for j in eqns for v in self.g.eqns[j].outvars]
-        ins = [ax.footprint(v) for j in eqns for v in self.g.eqns[j].invars if not is_literal(v)]
-        union = frozenset().union(*outs)  # what it computes (an axis a reduction consumes is not in it)
-        return any(fp >= union for fp in [*outs, *ins])
+        fps = [
+            fp
+            for j in eqns
+            for v in [*self.g.eqns[j].invars, *self.g.eqns[j].outvars]
+            if not is_literal(v) and (fp := ax.footprint(v))
+        ]
+        groups: list[set[Node]] = []
+        for fp in fps:
+            joined = [g for g in groups if g & fp]
+            merged = set(fp).union(*joined)
+            groups = [g for g in groups if not g & fp] + [merged]
+        return len(groups)
 
     def _float_axes(self, region: Region, p: int) -> tuple[list[int], Axes] | None:
         """Float equation `p`'s float inputs and `region`'s axes with them and `p` added (None: they conflict)."""
@@ -818,10 +827,11 @@ class Partition:
             return None
         return chain, ax
 
-    def _float_in_one_space(self, region: Region, p: int) -> bool:
-        """Float equation `p` (with its float inputs) joins `region` without a second iteration space."""
+    def _float_fits(self, region: Region, p: int) -> bool:
+        """Float equation `p` (with its float inputs) may join `region`: it stays at most two independent
+        computations (`_computations`)."""
         got = self._float_axes(region, p)
-        return got is not None and self._one_space(region, got[1], *got[0], p)
+        return got is not None and self._computations(region, got[1], *got[0], p) <= 2
 
     def _acyclic_with(self, region: Region, p: int) -> bool:
         """Can float equation `p` (with its float inputs) join `region` without the region needing, through
