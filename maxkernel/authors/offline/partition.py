@@ -783,11 +783,7 @@ class Partition:
             # one map kernel writes several such values only when they share its iteration space: values of
             # unrelated shapes (a mask per sequence of a ragged batch) joined into one would make its grid
             # the product of all their axes
-            if (
-                current is not None
-                and self._float_fits(current, p)
-                and self._acyclic_with(current, p)
-            ):
+            if current is not None and self._float_fits(current, p) and self._acyclic_with(current, p):
                 placed = self._own_float(current, p)
             if not placed:
                 current = self.new_region("map")
@@ -828,10 +824,19 @@ class Partition:
         return chain, ax
 
     def _float_fits(self, region: Region, p: int) -> bool:
-        """Float equation `p` (with its float inputs) may join `region`: it stays at most two independent
-        computations (`_computations`)."""
+        """Float equation `p` (with its float inputs) may join `region`: it stays one computation, or becomes
+        the second of two of the same shape (`_computations`)."""
         got = self._float_axes(region, p)
-        return got is not None and self._computations(region, got[1], *got[0], p) <= 2
+        if got is None:
+            return False
+        n = self._computations(region, got[1], *got[0], p)
+        if n <= 1:
+            return True
+        # a second computation lines up with the first only at the same shape (every traced configuration)
+        shapes = self.g.traces.shapes(self.g.eqns[p].outvars[0])
+        return n == 2 and any(
+            self.g.traces.shapes(w) == shapes for q in region.owned for w in self.g.eqns[q].outvars
+        )
 
     def _acyclic_with(self, region: Region, p: int) -> bool:
         """Can float equation `p` (with its float inputs) join `region` without the region needing, through
