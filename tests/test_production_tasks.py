@@ -22,7 +22,9 @@ TASK_IDS = sorted(p.name for p in PRODUCTION.iterdir() if (p / "reference.py").i
 
 
 def _load(task_id: str):
-    spec = importlib.util.spec_from_file_location(f"production_{task_id}", PRODUCTION / task_id / "reference.py")
+    spec = importlib.util.spec_from_file_location(
+        f"production_{task_id}", PRODUCTION / task_id / "reference.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     meta = yaml.safe_load((PRODUCTION / task_id / "kernel_task.yaml").read_text())

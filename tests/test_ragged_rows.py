@@ -175,7 +175,9 @@ def test_a_bf16_row_scatter_kernel_compiles_for_the_tpu() -> None:
     ]
     program = lower_program(trace_reference(_add_row, configs, ["buf", "row", "start"]), "t")
     _src, kernel = load_module(program)
-    compiles(kernel, [(s, jnp.bfloat16 if d == "bfloat16" else jnp.int32) for s, d in configs[0].dynamic], ["v5e"])
+    compiles(
+        kernel, [(s, jnp.bfloat16 if d == "bfloat16" else jnp.int32) for s, d in configs[0].dynamic], ["v5e"]
+    )
     rng = np.random.default_rng(4)
     buf = jnp.asarray(rng.standard_normal((256, 256)), jnp.bfloat16)
     row = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
